@@ -1,0 +1,49 @@
+"""The ``evictlab`` command line: thin typer commands that call the library.
+
+Each package owns its commands in ``evictlab/<package>/commands.py`` and registers them
+below, one line each. Command modules import heavy libraries (torch, transformers)
+inside the command functions so ``evictlab --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from evictlab.errors import EvictlabError
+
+app = typer.Typer(
+    name="evictlab",
+    help="Exact analysis of KV-cache eviction: capture -> rows -> solve -> stats -> contour -> decode.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+# --- registration: one line per package (keep sorted by data flow) ---------------------
+# --- end registration -----------------------------------------------------------------
+
+
+def main() -> None:
+    """Entry point that turns evictlab's own errors into one clear line and exit code 2."""
+    try:
+        app(standalone_mode=False)
+    except EvictlabError as exc:
+        typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
+        sys.exit(2)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except Exception as exc:  # click usage errors and aborts
+        import click
+
+        if isinstance(exc, click.exceptions.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        if isinstance(exc, click.exceptions.Abort):
+            sys.exit(1)
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Atomic file writes and checksums shared by every module that writes results.
+
+A write goes to a temporary file in the destination folder, is flushed and fsynced, then
+renamed over the destination, so a crash never leaves a half-written file under the final
+name (``os.replace`` is atomic on POSIX within one filesystem).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+
+@contextlib.contextmanager
+def atomic_path(dest: str | os.PathLike[str], suffix: str = "") -> Iterator[Path]:
+    """Yield a temporary path beside ``dest``; rename it onto ``dest`` on success.
+
+    The caller writes the file at the yielded path (any library, any format). On an
+    exception the temporary file is removed and ``dest`` is left untouched.
+    """
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=suffix + ".tmp", dir=dest.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        with open(tmp_path, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp_path, dest)
+    finally:
+        if tmp_path.exists():
+            tmp_path.unlink()
+
+
+def atomic_write_bytes(dest: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``dest`` atomically."""
+    with atomic_path(dest) as tmp:
+        tmp.write_bytes(data)
+
+
+def atomic_write_text(dest: str | os.PathLike[str], text: str) -> None:
+    """Write UTF-8 ``text`` to ``dest`` atomically."""
+    atomic_write_bytes(dest, text.encode("utf-8"))
+
+
+def atomic_write_json(dest: str | os.PathLike[str], obj: Any) -> None:
+    """Write ``obj`` as indented, key-sorted JSON to ``dest`` atomically."""
+    atomic_write_text(dest, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while True:
+            block = fh.read(chunk)
+            if not block:
+                break
+            h.update(block)
+    return h.hexdigest()

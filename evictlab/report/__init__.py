@@ -1,0 +1,1 @@
+"""Markdown reports and run records."""
