@@ -25,6 +25,14 @@ app = typer.Typer(
 # --- end registration -----------------------------------------------------------------
 
 
+@app.command("version")
+def version() -> None:
+    """Print the evictlab version."""
+    from evictlab import __version__
+
+    typer.echo(__version__)
+
+
 def main() -> None:
     """Entry point that turns evictlab's own errors into one clear line and exit code 2."""
     try:
