@@ -22,6 +22,9 @@ app = typer.Typer(
 )
 
 # --- registration: one line per package (keep sorted by data flow) ---------------------
+from evictlab.hardness.commands import app as hardness_app  # noqa: E402
+
+app.add_typer(hardness_app, name="hardness")
 # --- end registration -----------------------------------------------------------------
 
 
