@@ -1,0 +1,48 @@
+"""The forced-weight penalty pi(s) against the budget s."""
+
+from __future__ import annotations
+
+import os
+
+import polars as pl
+
+from evictlab.plots.common import Figure, require, save, setup
+
+#: The paper's reported endpoints of pi(s) ("Trust the Mass": 1.07 at s = 4, 1.79 at s = 32).
+PAPER_PI = {4: 1.07, 32: 1.79}
+
+
+def penalty_curve(summary: pl.DataFrame, out: str | os.PathLike[str]) -> Figure:
+    """Median pi(s) at T_s and at the argmin with bootstrap 95% CIs, per model, and the paper's values.
+
+    ``summary``: the per-(model, s) table of :func:`evictlab.stats.ceilings.summarize`.
+    """
+    cols = ["model", "s", "pi_top_median", "pi_top_median_lo", "pi_top_median_hi",
+            "pi_opt_median", "pi_opt_median_lo", "pi_opt_median_hi"]
+    require(summary, cols, "pi(s) figure")
+    plt = setup()
+    import seaborn as sns
+
+    fig, ax = plt.subplots(figsize=(5.4, 3.8))
+    palette = sns.color_palette("deep")
+    for i, m in enumerate(sorted(summary["model"].unique().to_list())):
+        sub = summary.filter(pl.col("model") == m).sort("s")
+        s = sub["s"].to_numpy()
+        for j, (which, ls, label) in enumerate((("pi_top", "-", "at T_s"), ("pi_opt", "--", "at argmin"))):
+            med = sub[f"{which}_median"].to_numpy()
+            lo, hi = sub[f"{which}_median_lo"].to_numpy(), sub[f"{which}_median_hi"].to_numpy()
+            ax.errorbar(s, med, yerr=[med - lo, hi - med], fmt="o" + ls, color=palette[i % 10], capsize=3,
+                        alpha=1.0 if j == 0 else 0.7, label=f"{m}, {label}")
+    ax.plot(list(PAPER_PI), list(PAPER_PI.values()), "k*", markersize=11, label="paper (Trust the Mass)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(summary["s"].unique().to_list()))
+    ax.get_xaxis().set_major_formatter(plt.matplotlib.ticker.ScalarFormatter())
+    ax.set_xlabel("budget s (keys kept)")
+    ax.set_ylabel("pi(s) = median e(A)/e_free(A) (ratio)")
+    ax.set_title("Forced-weight penalty pi(s)", fontsize=10)
+    ax.legend(fontsize=7)
+    caption = ("pi(s) = median over rows of e(A)/e_free(A), the forced (renormalised) error over the free-weight "
+               "error (distance from mu to the convex hull of the kept values; ours), at A = T_s (solid) and at the "
+               "pool argmin (dashed); bars are 95% percentile-bootstrap CIs of the median; stars are the paper's "
+               "reported values. Rows with e(T_s) = 0 or e_free = 0 are excluded and counted in the tables.")
+    return save(fig, out, caption)
