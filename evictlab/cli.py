@@ -22,9 +22,15 @@ app = typer.Typer(
 )
 
 # --- registration: one line per package (keep sorted by data flow) ---------------------
+from evictlab.rows.commands import app as rows_app  # noqa: E402
+
+app.add_typer(rows_app, name="rows")
 from evictlab.hardness.commands import app as hardness_app  # noqa: E402
 
 app.add_typer(hardness_app, name="hardness")
+from evictlab.stats.commands import predictor_app  # noqa: E402
+
+app.add_typer(predictor_app, name="predictor")
 # --- end registration -----------------------------------------------------------------
 
 

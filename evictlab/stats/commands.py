@@ -1,0 +1,101 @@
+"""``evictlab predictor ...``: fit and evaluate dropped-mass predictors of a significant gap.
+
+* ``fit RESULTS... --out predictor.json``: calibrated logistic regression, versioned JSON.
+* ``eval predictor.json OTHER_RESULTS...``: ROC AUC per budget with bootstrap CIs (e.g. on
+  another model: cross-model transfer), optionally written as Parquet.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from evictlab.errors import InputError
+
+predictor_app = typer.Typer(help="Dropped-mass predictors of a significant selection gap (kappa_hat > threshold).",
+                            no_args_is_help=True)
+
+
+def _features(spec: str) -> list[str]:
+    from evictlab.stats.predictors import FEATURE_SETS, KNOWN_FEATURES
+
+    if spec in FEATURE_SETS:
+        return list(FEATURE_SETS[spec])
+    feats = [f.strip() for f in spec.split(",") if f.strip()]
+    bad = [f for f in feats if f not in KNOWN_FEATURES]
+    if not feats or bad:
+        raise InputError("--features", f"unknown feature set or features {bad or spec!r}",
+                         f"use 'mass', 'extended' or a comma list of {', '.join(KNOWN_FEATURES)}")
+    return feats
+
+
+def _print_auc(table, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title)
+    for col in ("model", "s", "rows", "positives", "AUC [95% CI]", "Brier"):
+        t.add_column(col, justify="right")
+    for r in table.iter_rows(named=True):
+        ci = f"{r['auc']:.3f} [{r['auc_lo']:.3f}, {r['auc_hi']:.3f}]" if r["auc"] == r["auc"] else "n/a (one class)"
+        t.add_row(r["model"], r["s"], str(r["rows"]), str(r["positives"]), ci,
+                  "" if r["brier"] != r["brier"] else f"{r['brier']:.4f}")
+    Console().print(t)
+
+
+@predictor_app.command("fit")
+def fit(
+    results: List[Path] = typer.Argument(..., help="Solver results Parquet file(s) (evictlab solve --out)."),
+    out: Path = typer.Option(..., "--out", help="Where to write the predictor JSON."),
+    features: str = typer.Option("mass", "--features", help="'mass' (dropped mass alone), 'extended', or a comma list."),
+    threshold: float = typer.Option(1.11, "--threshold", help="Label: kappa_hat > threshold."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the train/calibration/test split and the bootstrap."),
+    n_boot: int = typer.Option(1000, "--n-boot", help="Bootstrap resamples for the held-out AUC CIs."),
+) -> None:
+    """Fit a calibrated logistic regression on RESULTS; report held-out AUC per s; write versioned JSON."""
+    from evictlab.report.record import RunRecord
+    from evictlab.stats.predictors import evaluate, fit_predictor
+    from evictlab.stats.results import load_results
+
+    if not threshold > 0:
+        raise InputError("--threshold", f"must be positive, got {threshold}", "use e.g. 1.11")
+    feats = _features(features)
+    record = RunRecord(kind="predictor-fit", seed=seed,
+                       config={"results": [str(p) for p in results], "features": feats, "threshold": threshold})
+    df = load_results(results)
+    pred, test = fit_predictor(df, feats, threshold=threshold, seed=seed, source=", ".join(map(str, results)))
+    held = evaluate(pred, test, seed=seed, n_boot=n_boot, name="held-out")
+    pred.metadata["held_out_auc"] = held.select("model", "s", "auc", "auc_lo", "auc_hi", "rows").to_dicts()
+    pred.save(out)
+    record.write(out.with_name(out.stem + ".run_record.json"), output=str(out))
+    _print_auc(held, f"held-out AUC of {'+'.join(feats)} (label kappa_hat > {threshold})")
+    typer.echo(f"wrote {out}")
+
+
+@predictor_app.command("eval")
+def eval_(
+    predictor: Path = typer.Argument(..., help="Predictor JSON from `evictlab predictor fit`."),
+    results: List[Path] = typer.Argument(..., help="Solver results Parquet file(s) to evaluate on (e.g. another model)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the AUC table as Parquet (with a run record)."),
+    seed: int = typer.Option(0, "--seed", help="Bootstrap seed."),
+    n_boot: int = typer.Option(1000, "--n-boot", help="Bootstrap resamples for the AUC CIs."),
+) -> None:
+    """ROC AUC (bootstrap 95% CI) and Brier score of a saved predictor on other results, per model and s."""
+    from evictlab.io import atomic_path
+    from evictlab.report.record import RunRecord
+    from evictlab.stats.predictors import Predictor, evaluate
+    from evictlab.stats.results import load_results
+
+    record = RunRecord(kind="predictor-eval", seed=seed,
+                       config={"predictor": str(predictor), "results": [str(p) for p in results], "n_boot": n_boot})
+    pred = Predictor.load(predictor)
+    df = load_results(results)
+    table = evaluate(pred, df, seed=seed, n_boot=n_boot, source=", ".join(map(str, results)), name=predictor.stem)
+    _print_auc(table, f"AUC of {predictor.name} ({'+'.join(pred.features)}, label kappa_hat > {pred.threshold})")
+    if out is not None:
+        with atomic_path(out, suffix=".parquet") as tmp:
+            table.write_parquet(tmp)
+        record.write(out.with_name(out.stem + ".run_record.json"), output=str(out))
+        typer.echo(f"wrote {out}")
