@@ -70,41 +70,23 @@ def _check_budget(budget: int, floors: np.ndarray, lengths: np.ndarray, floor: i
 def _fit(weights: np.ndarray, budget: int, floors: np.ndarray, caps: np.ndarray) -> np.ndarray:
     """Integer sizes ``floors + extra`` summing to ``budget``, extra proportional to weights.
 
-    Water-filling: the extra ``budget - floors.sum()`` is shared in proportion to
-    ``weights`` (non-negative, same shape); a cell that reaches its cap keeps the cap and
-    its surplus is shared among the others. Rounding is largest-remainder, ties to the
-    lower flat index, so the result is deterministic and sums exactly.
+    The extra ``E = budget - floors.sum()`` tokens are apportioned by the Sainte-Lague
+    (Webster) divisor method: the ``k``-th extra token of cell ``c`` has priority
+    ``w_c / (k + 0.5)`` and the ``E`` highest priorities win (ties: lower flat cell index,
+    then lower ``k``), with at most ``caps_c - floors_c`` tokens per cell. A capped cell's
+    surplus therefore goes to the others, and since the winners for ``E + 1`` contain those
+    for ``E``, no cell ever shrinks when the budget grows (no Alabama paradox, unlike
+    largest-remainder rounding). One candidate per held key: cheap next to the keys.
     """
     w = np.maximum(weights.astype(np.float64).ravel(), 0.0)
     lo = floors.astype(np.int64).ravel()
-    room = (caps.astype(np.int64).ravel() - lo).astype(np.float64)
-    extra = float(budget - lo.sum())
-    x = np.zeros_like(room)
-    free = room > 0
-    while extra > 1e-9 and free.any():
-        wf = np.where(free, w, 0.0)
-        if wf.sum() <= 0:  # every remaining weight is zero: share equally
-            wf = free.astype(np.float64)
-        share = extra * wf / wf.sum()
-        full = free & (x + share >= room - 1e-9)
-        if not full.any():
-            x += share
-            break
-        # Fill the capped cells to the brim, then re-share what is left among the others.
-        extra -= float((room[full] - x[full]).sum())
-        x[full] = room[full]
-        free &= ~full
-    base = np.floor(x + 1e-9).astype(np.int64)
-    left = int(budget - lo.sum() - base.sum())
-    frac = np.where(base < room, x - base, -1.0)
-    order = np.lexsort((np.arange(frac.size), -frac))  # largest remainder, then lower index
-    for idx in order:
-        if left <= 0:
-            break
-        if base[idx] < room[idx]:
-            base[idx] += 1
-            left -= 1
-    return (lo + base).reshape(weights.shape)
+    room = caps.astype(np.int64).ravel() - lo
+    extra = int(budget - lo.sum())
+    cell = np.repeat(np.arange(w.size), room)
+    k = np.arange(cell.size) - np.repeat(np.cumsum(room) - room, room)  # 0..room_c-1 per cell
+    prio = w[cell] / (k + 0.5)
+    winners = np.lexsort((k, cell, -prio))[:extra]
+    return (lo + np.bincount(cell[winners], minlength=w.size)).reshape(weights.shape)
 
 
 def _floors_lengths(cell_scores: CellScores, n_layers: int, kv_heads: int, floor: int) -> tuple[np.ndarray, np.ndarray]:
@@ -117,9 +99,9 @@ def _floors_lengths(cell_scores: CellScores, n_layers: int, kv_heads: int, floor
 def uniform(cell_scores: CellScores, budget_tokens: int, n_layers: int, kv_heads: int, *, floor: int) -> np.ndarray:
     """The same number of kept tokens in every cell: ``budget / (n_layers * kv_heads)``.
 
-    The remainder goes one token each to the first cells (layer-major order); a cell whose
-    length is below its share keeps everything and its surplus is shared by the others.
-    Reads only the scores' shape.
+    Every cell first gets ``min(floor, length)``; the rest is shared equally, the remainder
+    one token each to the first cells (layer-major order); a cell shorter than its share
+    keeps everything and its surplus is shared by the others. Reads only the scores' shape.
     """
     floors, lengths = _floors_lengths(cell_scores, n_layers, kv_heads, floor)
     _check_budget(budget_tokens, floors, lengths, floor)
@@ -147,8 +129,9 @@ def pyramidkv(
 
     Each cell keeps its floor; the extra ``E = budget - total floor`` is split over layers in
     proportion to :func:`pyramid_weights` (``w_0 = 2 - 1/beta`` down to ``w_{L-1} = 1/beta``,
-    mean 1), and within a layer equally over its KV heads. Capped cells pass their surplus
-    on (water-filling). ``beta >= 1``; ``beta = 1`` is uniform-above-floor. Reads only shapes.
+    mean 1), and within a layer equally over its KV heads, rounded by the Sainte-Lague
+    divisor method (:func:`_fit`; a capped cell's surplus goes to the others). ``beta >= 1``;
+    ``beta = 1`` is uniform-above-floor. Reads only shapes.
     """
     if beta < 1:
         raise InputError("beta", f"{beta} < 1", "use beta >= 1 (20 in PyramidKV)")

@@ -1,0 +1,215 @@
+"""Allocators (sums, floors, caps, monotonicity, errors) and select_keep invariants."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from evictlab.errors import InputError
+from evictlab.methods import ALLOCATORS, select_keep
+from evictlab.methods.allocators import adakv, pyramid_weights, pyramidkv, uniform
+
+
+def random_scores(n_layers: int, kv_heads: int, lengths: list[int], seed: int, batch: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.rand(batch, kv_heads, lengths[i % len(lengths)], generator=g) for i in range(n_layers)]
+
+
+@st.composite
+def problems(draw: st.DrawFn) -> tuple[list[torch.Tensor], int, int, int, int]:
+    n_layers = draw(st.integers(1, 5))
+    kv_heads = draw(st.integers(1, 4))
+    lengths = draw(st.lists(st.integers(1, 30), min_size=n_layers, max_size=n_layers))
+    floor = draw(st.integers(0, 6))
+    scores = random_scores(n_layers, kv_heads, lengths, draw(st.integers(0, 10_000)))
+    lo = sum(min(floor, n) for n in lengths) * kv_heads
+    hi = sum(lengths) * kv_heads
+    budget = draw(st.integers(lo, hi))
+    return scores, budget, n_layers, kv_heads, floor
+
+
+@pytest.mark.parametrize("name", sorted(ALLOCATORS))
+@given(problem=problems())
+def test_sizes_sum_floor_cap(name: str, problem) -> None:
+    scores, budget, n_layers, kv_heads, floor = problem
+    sizes = ALLOCATORS[name](scores, budget, n_layers, kv_heads, floor=floor)
+    lengths = np.array([[s.shape[-1]] * kv_heads for s in scores])
+    assert sizes.dtype == np.int64 and sizes.shape == (n_layers, kv_heads)
+    assert sizes.sum() == budget
+    assert (sizes >= np.minimum(floor, lengths)).all()
+    assert (sizes <= lengths).all()
+
+
+@pytest.mark.parametrize("name", ["uniform", "pyramidkv"])
+@given(problem=problems())
+def test_budget_monotone(name: str, problem) -> None:
+    """One more token in the budget never takes a token from any cell."""
+    scores, budget, n_layers, kv_heads, floor = problem
+    if budget >= sum(s.shape[-1] for s in scores) * kv_heads:
+        return
+    a = ALLOCATORS[name](scores, budget, n_layers, kv_heads, floor=floor)
+    b = ALLOCATORS[name](scores, budget + 1, n_layers, kv_heads, floor=floor)
+    assert (b >= a).all() and b.sum() == a.sum() + 1
+
+
+@given(problem=problems())
+def test_adakv_layer_totals_monotone(problem) -> None:
+    """AdaKV's per-head sizes may move, but a layer's total never shrinks as budget grows."""
+    scores, budget, n_layers, kv_heads, floor = problem
+    if budget >= sum(s.shape[-1] for s in scores) * kv_heads:
+        return
+    a = adakv(scores, budget, n_layers, kv_heads, floor=floor).sum(1)
+    b = adakv(scores, budget + 1, n_layers, kv_heads, floor=floor).sum(1)
+    assert (b >= a).all()
+
+
+def test_uniform_equal_split_and_remainder_order() -> None:
+    scores = random_scores(3, 2, [50], 0)
+    sizes = uniform(scores, 6 * 10 + 4, 3, 2, floor=2)
+    assert sizes.tolist() == [[11, 11], [11, 11], [10, 10]]
+
+
+def test_uniform_short_cell_passes_surplus_on() -> None:
+    scores = [torch.rand(1, 2, 3), torch.rand(1, 2, 40)]
+    sizes = uniform(scores, 40, 2, 2, floor=1)
+    assert sizes.tolist() == [[3, 3], [17, 17]]
+
+
+def test_pyramid_schedule_formula() -> None:
+    w = pyramid_weights(5, beta=4.0)
+    np.testing.assert_allclose(w, [1.75, 1.375, 1.0, 0.625, 0.25])
+    assert w.mean() == pytest.approx(1.0)
+    assert pyramid_weights(1, 20.0).tolist() == [1.0]
+    # floor 2 per cell; extra 5 * 2 * 8 = 80 shared 16 per layer on average, ~ w_l * 16.
+    sizes = pyramidkv(random_scores(5, 2, [200], 0), 5 * 2 * 10, 5, 2, floor=2, beta=4.0)
+    assert sizes.sum() == 100
+    assert (np.diff(sizes.sum(1)) <= 0).all()  # decreasing with depth
+    np.testing.assert_allclose(sizes.sum(1) - 4, w * 16, atol=1.0)
+    assert (pyramidkv(random_scores(4, 2, [50], 0), 80, 4, 2, floor=2, beta=1.0) == 10).all()
+
+
+def test_pyramid_rejects_beta_below_one() -> None:
+    with pytest.raises(InputError, match="beta"):
+        pyramidkv(random_scores(2, 1, [10], 0), 10, 2, 1, floor=1, beta=0.5)
+
+
+def ref_adakv(scores: np.ndarray, b_l: int, floor: int, alpha: float) -> np.ndarray:
+    """AdaKV for one layer (hk, s), by a loop: reserve safeguards, then a global top-k."""
+    hk, s = scores.shape
+    safe = [min(s, max(floor, int(alpha * b_l / hk)))] * hk
+    cand = []
+    for h in range(hk):
+        order = sorted(range(s), key=lambda k: (-scores[h, k], -k))
+        cand += [(-scores[h, k], -k, h) for k in order[safe[h]:]]
+    cand.sort()
+    sizes = np.array(safe)
+    for _, _, h in cand[: b_l - sum(safe)]:
+        sizes[h] += 1
+    return sizes
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.2, 0.5, 1.0])
+def test_adakv_matches_loop_reference(alpha: float) -> None:
+    g = torch.Generator().manual_seed(3)
+    # Head 0 concentrated (a few large scores), head 2 flat: AdaKV gives head 0 less.
+    layer = torch.rand(4, 64, generator=g) ** torch.tensor([[8.0], [2.0], [0.2], [1.0]])
+    scores = [layer, layer.flip(0)]
+    sizes = adakv(scores, 2 * 40, 2, 4, floor=3, alpha=alpha)
+    for l in range(2):
+        np.testing.assert_array_equal(sizes[l], ref_adakv(scores[l].double().numpy(), 40, 3, alpha))
+    assert sizes.sum() == 80
+
+
+def test_adakv_batch_mean_and_array_input() -> None:
+    scores = random_scores(2, 3, [20], 1, batch=2)
+    a = adakv(scores, 30, 2, 3, floor=1)
+    b = adakv(np.stack([s.mean(0).numpy() for s in scores]), 30, 2, 3, floor=1)
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("name", sorted(ALLOCATORS))
+def test_budget_errors_name_the_field(name: str) -> None:
+    scores = random_scores(2, 2, [10], 0)
+    with pytest.raises(InputError, match="budget_tokens.*below the total floor"):
+        ALLOCATORS[name](scores, 4 * 3 - 1, 2, 2, floor=3)
+    with pytest.raises(InputError, match="budget_tokens.*above"):
+        ALLOCATORS[name](scores, 41, 2, 2, floor=3)
+    with pytest.raises(InputError, match="cell_scores"):
+        ALLOCATORS[name](scores, 20, 3, 2, floor=3)
+    with pytest.raises(InputError, match="cell_scores"):
+        ALLOCATORS[name](scores, 20, 2, 4, floor=3)
+
+
+def test_allocators_deterministic() -> None:
+    scores = random_scores(4, 2, [33], 9)
+    for fn in ALLOCATORS.values():
+        np.testing.assert_array_equal(fn(scores, 101, 4, 2, floor=4), fn(scores, 101, 4, 2, floor=4))
+
+
+# ---------------------------------------------------------------- select_keep
+
+
+def ref_select(scores: np.ndarray, size: int, pos: np.ndarray, sinks: int, recent: int) -> list[int]:
+    s = len(scores)
+    by_pos = sorted(range(s), key=lambda i: (pos[i], i))
+    forced = set(by_pos[:sinks]) | (set(by_pos[s - recent:]) if recent else set())
+    rest = sorted((i for i in range(s) if i not in forced), key=lambda i: (-scores[i], -pos[i], -i))
+    return sorted(list(forced) + rest[: max(0, min(size, s) - len(forced))])
+
+
+@given(
+    s=st.integers(1, 40),
+    sinks=st.integers(0, 4),
+    recent=st.integers(0, 6),
+    seed=st.integers(0, 1000),
+    ties=st.booleans(),
+    extra=st.integers(0, 50),
+)
+def test_select_keep_matches_reference(s: int, sinks: int, recent: int, seed: int, ties: bool, extra: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(2, 3, s, generator=g)
+    if ties:  # few distinct values: exercises the recency tie-break
+        scores = (scores * 3).floor()
+    pos = torch.randperm(100, generator=g)[:s].sort().values
+    forced = min(s, sinks + recent)
+    sizes = [forced + (extra + h) % (s + 3 - forced) for h in range(3)]
+    keep = select_keep(scores, sizes, pos, sinks=sinks, recent=recent)
+    for b in range(2):
+        for h in range(3):
+            got = keep[b][h]
+            assert got.dtype == torch.int64
+            assert got.tolist() == ref_select(scores[b, h].numpy(), sizes[h], pos.numpy(), sinks, recent)
+            assert len(got) == min(sizes[h], s)
+
+
+def test_select_keep_sinks_and_recent_always_kept() -> None:
+    scores = torch.zeros(1, 1, 10)
+    scores[0, 0, 4] = 5.0
+    scores[0, 0, 0] = -float("inf")
+    scores[0, 0, 9] = -1e9
+    keep = select_keep(scores, [4], torch.arange(10), sinks=1, recent=2)
+    # sink 0 and recent 8, 9 forced; then the top score 4.
+    assert keep[0][0].tolist() == [0, 4, 8, 9]
+    # All-equal scores: the most recent non-forced keys win.
+    keep = select_keep(torch.zeros(1, 1, 10), [5], torch.arange(10), sinks=1, recent=2)
+    assert keep[0][0].tolist() == [0, 6, 7, 8, 9]
+
+
+def test_select_keep_inf_scores_do_not_displace_forced() -> None:
+    scores = torch.full((1, 1, 8), float("inf"))
+    keep = select_keep(scores, [3], torch.arange(8), sinks=2, recent=1)
+    assert keep[0][0].tolist() == [0, 1, 7]
+
+
+def test_select_keep_errors() -> None:
+    with pytest.raises(InputError, match="sizes"):
+        select_keep(torch.rand(1, 2, 10), [2, 5], torch.arange(10), sinks=2, recent=1)
+    with pytest.raises(InputError, match="sizes"):
+        select_keep(torch.rand(1, 2, 10), [5], torch.arange(10), sinks=0, recent=0)
+    with pytest.raises(InputError, match="NaN"):
+        select_keep(torch.full((1, 1, 3), float("nan")), [1], torch.arange(3), sinks=0, recent=0)
+    with pytest.raises(InputError, match="positions"):
+        select_keep(torch.rand(1, 1, 3), [1], torch.arange(4), sinks=0, recent=0)
