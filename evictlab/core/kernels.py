@@ -1,0 +1,570 @@
+"""Numba kernels for the single-row math over ragged batches of rows (float64).
+
+Batch layout (the contract in ``docs/architecture.md``): ``p`` float64 ``[sum n_i]`` holds
+every row's masses back to back, row i being ``p[p_off[i]:p_off[i+1]]``; ``values`` float64
+``[K, d]`` is a pool of value vectors shared by rows, row i reading
+``values[v_start[i] : v_start[i] + n_i]``. Kept sets are int64 ``(N, k)`` *local* key
+indices (``0 <= idx < n_i``), padded with ``-1`` (padding may sit anywhere and is skipped).
+
+Two layers:
+
+* ``batch_*`` public wrappers: validate their inputs with :mod:`evictlab.core.validate`
+  (vectorised, linear time; pass ``validate=False`` when the batch was already checked,
+  e.g. inside a solver loop), then call a jitted kernel parallel over rows (``prange``).
+* ``row_*`` / ``rank_desc``: small jitted building blocks on one row, with **no
+  validation**, for use inside other Numba code (e.g. ``evictlab.solve``).
+
+Conventions match :mod:`evictlab.core.reference` exactly: masses are divided by their sum
+(validation guarantees it is within 1e-6 of 1); ranking uses the raw masses with ties to the
+larger index; ``e(A) = inf`` when ``P(A) = 0``. The forced error is evaluated in the
+cancellation-free form ``e(A) = ||sum_{i not in A} p_i (v_i - m_A)|| / sum_i p_i``, which is
+algebraically ``||mu - m_A||`` but keeps its relative accuracy when ``D(A)`` is tiny.
+All kernels use ``cache=True`` so the first import in a fresh environment compiles once
+(a few seconds per kernel) and later processes load machine code from ``__pycache__``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from evictlab.core.validate import (
+    check_budget,
+    check_count,
+    validate_batch,
+    validate_kept_batch,
+    validate_mass_batch,
+)
+from evictlab.errors import InputError
+
+#: Wolfe stopping tolerance (same meaning as in the reference).
+WOLFE_TOL = 1e-14
+#: Weights at or below this are treated as zero when leaving a face.
+WEIGHT_TOL = 1e-13
+
+__all__ = [
+    "batch_dense_output",
+    "batch_top_mass",
+    "batch_candidate_pool",
+    "batch_forced_error",
+    "batch_dropped_mass",
+    "batch_free_weight_error",
+    "batch_single_key_errors",
+    "batch_entropy",
+    "rank_desc",
+    "row_dense_output",
+    "row_forced_error",
+    "row_free_weight",
+]
+
+
+# ---------------------------------------------------------------------------------------
+# Jitted single-row building blocks (no validation)
+# ---------------------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def rank_desc(score: np.ndarray) -> np.ndarray:
+    """Indices of ``score`` ``(n,)`` sorted descending, ties to the larger index first.
+
+    A stable sort of the reversed array puts equal scores in descending original index.
+    """
+    n = score.shape[0]
+    rev = np.empty(n)
+    for i in range(n):
+        rev[i] = -score[n - 1 - i]
+    order = np.argsort(rev, kind="mergesort")
+    out = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        out[i] = n - 1 - order[i]
+    return out
+
+
+@njit(cache=True)
+def row_dense_output(p_row: np.ndarray, v_row: np.ndarray, mu: np.ndarray) -> float:
+    """Fill ``mu`` ``(d,)`` with ``sum_i (p_i / S) v_i`` for one row; return ``S = sum p``.
+
+    ``p_row`` ``(n,)``, ``v_row`` ``(n, d)``.
+    """
+    n, d = v_row.shape
+    total = 0.0
+    for i in range(n):
+        total += p_row[i]
+    for j in range(d):
+        mu[j] = 0.0
+    for i in range(n):
+        wi = p_row[i] / total
+        for j in range(d):
+            mu[j] += wi * v_row[i, j]
+    return total
+
+
+@njit(cache=True)
+def row_forced_error(p_row: np.ndarray, v_row: np.ndarray, kept: np.ndarray) -> float:
+    """Forced error ``e(A)`` of one row; ``kept`` int64 ``(k,)`` local indices, ``-1`` skipped.
+
+    Evaluated as ``||sum_{i not in A} p_i (v_i - m_A)|| / S`` (no cancellation for small
+    ``D(A)``); ``inf`` when ``P(A) = 0``. ``p_row`` ``(n,)``, ``v_row`` ``(n, d)``.
+    """
+    n, d = v_row.shape
+    mask = np.zeros(n, dtype=np.bool_)
+    for t in range(kept.shape[0]):
+        if kept[t] >= 0:
+            mask[kept[t]] = True
+    total = 0.0
+    mass_a = 0.0
+    m_a = np.zeros(d)
+    for i in range(n):
+        total += p_row[i]
+        if mask[i]:
+            mass_a += p_row[i]
+            for j in range(d):
+                m_a[j] += p_row[i] * v_row[i, j]
+    if mass_a <= 0.0:
+        return np.inf
+    for j in range(d):
+        m_a[j] /= mass_a
+    diff = np.zeros(d)
+    for i in range(n):
+        if not mask[i]:
+            for j in range(d):
+                diff[j] += p_row[i] * (v_row[i, j] - m_a[j])
+    acc = 0.0
+    for j in range(d):
+        acc += diff[j] * diff[j]
+    return np.sqrt(acc) / total
+
+
+@njit(cache=True)
+def _affine_min(xs: np.ndarray) -> np.ndarray:
+    """Weights (sum 1) of the min-norm point of the affine hull of the rows of ``xs`` ``(m, d)``.
+
+    Same parametrisation as the reference: ``alpha = e_0 + sum_j beta_j (e_j - e_0)`` with
+    ``beta`` from an SVD least-squares solve (LAPACK ``gelsd``).
+    """
+    m, d = xs.shape
+    alpha = np.ones(m)
+    if m == 1:
+        return alpha
+    diff = np.empty((d, m - 1))
+    rhs = np.empty(d)
+    for j in range(d):
+        rhs[j] = -xs[0, j]
+        for c in range(1, m):
+            diff[j, c - 1] = xs[c, j] - xs[0, j]
+    rcond = np.finfo(np.float64).eps * max(d, m - 1)
+    beta = np.linalg.lstsq(diff, rhs, rcond)[0]
+    s = 0.0
+    for c in range(m - 1):
+        alpha[c + 1] = beta[c]
+        s += beta[c]
+    alpha[0] = 1.0 - s
+    return alpha
+
+
+@njit(cache=True)
+def _wolfe(x: np.ndarray) -> np.ndarray:
+    """Wolfe min-norm-point weights ``(k,)`` for the convex hull of the rows of ``x`` ``(k, d)``.
+
+    Step for step the algorithm of ``reference._wolfe_min_norm_point`` (see its docstring).
+    """
+    k, d = x.shape
+    sq = np.empty(k)
+    for i in range(k):
+        acc = 0.0
+        for j in range(d):
+            acc += x[i, j] * x[i, j]
+        sq[i] = acc
+    scale = sq.max()
+    w = np.zeros(k)
+    j0 = int(np.argmin(sq))
+    w[j0] = 1.0
+    if scale == 0.0:
+        return w
+    active = np.empty(k, dtype=np.int64)
+    member = np.zeros(k, dtype=np.bool_)
+    active[0] = j0
+    member[j0] = True
+    na = 1
+    y = np.empty(d)
+    dots = np.empty(k)
+    for _ in range(50 * (k + d) + 100):
+        for j in range(d):
+            y[j] = 0.0
+        for t in range(na):
+            a = active[t]
+            for j in range(d):
+                y[j] += w[a] * x[a, j]
+        yy = 0.0
+        for j in range(d):
+            yy += y[j] * y[j]
+        for i in range(k):
+            acc = 0.0
+            for j in range(d):
+                acc += x[i, j] * y[j]
+            dots[i] = acc
+        jn = int(np.argmin(dots))
+        if yy - dots[jn] <= WOLFE_TOL * scale or member[jn]:
+            break
+        active[na] = jn
+        member[jn] = True
+        na += 1
+        while True:  # minor cycle
+            xs = np.empty((na, d))
+            for t in range(na):
+                xs[t, :] = x[active[t], :]
+            alpha = _affine_min(xs)
+            if alpha.min() > WEIGHT_TOL:
+                for t in range(na):
+                    w[active[t]] = alpha[t]
+                break
+            # ratio test: largest step towards alpha keeping weights >= 0
+            best_r = np.inf
+            best_t = -1
+            for t in range(na):
+                if alpha[t] <= WEIGHT_TOL:
+                    cur = w[active[t]]
+                    den = cur - alpha[t]
+                    r = cur / den if den > 0.0 else 0.0
+                    if r < best_r:
+                        best_r = r
+                        best_t = t
+            theta = min(max(best_r, 0.0), 1.0)
+            new = np.empty(na)
+            for t in range(na):
+                new[t] = (1.0 - theta) * w[active[t]] + theta * alpha[t]
+            keep = np.empty(na, dtype=np.bool_)
+            any_keep = False
+            for t in range(na):
+                keep[t] = new[t] > WEIGHT_TOL and t != best_t
+                any_keep = any_keep or keep[t]
+            if not any_keep:
+                keep[int(np.argmax(new))] = True
+            tot = 0.0
+            for t in range(na):
+                if keep[t]:
+                    tot += new[t]
+            for t in range(na):
+                w[active[t]] = 0.0
+            m = 0
+            for t in range(na):
+                a = active[t]
+                if keep[t]:
+                    w[a] = new[t] / tot
+                    active[m] = a
+                    m += 1
+                else:
+                    member[a] = False
+            na = m
+        if not member[jn]:
+            break
+    return w
+
+
+@njit(cache=True)
+def row_free_weight(p_row: np.ndarray, v_row: np.ndarray, kept: np.ndarray) -> tuple[float, np.ndarray]:
+    """Free-weight error of one row and its weights ``(k,)`` (aligned with ``kept``; 0 on padding).
+
+    Distance from ``mu`` to ``conv{v_i : i in kept}``, by Wolfe's min-norm-point algorithm on
+    ``x_i = v_i - mu``. ``p_row`` ``(n,)``, ``v_row`` ``(n, d)``, ``kept`` int64 ``(k,)``.
+    """
+    n, d = v_row.shape
+    mu = np.empty(d)
+    row_dense_output(p_row, v_row, mu)
+    k = 0
+    for t in range(kept.shape[0]):
+        if kept[t] >= 0:
+            k += 1
+    x = np.empty((k, d))
+    pos = np.empty(k, dtype=np.int64)
+    c = 0
+    for t in range(kept.shape[0]):
+        if kept[t] >= 0:
+            for j in range(d):
+                x[c, j] = v_row[kept[t], j] - mu[j]
+            pos[c] = t
+            c += 1
+    wk = _wolfe(x)
+    w = np.zeros(kept.shape[0])
+    acc = 0.0
+    for j in range(d):
+        yj = 0.0
+        for c in range(k):
+            yj += wk[c] * x[c, j]
+        acc += yj * yj
+    for c in range(k):
+        w[pos[c]] = wk[c]
+    return np.sqrt(acc), w
+
+
+# ---------------------------------------------------------------------------------------
+# Jitted batch kernels (no validation; parallel over rows)
+# ---------------------------------------------------------------------------------------
+
+
+@njit(cache=True, parallel=True)
+def _k_dense_output(p, p_off, values, v_start):
+    n_rows = p_off.shape[0] - 1
+    d = values.shape[1]
+    out = np.empty((n_rows, d))
+    for r in prange(n_rows):
+        lo, hi = p_off[r], p_off[r + 1]
+        vs = v_start[r]
+        mu = np.empty(d)
+        row_dense_output(p[lo:hi], values[vs : vs + hi - lo], mu)
+        out[r, :] = mu
+    return out
+
+
+@njit(cache=True, parallel=True)
+def _k_top_mass(p, p_off, s):
+    n_rows = p_off.shape[0] - 1
+    out = np.empty((n_rows, s), dtype=np.int64)
+    for r in prange(n_rows):
+        order = rank_desc(p[p_off[r] : p_off[r + 1]])
+        out[r, :] = order[:s]
+    return out
+
+
+@njit(cache=True, parallel=True)
+def _k_candidate_pool(p, p_off, values, v_start, s, r_m, r_e, c_max):
+    n_rows = p_off.shape[0] - 1
+    d = values.shape[1]
+    pool = np.full((n_rows, c_max), -1, dtype=np.int64)
+    size = np.empty(n_rows, dtype=np.int64)
+    for r in prange(n_rows):
+        lo, hi = p_off[r], p_off[r + 1]
+        n = hi - lo
+        p_row = p[lo:hi]
+        v_row = values[v_start[r] : v_start[r] + n]
+        order = rank_desc(p_row)
+        n_top = min(n, s + r_m)
+        err = np.empty(n)
+        mu = np.empty(d)
+        row_dense_output(p_row, v_row, mu)
+        for i in range(n):
+            acc = 0.0
+            for j in range(d):
+                diff = mu[j] - v_row[i, j]
+                acc += diff * diff
+            err[i] = np.sqrt(acc)
+        for t in range(n_top):
+            pool[r, t] = order[t]
+            err[order[t]] = -np.inf  # already in the pool: rank last
+        n_extra = min(n - n_top, r_e)
+        eorder = rank_desc(err)
+        for t in range(n_extra):
+            pool[r, n_top + t] = eorder[t]
+        size[r] = n_top + n_extra
+    return pool, size
+
+
+@njit(cache=True, parallel=True)
+def _k_forced_error(p, p_off, values, v_start, kept):
+    n_rows = p_off.shape[0] - 1
+    out = np.empty(n_rows)
+    for r in prange(n_rows):
+        lo, hi = p_off[r], p_off[r + 1]
+        out[r] = row_forced_error(p[lo:hi], values[v_start[r] : v_start[r] + hi - lo], kept[r])
+    return out
+
+
+@njit(cache=True, parallel=True)
+def _k_dropped_mass(p, p_off, kept):
+    n_rows = p_off.shape[0] - 1
+    out = np.empty(n_rows)
+    for r in prange(n_rows):
+        lo, hi = p_off[r], p_off[r + 1]
+        mask = np.zeros(hi - lo, dtype=np.bool_)
+        for t in range(kept.shape[1]):
+            if kept[r, t] >= 0:
+                mask[kept[r, t]] = True
+        total = 0.0
+        dropped = 0.0
+        for i in range(hi - lo):
+            total += p[lo + i]
+            if not mask[i]:
+                dropped += p[lo + i]
+        out[r] = dropped / total
+    return out
+
+
+@njit(cache=True, parallel=True)
+def _k_free_weight_error(p, p_off, values, v_start, kept):
+    n_rows = p_off.shape[0] - 1
+    out = np.empty(n_rows)
+    for r in prange(n_rows):
+        lo, hi = p_off[r], p_off[r + 1]
+        out[r] = row_free_weight(p[lo:hi], values[v_start[r] : v_start[r] + hi - lo], kept[r])[0]
+    return out
+
+
+@njit(cache=True, parallel=True)
+def _k_single_key_errors(p, p_off, values, v_start):
+    n_rows = p_off.shape[0] - 1
+    d = values.shape[1]
+    out = np.empty(p.shape[0])
+    for r in prange(n_rows):
+        lo, hi = p_off[r], p_off[r + 1]
+        v_row = values[v_start[r] : v_start[r] + hi - lo]
+        mu = np.empty(d)
+        row_dense_output(p[lo:hi], v_row, mu)
+        for i in range(hi - lo):
+            acc = 0.0
+            for j in range(d):
+                diff = mu[j] - v_row[i, j]
+                acc += diff * diff
+            out[lo + i] = np.sqrt(acc)
+    return out
+
+
+@njit(cache=True, parallel=True)
+def _k_entropy(p, p_off):
+    n_rows = p_off.shape[0] - 1
+    out = np.empty(n_rows)
+    for r in prange(n_rows):
+        lo, hi = p_off[r], p_off[r + 1]
+        total = 0.0
+        for i in range(lo, hi):
+            total += p[i]
+        h = 0.0
+        for i in range(lo, hi):
+            if p[i] > 0.0:
+                q = p[i] / total
+                h -= q * np.log(q)
+        out[r] = h
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Public wrappers (validate, then call the kernels)
+# ---------------------------------------------------------------------------------------
+
+
+def _batch(p, p_off, values, v_start, validate):
+    """Validated and converted batch arrays (or plain dtype conversion when trusted)."""
+    if validate:
+        return validate_batch(p, p_off, values, v_start)
+    return (
+        np.ascontiguousarray(p, dtype=np.float64),
+        np.ascontiguousarray(p_off, dtype=np.int64),
+        np.ascontiguousarray(values, dtype=np.float64),
+        np.ascontiguousarray(v_start, dtype=np.int64),
+    )
+
+
+def _masses(p, p_off, validate):
+    if validate:
+        return validate_mass_batch(p, p_off)
+    return np.ascontiguousarray(p, dtype=np.float64), np.ascontiguousarray(p_off, dtype=np.int64)
+
+
+def _kept(kept, p_off, validate):
+    if validate:
+        return validate_kept_batch(kept, p_off)
+    return np.ascontiguousarray(kept, dtype=np.int64)
+
+
+def _check_budget_rows(s: object, p_off: np.ndarray) -> int:
+    """``1 <= s <= n_i`` for every row, naming the first row that is too short."""
+    n = np.diff(p_off)
+    s = check_budget(s, int(n.max()))
+    short = np.flatnonzero(n < s)
+    if short.size:
+        i = int(short[0])
+        raise InputError("s", f"is {s}, above the n = {int(n[i])} keys of row {i}", f"use s <= {int(n.min())} (the shortest row) or drop rows with n < s")
+    return s
+
+
+def batch_dense_output(
+    p: np.ndarray, p_off: np.ndarray, values: np.ndarray, v_start: np.ndarray, *, validate: bool = True
+) -> np.ndarray:
+    """Dense outputs ``mu_i = sum_j p_j v_j`` of every row: float64 ``(N, d)``."""
+    b = _batch(p, p_off, values, v_start, validate)
+    return _k_dense_output(b[0], b[1], b[2], b[3])
+
+
+def batch_top_mass(p: np.ndarray, p_off: np.ndarray, s: int, *, validate: bool = True) -> np.ndarray:
+    """``T_s`` of every row: int64 ``(N, s)`` local indices, largest mass first, ties to the larger index.
+
+    Raises:
+        InputError: if ``s < 1`` or ``s > n_i`` for some row (the row is named).
+    """
+    p_arr, off = _masses(p, p_off, validate)
+    s = _check_budget_rows(s, off)
+    return _k_top_mass(p_arr, off, s)
+
+
+def batch_candidate_pool(
+    p: np.ndarray,
+    p_off: np.ndarray,
+    values: np.ndarray,
+    v_start: np.ndarray,
+    s: int,
+    r_m: int = 2,
+    r_e: int = 2,
+    *,
+    validate: bool = True,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Candidate pools ``C_s(r_m, r_e)`` (ours) of every row.
+
+    Returns:
+        ``(pool, pool_size)``: ``pool`` int64 ``(N, c_max)`` local indices padded with ``-1``,
+        row i's pool being ``pool[i, :pool_size[i]]`` with ``pool_size[i] = min(n_i, s + r_m +
+        r_e)`` and ``c_max = max_i pool_size[i]``. Order as in
+        :func:`evictlab.core.reference.candidate_pool`: top-``(s + r_m)`` by mass in rank
+        order, then the ``r_e`` largest single-key errors among the rest (ties to the larger
+        index), so ``pool[i, :s]`` is ``T_s``.
+    """
+    b = _batch(p, p_off, values, v_start, validate)
+    s = _check_budget_rows(s, b[1])
+    r_m = check_count(r_m, "r_m")
+    r_e = check_count(r_e, "r_e")
+    c_max = int(min(int(np.diff(b[1]).max()), s + r_m + r_e))
+    return _k_candidate_pool(b[0], b[1], b[2], b[3], s, r_m, r_e, c_max)
+
+
+def batch_forced_error(
+    p: np.ndarray, p_off: np.ndarray, values: np.ndarray, v_start: np.ndarray, kept: np.ndarray, *, validate: bool = True
+) -> np.ndarray:
+    """Forced errors ``e(A_i) = ||mu_i - m_{A_i}||`` of every row: float64 ``(N,)``.
+
+    ``kept`` int64 ``(N, k)`` local indices padded with ``-1``. ``inf`` where ``P(A_i) = 0``.
+    """
+    b = _batch(p, p_off, values, v_start, validate)
+    k = _kept(kept, b[1], validate)
+    return _k_forced_error(b[0], b[1], b[2], b[3], k)
+
+
+def batch_dropped_mass(p: np.ndarray, p_off: np.ndarray, kept: np.ndarray, *, validate: bool = True) -> np.ndarray:
+    """Dropped masses ``D(A_i)`` (of the normalised rows) of every row: float64 ``(N,)`` in ``[0, 1]``."""
+    p_arr, off = _masses(p, p_off, validate)
+    k = _kept(kept, off, validate)
+    return _k_dropped_mass(p_arr, off, k)
+
+
+def batch_free_weight_error(
+    p: np.ndarray, p_off: np.ndarray, values: np.ndarray, v_start: np.ndarray, kept: np.ndarray, *, validate: bool = True
+) -> np.ndarray:
+    """Free-weight errors (ours) ``e_free(A_i)`` of every row: float64 ``(N,)``.
+
+    Exact distance from ``mu_i`` to the convex hull of the kept values (Wolfe's
+    min-norm-point algorithm; certificate in ``reference.free_weight_error``).
+    """
+    b = _batch(p, p_off, values, v_start, validate)
+    k = _kept(kept, b[1], validate)
+    return _k_free_weight_error(b[0], b[1], b[2], b[3], k)
+
+
+def batch_single_key_errors(
+    p: np.ndarray, p_off: np.ndarray, values: np.ndarray, v_start: np.ndarray, *, validate: bool = True
+) -> np.ndarray:
+    """Single-key errors ``||mu_i - v_j||`` of every key of every row: float64 ``[sum n_i]`` (laid out like ``p``)."""
+    b = _batch(p, p_off, values, v_start, validate)
+    return _k_single_key_errors(b[0], b[1], b[2], b[3])
+
+
+def batch_entropy(p: np.ndarray, p_off: np.ndarray, *, validate: bool = True) -> np.ndarray:
+    """Shannon entropies (nats) of the normalised rows: float64 ``(N,)``."""
+    p_arr, off = _masses(p, p_off, validate)
+    return _k_entropy(p_arr, off)
