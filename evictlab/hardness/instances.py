@@ -222,8 +222,11 @@ def load_instance(path: str | os.PathLike[str], expect: str | None = None) -> KS
         raise InputError(str(path), f"cannot be read ({exc})", "pass a readable UTF-8 JSON file") from None
     try:
         obj = json.loads(text)
-    except ValueError as exc:  # JSONDecodeError, and Python's digit limit on huge integers
+    except json.JSONDecodeError as exc:
         raise InputError(str(path), f"is not valid JSON ({exc})", "fix the JSON syntax") from None
+    except ValueError as exc:  # Python refuses to parse integers of more than 4300 digits
+        raise InputError(str(path), f"holds an integer too long to parse ({exc})",
+                         "use integers of at most 4300 digits (CP-SAT needs them within 2^62)") from None
     return parse_instance(obj, expect=expect)
 
 
