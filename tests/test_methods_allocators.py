@@ -96,13 +96,14 @@ def test_pyramid_rejects_beta_below_one() -> None:
         pyramidkv(random_scores(2, 1, [10], 0), 10, 2, 1, floor=1, beta=0.5)
 
 
-def ref_adakv(scores: np.ndarray, b_l: int, floor: int, alpha: float) -> np.ndarray:
+def ref_adakv(scores: np.ndarray, b_l: int, floor: int, alpha: float, lengths: list[int] | None = None) -> np.ndarray:
     """AdaKV for one layer (hk, s), by a loop: reserve safeguards, then a global top-k."""
     hk, s = scores.shape
-    safe = [min(s, max(floor, int(alpha * b_l / hk)))] * hk
+    lengths = lengths or [s] * hk
+    safe = [min(n, max(min(floor, n), int(alpha * b_l / hk))) for n in lengths]
     cand = []
     for h in range(hk):
-        order = sorted(range(s), key=lambda k: (-scores[h, k], -k))
+        order = sorted(range(lengths[h]), key=lambda k: (-scores[h, k], -k))
         cand += [(-scores[h, k], -k, h) for k in order[safe[h]:]]
     cand.sort()
     sizes = np.array(safe)
@@ -121,6 +122,24 @@ def test_adakv_matches_loop_reference(alpha: float) -> None:
     for l in range(2):
         np.testing.assert_array_equal(sizes[l], ref_adakv(scores[l].double().numpy(), 40, 3, alpha))
     assert sizes.sum() == 80
+
+
+def test_lengths_exclude_padding() -> None:
+    """Ragged heads padded to one length: sizes respect the real lengths."""
+    g = torch.Generator().manual_seed(2)
+    scores = [torch.rand(3, 30, generator=g) for _ in range(2)]
+    lengths = np.array([[30, 12, 5], [20, 30, 8]])
+    for l in range(2):
+        scores[l][torch.arange(30)[None, :] >= torch.as_tensor(lengths[l])[:, None]] = torch.finfo(torch.float32).min
+    for fn in ALLOCATORS.values():
+        sizes = fn(scores, 60, 2, 3, floor=6, lengths=lengths)
+        assert sizes.sum() == 60 and (sizes <= lengths).all() and (sizes >= np.minimum(6, lengths)).all()
+    assert uniform(scores, 60, 2, 3, floor=6, lengths=lengths).tolist() == [[12, 12, 5], [12, 11, 8]]
+    sizes = adakv(scores, 60, 2, 3, floor=2, alpha=0.3, lengths=lengths)
+    for l in range(2):
+        np.testing.assert_array_equal(sizes[l], ref_adakv(scores[l].double().numpy(), 30, 2, 0.3, lengths[l].tolist()))
+    with pytest.raises(InputError, match="lengths"):
+        uniform(scores, 60, 2, 3, floor=6, lengths=lengths + 5)
 
 
 def test_adakv_batch_mean_and_array_input() -> None:

@@ -7,9 +7,11 @@ A cell is one (layer, KV head). Every allocator has the signature
 
 and guarantees, for a feasible budget, ``sizes.sum() == budget_tokens`` and
 ``min(floor, length_c) <= sizes[c] <= length_c`` where ``length_c`` is the number of keys the
-cell holds (the last axis of its scores). ``floor`` is the keys :func:`select_keep` always
-keeps (sinks + recency window). Budgets below the total floor or above the total length
-raise :class:`InputError`.
+cell holds: the last axis of its scores, or ``lengths[l, h]`` when the caller passes
+``lengths=`` (int ``(n_layers, kv_heads)``; then only the first ``lengths[l, h]`` entries of a
+cell's scores are real, the rest padding, as the decode loop pads ragged heads). ``floor``
+is the keys :func:`select_keep` always keeps (sinks + recency window). Budgets below the
+total floor or above the total length raise :class:`InputError`.
 
 ``cell_scores`` is a list of ``n_layers`` tensors ``(b, hk, s_l)`` or ``(hk, s_l)`` (layers may
 hold different lengths), or one array ``(n_layers, hk, s)``. Uniform and PyramidKV read only
@@ -89,21 +91,34 @@ def _fit(weights: np.ndarray, budget: int, floors: np.ndarray, caps: np.ndarray)
     return (lo + np.bincount(cell[winners], minlength=w.size)).reshape(weights.shape)
 
 
-def _floors_lengths(cell_scores: CellScores, n_layers: int, kv_heads: int, floor: int) -> tuple[np.ndarray, np.ndarray]:
+def _floors_lengths(
+    cell_scores: CellScores, n_layers: int, kv_heads: int, floor: int, lengths: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per-cell floors ``min(floor, length)`` and lengths, both int64 ``(n_layers, kv_heads)``."""
     if floor < 0:
         raise InputError("floor", f"{floor} is negative", "pass sinks + recent >= 0")
-    lengths = cell_lengths(cell_scores, n_layers, kv_heads)
+    full = cell_lengths(cell_scores, n_layers, kv_heads)
+    if lengths is None:
+        lengths = full
+    else:
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if lengths.shape != full.shape or (lengths < 0).any() or (lengths > full).any():
+            raise InputError("lengths", f"shape {lengths.shape} or values outside [0, score length]",
+                             f"pass int ({n_layers}, {kv_heads}) lengths no longer than each cell's scores")
     return np.minimum(floor, lengths), lengths
 
 
-def uniform(cell_scores: CellScores, budget_tokens: int, n_layers: int, kv_heads: int, *, floor: int) -> np.ndarray:
+def uniform(
+    cell_scores: CellScores, budget_tokens: int, n_layers: int, kv_heads: int, *, floor: int,
+    lengths: np.ndarray | None = None,
+) -> np.ndarray:
     """The same number of kept tokens in every cell: ``budget / (n_layers * kv_heads)``.
 
     Every cell first gets ``min(floor, length)``; the rest is shared equally, the remainder
     one token each to the first cells (layer-major order); a cell shorter than its share
     keeps everything and its surplus is shared by the others. Reads only the scores' shape.
     """
-    floors, lengths = _floors_lengths(cell_scores, n_layers, kv_heads, floor)
+    floors, lengths = _floors_lengths(cell_scores, n_layers, kv_heads, floor, lengths)
     _check_budget(budget_tokens, floors, lengths, floor)
     # With equal floors, sharing the extra above the floor equally is the equal split.
     return _fit(np.ones((n_layers, kv_heads)), budget_tokens, floors, lengths)
@@ -123,7 +138,8 @@ def pyramid_weights(n_layers: int, beta: float) -> np.ndarray:
 
 
 def pyramidkv(
-    cell_scores: CellScores, budget_tokens: int, n_layers: int, kv_heads: int, *, floor: int, beta: float = 20.0
+    cell_scores: CellScores, budget_tokens: int, n_layers: int, kv_heads: int, *, floor: int, beta: float = 20.0,
+    lengths: np.ndarray | None = None,
 ) -> np.ndarray:
     """PyramidKV: more budget in lower layers, linearly decreasing with depth.
 
@@ -135,14 +151,15 @@ def pyramidkv(
     """
     if beta < 1:
         raise InputError("beta", f"{beta} < 1", "use beta >= 1 (20 in PyramidKV)")
-    floors, lengths = _floors_lengths(cell_scores, n_layers, kv_heads, floor)
+    floors, lengths = _floors_lengths(cell_scores, n_layers, kv_heads, floor, lengths)
     _check_budget(budget_tokens, floors, lengths, floor)
     w = np.repeat(pyramid_weights(n_layers, beta)[:, None], kv_heads, axis=1)
     return _fit(w, budget_tokens, floors, lengths)
 
 
 def adakv(
-    cell_scores: CellScores, budget_tokens: int, n_layers: int, kv_heads: int, *, floor: int, alpha: float = 0.2
+    cell_scores: CellScores, budget_tokens: int, n_layers: int, kv_heads: int, *, floor: int, alpha: float = 0.2,
+    lengths: np.ndarray | None = None,
 ) -> np.ndarray:
     """AdaKV: within each layer, heads compete for the layer's budget by their scores.
 
@@ -162,7 +179,7 @@ def adakv(
     if not 0.0 <= alpha <= 1.0:
         raise InputError("alpha", f"{alpha} is outside [0, 1]", "use a fraction, e.g. 0.2")
     layers = _as_layer_arrays(cell_scores, n_layers, kv_heads)
-    floors, lengths = _floors_lengths(cell_scores, n_layers, kv_heads, floor)
+    floors, lengths = _floors_lengths(cell_scores, n_layers, kv_heads, floor, lengths)
     _check_budget(budget_tokens, floors, lengths, floor)
     layer_budget = _fit(np.ones((n_layers, 1)), budget_tokens, floors.sum(1, keepdims=True),
                         lengths.sum(1, keepdims=True))[:, 0]
@@ -171,9 +188,11 @@ def adakv(
         b_l = int(layer_budget[l])
         safe = np.minimum(lengths[l], np.maximum(floors[l], int(alpha * b_l / kv_heads)))
         seq = sc.shape[1]
+        valid = np.arange(seq)[None, :] < lengths[l][:, None]  # padding past a head's length
+        sc = np.where(valid, sc, -np.inf)
         # Per head, rank keys by (score desc, later first); the first safe[h] are reserved.
         rank_order = np.lexsort((-np.arange(seq)[None, :].repeat(kv_heads, 0), -sc), axis=1)
-        open_mask = np.ones_like(sc, dtype=bool)
+        open_mask = valid.copy()
         for h in range(kv_heads):
             open_mask[h, rank_order[h, : safe[h]]] = False
         rest = b_l - int(safe.sum())
