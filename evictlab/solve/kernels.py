@@ -1,0 +1,449 @@
+"""Numba kernels of the solvers: pool enumeration (revolving door) and the balancing selector.
+
+Everything is float64 and works on one row inside a ``prange`` loop over the rows of a ragged
+batch (layout in ``docs/architecture.md``). Rows never share state, so results do not depend
+on the number of threads.
+
+Notation for one row (``docs/solvers.md``): masses ``p`` (normalised to sum 1), values
+``v_i`` ``(d,)``, dense output ``mu``; for the ``c`` keys of the candidate pool the centred,
+mass-weighted vectors ``x_i = p_i (v_i - mu)`` and their Gram matrix ``G = X X^T`` ``(c, c)``.
+Then for any ``A`` in the pool
+
+    e(A) = ||sum_{i in A} x_i|| / P(A),    ||sum_A x||^2 = sum_{a, b in A} G_ab,
+
+so after an O(c^2 d) precomputation the error of a subset needs only Gram entries.
+
+Enumeration walks the ``t``-subsets ``B`` (``t = min(s, c - s)``) in revolving-door order; the
+kept set is ``A = B`` (``s <= c - s``) or ``A = C \\ B`` (the complement side, cheaper when
+``s > c / 2``). A swap ``o -> i`` of ``B`` updates
+
+    Q_B' = Q_B + 2 (T_i - T_o) - G_ii - G_oo + 2 G_io,  T_m = sum_{b in B'} G_mb,
+
+in O(t), and for the complement side ``Q_A = ||X||^2 - 2 <X, S_B> + Q_B``. Rounding drift is
+bounded by recomputing ``Q_B`` from scratch every :data:`REFRESH` steps, and the returned
+error of the argmin is always recomputed exactly from the values (``forced_error_exact``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from evictlab.solve.revolving import rd_init, rd_next
+
+#: Steps between exact recomputations of the running sums during enumeration (drift guard).
+REFRESH = 256
+#: A balancing swap is applied only if it lowers e(A)^2 by more than this relative amount,
+#: so rounding noise can never make the selector cycle.
+BAL_REL_TOL = 1e-13
+
+
+# --------------------------------------------------------------------------- row helpers
+
+
+@njit(cache=True)
+def rank_desc(score: np.ndarray) -> np.ndarray:
+    """Indices sorted by ``score`` descending, ties to the larger index first, int64 ``(n,)``.
+
+    A stable mergesort of the reversed array keeps equal scores in reversed-index order.
+    """
+    n = score.shape[0]
+    rev = np.empty(n, dtype=np.float64)
+    for i in range(n):
+        rev[i] = -score[n - 1 - i]
+    o = np.argsort(rev, kind="mergesort")
+    out = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        out[i] = n - 1 - o[i]
+    return out
+
+
+@njit(cache=True)
+def dense_mu(p: np.ndarray, V: np.ndarray) -> np.ndarray:
+    """Dense output ``mu = sum_i p_i v_i``, ``(d,)``; ``p`` ``(n,)``, ``V`` ``(n, d)``."""
+    n, d = V.shape
+    mu = np.zeros(d)
+    for i in range(n):
+        pi = p[i]
+        for t in range(d):
+            mu[t] += pi * V[i, t]
+    return mu
+
+
+@njit(cache=True)
+def forced_error_exact(p: np.ndarray, V: np.ndarray, mu: np.ndarray, kept: np.ndarray) -> float:
+    """``e(A) = ||sum_{i in A} p_i (v_i - mu)|| / P(A)`` from scratch, O(|A| d); inf if P(A) = 0.
+
+    ``kept`` int64 local indices (any order; the caller passes them sorted for determinism).
+    """
+    d = V.shape[1]
+    acc = np.zeros(d)
+    P = 0.0
+    for a in range(kept.shape[0]):
+        i = kept[a]
+        pi = p[i]
+        P += pi
+        for t in range(d):
+            acc[t] += pi * (V[i, t] - mu[t])
+    if P <= 0.0:
+        return np.inf
+    q = 0.0
+    for t in range(d):
+        q += acc[t] * acc[t]
+    return np.sqrt(q) / P
+
+
+@njit(cache=True)
+def candidate_pool_row(order_p: np.ndarray, order_err: np.ndarray, s: int, r_m: int, r_e: int) -> np.ndarray:
+    """Pool ``C_s(r_m, r_e)`` from the two rankings, int64 ``(c,)``; ``pool[:s]`` is ``T_s``.
+
+    ``order_p``: keys by mass descending (ties: larger index first); ``order_err``: keys by
+    single-key error ``||mu - v_i||`` descending (same tie rule). Same order as
+    ``evictlab.core.reference.candidate_pool``.
+    """
+    n = order_p.shape[0]
+    n_top = min(n, s + r_m)
+    n_extra = min(n - n_top, r_e)
+    pool = np.empty(n_top + n_extra, dtype=np.int64)
+    in_top = np.zeros(n, dtype=np.bool_)
+    for a in range(n_top):
+        pool[a] = order_p[a]
+        in_top[order_p[a]] = True
+    c = n_top
+    for a in range(n):
+        if c == n_top + n_extra:
+            break
+        j = order_err[a]
+        if not in_top[j]:
+            pool[c] = j
+            c += 1
+    return pool
+
+
+@njit(cache=True)
+def pool_gram(p: np.ndarray, V: np.ndarray, mu: np.ndarray, pool: np.ndarray) -> np.ndarray:
+    """Gram matrix ``G_ab = <x_a, x_b>`` of ``x_a = p_a (v_a - mu)`` over the pool, ``(c, c)``."""
+    c = pool.shape[0]
+    d = V.shape[1]
+    X = np.empty((c, d))
+    for a in range(c):
+        i = pool[a]
+        for t in range(d):
+            X[a, t] = p[i] * (V[i, t] - mu[t])
+    G = np.empty((c, c))
+    for a in range(c):
+        for b in range(a, c):
+            acc = 0.0
+            for t in range(d):
+                acc += X[a, t] * X[b, t]
+            G[a, b] = acc
+            G[b, a] = acc
+    return G
+
+
+# --------------------------------------------------------------------------- enumeration
+
+
+@njit(cache=True)
+def enumerate_min(G: np.ndarray, pw: np.ndarray, s: int) -> tuple[float, np.ndarray, int]:
+    """Minimum of ``e(A)^2`` over every s-subset ``A`` of a pool, by revolving-door enumeration.
+
+    Args:
+        G: ``(c, c)`` Gram matrix of ``x_a = p_a (v_a - mu)``.
+        pw: ``(c,)`` masses of the pool keys.
+        s: subset size, ``1 <= s <= c``.
+
+    Returns:
+        ``(best_e2, best, count)``: the smallest running value of ``Q_A / P(A)^2`` (rounded;
+        the caller recomputes the error of ``best`` exactly), the argmin as int64 pool
+        positions ``(s,)`` sorted ascending (first found among exact ties), and the number
+        of subsets evaluated (``C(c, s)``). Sets with ``P(A) = 0`` count as ``e = inf``.
+    """
+    c = pw.shape[0]
+    comp = s > c - s
+    t = c - s if comp else s
+    # Totals over the whole pool (used by the complement side).
+    g = np.zeros(c)
+    XX = 0.0
+    PC = 0.0
+    for a in range(c):
+        acc = 0.0
+        for b in range(c):
+            acc += G[a, b]
+        g[a] = acc
+        XX += acc
+        PC += pw[a]
+    best = np.empty(s, dtype=np.int64)
+    if t == 0:
+        # A is the whole pool (s == c) or B is empty: one subset.
+        for a in range(s):
+            best[a] = a
+        return (max(XX, 0.0) / (PC * PC) if PC > 0.0 else np.inf), best, 1
+    cc = rd_init(c, t)
+    best_b = np.empty(t, dtype=np.int64)
+    best_e2 = np.inf
+    count = 0
+    since = REFRESH  # forces an exact computation of the sums at the first subset
+    QB = 0.0
+    gB = 0.0
+    PB = 0.0
+    o = -1
+    i = -1
+    while True:
+        if since >= REFRESH:
+            # Exact recomputation of the running sums (drift guard).
+            QB = 0.0
+            gB = 0.0
+            PB = 0.0
+            for u in range(1, t + 1):
+                a = cc[u]
+                gB += g[a]
+                PB += pw[a]
+                for w in range(1, t + 1):
+                    QB += G[a, cc[w]]
+            since = 0
+        else:
+            # One swap o -> i (cc already holds B'): O(t) update.
+            Ti = 0.0
+            To = 0.0
+            for u in range(1, t + 1):
+                b = cc[u]
+                Ti += G[i, b]
+                To += G[o, b]
+            QB += 2.0 * (Ti - To) - G[i, i] - G[o, o] + 2.0 * G[i, o]
+            gB += g[i] - g[o]
+            PB += pw[i] - pw[o]
+        if comp:
+            QA = XX - 2.0 * gB + QB
+            PA = PC - PB
+        else:
+            QA = QB
+            PA = PB
+        if QA < 0.0:
+            QA = 0.0  # rounding below zero
+        count += 1
+        if PA > 0.0:
+            e2 = QA / (PA * PA)
+            if e2 < best_e2:
+                best_e2 = e2
+                for u in range(t):
+                    best_b[u] = cc[u + 1]
+        o, i = rd_next(cc, t)
+        if o < 0:
+            break
+        since += 1
+    # Translate the best B into A (pool positions, ascending).
+    if comp:
+        inb = np.zeros(c, dtype=np.bool_)
+        for u in range(t):
+            inb[best_b[u]] = True
+        k = 0
+        for a in range(c):
+            if not inb[a]:
+                best[k] = a
+                k += 1
+    else:
+        for u in range(t):
+            best[u] = best_b[u]
+        best.sort()
+    if best_e2 == np.inf:
+        # Every subset has zero mass (cannot happen for a pool holding T_s of a simplex row).
+        for a in range(s):
+            best[a] = a
+    return best_e2, best, count
+
+
+# --------------------------------------------------------------------------- balancing
+
+
+@njit(cache=True)
+def balance_swaps(G: np.ndarray, pw: np.ndarray, s: int, max_swaps: int) -> tuple[np.ndarray, int]:
+    """Balancing selector (ours) on a pool whose first ``s`` positions are ``T_s``.
+
+    Best-improvement local search: start at ``A = {0..s-1}``; each round evaluate every
+    swap (``o`` in A, ``i`` in C \\ A) in O(1) from the Gram matrix and the row sums
+    ``R_m = <S_A, x_m>``, apply the one that lowers ``e(A)^2`` most (first in (o, i) order
+    among ties), stop when none lowers it by more than :data:`BAL_REL_TOL` (relative) or
+    after ``max_swaps`` swaps. ``R`` and ``Q_A`` are recomputed exactly after each swap.
+
+    Returns:
+        ``(A, n_swaps)``: pool positions int64 ``(s,)`` sorted ascending, swaps applied.
+    """
+    c = pw.shape[0]
+    inA = np.zeros(c, dtype=np.bool_)
+    for a in range(s):
+        inA[a] = True
+    R = np.empty(c)
+    n_swaps = 0
+    while True:
+        QA = 0.0
+        PA = 0.0
+        for m in range(c):
+            acc = 0.0
+            for a in range(c):
+                if inA[a]:
+                    acc += G[m, a]
+            R[m] = acc
+        for a in range(c):
+            if inA[a]:
+                QA += R[a]
+                PA += pw[a]
+        cur = QA / (PA * PA) if PA > 0.0 else np.inf
+        if n_swaps >= max_swaps:
+            break
+        best = cur
+        bo = -1
+        bi = -1
+        for o in range(c):
+            if not inA[o]:
+                continue
+            for i in range(c):
+                if inA[i]:
+                    continue
+                q = QA + G[o, o] + G[i, i] - 2.0 * G[o, i] + 2.0 * (R[i] - R[o])
+                if q < 0.0:
+                    q = 0.0
+                P = PA - pw[o] + pw[i]
+                if P <= 0.0:
+                    continue
+                e2 = q / (P * P)
+                if e2 < best:
+                    best = e2
+                    bo = o
+                    bi = i
+        if bo < 0 or not (best < cur * (1.0 - BAL_REL_TOL)):
+            break
+        inA[bo] = False
+        inA[bi] = True
+        n_swaps += 1
+    out = np.empty(s, dtype=np.int64)
+    k = 0
+    for a in range(c):
+        if inA[a]:
+            out[k] = a
+            k += 1
+    return out, n_swaps
+
+
+# --------------------------------------------------------------------------- batch driver
+
+
+@njit(cache=True)
+def _sorted_keys(pool: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """Local key indices ``pool[pos]``, sorted ascending."""
+    out = np.empty(pos.shape[0], dtype=np.int64)
+    for a in range(pos.shape[0]):
+        out[a] = pool[pos[a]]
+    out.sort()
+    return out
+
+
+@njit(cache=True, parallel=True)
+def batch_solve(
+    p: np.ndarray,
+    p_off: np.ndarray,
+    values: np.ndarray,
+    v_start: np.ndarray,
+    budgets: np.ndarray,
+    r_m: int,
+    r_e: int,
+    max_swaps: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Top-mass, pool optimum and balancing selector for every (row, budget) of a ragged batch.
+
+    Args:
+        p, p_off, values, v_start: the ragged batch (``docs/architecture.md``); each row's
+            masses are divided by their sum first (as in ``evictlab.core.reference``).
+        budgets: int64 ``(B,)``, every ``1 <= s <= n_i`` (the caller checks).
+        r_m, r_e: pool parameters; max_swaps: balancing swap limit K.
+
+    Returns (``smax = max(budgets)``, index lists ``-1`` padded, local key indices sorted):
+        e_top ``(N, B)``, es_hat ``(N, B)``, e_bal ``(N, B)``, dropped ``(N, B)`` = D(T_s),
+        kept_top ``(N, B, smax)``, kept_opt ``(N, B, smax)`` (argmin of ES_hat),
+        kept_bal ``(N, B, smax)``, pool_size ``(N, B)``, n_subsets ``(N, B)``,
+        n_swaps ``(N, B)``, entropy ``(N,)`` in nats.
+
+    Guarantees by construction (each value is an exactly recomputed e(A) of an s-subset of
+    the pool): ``es_hat <= e_bal <= e_top``.
+    """
+    N = p_off.shape[0] - 1
+    B = budgets.shape[0]
+    smax = 0
+    for b in range(B):
+        smax = max(smax, budgets[b])
+    e_top = np.empty((N, B))
+    es_hat = np.empty((N, B))
+    e_bal = np.empty((N, B))
+    dropped = np.empty((N, B))
+    kept_top = np.full((N, B, smax), -1, dtype=np.int64)
+    kept_opt = np.full((N, B, smax), -1, dtype=np.int64)
+    kept_bal = np.full((N, B, smax), -1, dtype=np.int64)
+    pool_size = np.empty((N, B), dtype=np.int64)
+    n_sub = np.empty((N, B), dtype=np.int64)
+    n_swaps = np.empty((N, B), dtype=np.int64)
+    ent = np.empty(N)
+    for r in prange(N):
+        lo = p_off[r]
+        n = p_off[r + 1] - lo
+        V = values[v_start[r] : v_start[r] + n]
+        d = V.shape[1]
+        tot = 0.0
+        for i in range(n):
+            tot += p[lo + i]
+        pr = np.empty(n)
+        h = 0.0
+        for i in range(n):
+            pr[i] = p[lo + i] / tot
+            if pr[i] > 0.0:
+                h -= pr[i] * np.log(pr[i])
+        ent[r] = h
+        mu = dense_mu(pr, V)
+        err = np.empty(n)
+        for i in range(n):
+            acc = 0.0
+            for t in range(d):
+                diff = V[i, t] - mu[t]
+                acc += diff * diff
+            err[i] = np.sqrt(acc)
+        order_p = rank_desc(p[lo : lo + n])  # rank raw masses (normalising can merge values)
+        order_err = rank_desc(err)
+        for b in range(B):
+            s = budgets[b]
+            # T_s and its dropped mass (summed over the dropped keys: no 1 - P cancellation).
+            top = np.sort(order_p[:s].copy())
+            dm = 0.0
+            for a in range(s, n):
+                dm += pr[order_p[a]]
+            dropped[r, b] = dm
+            et = forced_error_exact(pr, V, mu, top)
+            pool = candidate_pool_row(order_p, order_err, s, r_m, r_e)
+            c = pool.shape[0]
+            pw = np.empty(c)
+            for a in range(c):
+                pw[a] = pr[pool[a]]
+            G = pool_gram(pr, V, mu, pool)
+            _, pos_opt, cnt = enumerate_min(G, pw, s)
+            opt = _sorted_keys(pool, pos_opt)
+            eo = forced_error_exact(pr, V, mu, opt)
+            pos_bal, nsw = balance_swaps(G, pw, s, max_swaps)
+            bal = _sorted_keys(pool, pos_bal)
+            eb = forced_error_exact(pr, V, mu, bal)
+            # Enforce es_hat <= e_bal <= e_top exactly: all three sets lie in the pool, so
+            # taking the smaller exact value is still the minimum over the pool's s-subsets.
+            if eb > et:
+                eb = et
+                bal = top
+            if eo > eb:
+                eo = eb
+                opt = bal
+            e_top[r, b] = et
+            e_bal[r, b] = eb
+            es_hat[r, b] = eo
+            for a in range(s):
+                kept_top[r, b, a] = top[a]
+                kept_opt[r, b, a] = opt[a]
+                kept_bal[r, b, a] = bal[a]
+            pool_size[r, b] = c
+            n_sub[r, b] = cnt
+            n_swaps[r, b] = nsw
+    return e_top, es_hat, e_bal, dropped, kept_top, kept_opt, kept_bal, pool_size, n_sub, n_swaps, ent
