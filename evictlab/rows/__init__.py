@@ -1,16 +1,30 @@
 """The attention-row dataset: schema, writer/reader, synthetic generator, export.
 
-Format: ``docs/formats.md``. Public API::
+Format: ``docs/formats.md``. Public API (imported lazily, so ``evictlab --help`` stays fast)::
 
     from evictlab.rows import RowWriter, RowStore, RowBatch, SynthConfig, synthesize, export_npz
 """
 
-from evictlab.rows.export import export_npz
-from evictlab.rows.schema import SCHEMA_VERSION
-from evictlab.rows.store import RowBatch, RowStore, RowWriter
-from evictlab.rows.synth import SynthConfig, synthesize
+from __future__ import annotations
 
-__all__ = [
-    "SCHEMA_VERSION", "RowBatch", "RowStore", "RowWriter", "SynthConfig", "export_npz",
-    "synthesize",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "SCHEMA_VERSION": "evictlab.rows.schema",
+    "RowBatch": "evictlab.rows.store",
+    "RowStore": "evictlab.rows.store",
+    "RowWriter": "evictlab.rows.store",
+    "SynthConfig": "evictlab.rows.synth",
+    "synthesize": "evictlab.rows.synth",
+    "export_npz": "evictlab.rows.export",
+    "export_arrays": "evictlab.rows.export",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'evictlab.rows' has no attribute {name!r}")

@@ -43,8 +43,6 @@ from evictlab.rows.schema import (
 )
 
 _REGEN = "re-run the capture or `evictlab rows synth` that produced this dataset"
-# Rows x keys of one float64 logits tile when recomputing p (bounds memory to ~32 MiB).
-_TILE_ELEMS = 1 << 22
 
 
 # --------------------------------------------------------------------------------------
@@ -796,14 +794,76 @@ class _Shard:
         return j
 
 
-def _softmax_rows_segments(x: np.ndarray, off: np.ndarray) -> np.ndarray:
-    """Softmax of each segment ``x[off[i]:off[i+1]]`` (all non-empty), float64."""
-    starts = off[:-1]
-    mx = np.maximum.reduceat(x, starts)
-    n = np.diff(off)
-    e = np.exp(x - np.repeat(mx, n))
-    s = np.add.reduceat(e, starts)
-    return e / np.repeat(s, n)
+def _query_p_py(Kt, Q, scale, lo, hi, out, out_off):  # pragma: no cover - numba-compiled
+    """p of query rows reading one block, written into ``out``; returns -1 or a bad row.
+
+    ``Kt``: float64 ``[d, W]`` (the block's keys, transposed, columns c0..c0+W);
+    ``Q``: float32 ``[r, d]``; ``scale``: float64 ``[r]``; ``lo``, ``hi``: int64 ``[r]``
+    relative to c0; row i's weights go to ``out[out_off[i] : out_off[i] + hi[i] - lo[i]]``.
+    Each row is computed on its own, summing over d in a fixed order (no BLAS, no
+    reassociation), so a row's p has the same bits whatever batch it is read in.
+    """
+    d = Kt.shape[0]
+    for i in range(Q.shape[0]):
+        a = lo[i]
+        m = hi[i] - a
+        o = out_off[i]
+        z = np.zeros(m)
+        for k in range(d):
+            qk = np.float64(Q[i, k])
+            kr = Kt[k, a : a + m]  # a slice keeps the inner loop free of index arithmetic (SIMD)
+            for j in range(m):
+                z[j] += qk * kr[j]
+        mx = -np.inf
+        for j in range(m):
+            z[j] *= scale[i]
+            if not np.isfinite(z[j]):
+                return i
+            if z[j] > mx:
+                mx = z[j]
+        tot = 0.0
+        for j in range(m):
+            z[j] = np.exp(z[j] - mx)
+            tot += z[j]
+        for j in range(m):
+            out[o + j] = z[j] / tot
+    return -1
+
+
+def _logits_p_py(x, starts, n, out, out_off):  # pragma: no cover - numba-compiled
+    """p = softmax of stored logits ``x[starts[i] : starts[i] + n[i]]`` (float32/64) into
+    ``out[out_off[i]:...]``, float64, one row at a time; returns -1 or the first bad row."""
+    for i in range(n.shape[0]):
+        a = starts[i]
+        o = out_off[i]
+        mx = -np.inf
+        for j in range(n[i]):
+            v = np.float64(x[a + j])
+            if not np.isfinite(v):
+                return i
+            if v > mx:
+                mx = v
+        tot = 0.0
+        for j in range(n[i]):
+            e = np.exp(np.float64(x[a + j]) - mx)
+            out[o + j] = e
+            tot += e
+        for j in range(n[i]):
+            out[o + j] /= tot
+    return -1
+
+
+_JIT: dict[str, Any] = {}
+
+
+def _jit(name: str) -> Any:
+    """The numba-compiled kernel ``name`` (compiled on first use, cached on disk)."""
+    if name not in _JIT:
+        import numba
+
+        fn = {"query": _query_p_py, "logits": _logits_p_py}[name]
+        _JIT[name] = numba.njit(cache=True, nogil=True)(fn)
+    return _JIT[name]
 
 
 class RowStore:
@@ -960,8 +1020,6 @@ class RowStore:
                           extra: Sequence[str]) -> RowBatch:
         """Build the RowBatch for ``rows`` (index rows, all in shard ``sh``)."""
         a = sh.a
-        d = self.head_dim
-        N = rows.height
         n = rows["n"].to_numpy()
         lo = rows["key_lo"].to_numpy()
         hi = rows["key_hi"].to_numpy()
@@ -991,73 +1049,43 @@ class RowStore:
         if with_keys and has_keys:
             kidx = ragged_index(a["key_off"][bl], vlen)
             keys = a["keys"][kidx].astype(np.float64)
-        # logits rows: gather their stored logits and take a segmented softmax
+        # logits rows: softmax of the stored logits, row by row (numba)
         isl = kind == "logits"
         if isl.any():
             li = np.flatnonzero(isl)
-            lo_off = a["logit_off"]
-            flat = a["logits"][ragged_index(lo_off[local[li]], n[li])].astype(np.float64)
-            fin = np.isfinite(flat)
-            if not fin.all():
-                seg = np.searchsorted(_offsets(n[li]), int(np.argmin(fin)), side="right") - 1
-                raise InputError(f"row_id {int(rid[li[seg]])}", "has NaN/inf logits",
+            bad = _jit("logits")(a["logits"], a["logit_off"][local[li]], n[li], p, p_off[li])
+            if bad >= 0:
+                raise InputError(f"row_id {int(rid[li[bad]])}", "has NaN/inf logits",
                                  "re-generate the dataset or filter that row out")
-            p[ragged_index(p_off[li], n[li])] = _softmax_rows_segments(flat, _offsets(n[li]))
-        # query rows: per block, one matmul of its rows' queries against its keys
+        # query rows: per block, p = softmax(scale * q . K[lo:hi]^T) row by row (numba)
         qi_all = np.flatnonzero(~isl)
         if qi_all.size:
-            q_all = a["queries"][local[qi_all]].astype(np.float64)
-            badq = ~np.isfinite(q_all).all(axis=1)
-            if badq.any():
-                raise InputError(f"row_id {int(rid[qi_all[np.argmax(badq)]])}",
-                                 "has a NaN/inf query", "re-capture or filter that row out")
             scale = rows["scale"].to_numpy()
             order = np.argsort(inv[qi_all], kind="stable")
             qi_sorted = qi_all[order]
-            qv_sorted = q_all[order]
             bounds = np.flatnonzero(np.diff(inv[qi_sorted])) + 1
-            for grp_rows, grp_q in zip(np.split(qi_sorted, bounds), np.split(qv_sorted, bounds)):
-                b = int(inv[grp_rows[0]])
+            for grp in np.split(qi_sorted, bounds):
+                b = int(inv[grp[0]])
                 k0, k1 = int(a["key_off"][bl[b]]), int(a["key_off"][bl[b] + 1])
-                K = a["keys"][k0:k1].astype(np.float64)
-                if not np.isfinite(K).all():
-                    raise InputError(f"row_id {int(rid[grp_rows[0]])}", f"block "
+                Q = a["queries"][local[grp]]
+                badq = ~np.isfinite(Q).all(axis=1)
+                if badq.any():
+                    raise InputError(f"row_id {int(rid[grp[np.argmax(badq)]])}",
+                                     "has a NaN/inf query", "re-capture or filter that row out")
+                c0, c1 = int(lo[grp].min()), int(hi[grp].max())
+                Kt = np.ascontiguousarray(a["keys"][k0 + c0 : k0 + c1].T, dtype=np.float64)
+                if not np.isfinite(Kt).all():
+                    raise InputError(f"row_id {int(rid[grp[0]])}", f"block "
                                      f"{int(ublocks[b])} holds NaN/inf keys ({sh.path.name})",
                                      "re-capture or filter those rows out")
-                self._query_block_p(p, p_off, grp_rows, grp_q, K, lo, hi, scale, rid)
+                bad = _jit("query")(Kt, Q, scale[grp], lo[grp] - c0, hi[grp] - c0, p, p_off[grp])
+                if bad >= 0:
+                    raise InputError(f"row_id {int(rid[grp[bad]])}",
+                                     "its attention logits overflow (not finite)",
+                                     "check the stored query, keys and scale")
         meta = rows.select([*META_COLUMNS, *[c for c in extra if c not in META_COLUMNS]])
         return RowBatch(p=p, p_off=p_off, values=values, v_start=v_start, key_index=key_index,
                         meta=meta, keys=keys)
-
-    @staticmethod
-    def _query_block_p(p: np.ndarray, p_off: np.ndarray, rows_i: np.ndarray, Q: np.ndarray,
-                       K: np.ndarray, lo: np.ndarray, hi: np.ndarray, scale: np.ndarray,
-                       rid: np.ndarray) -> None:
-        """Fill ``p`` for query rows ``rows_i`` (batch indices) of one block.
-
-        ``Q``: float64 ``[r, d]``; ``K``: float64 ``[L, d]``. Tiles of rows keep the float64
-        logits matrix under ``_TILE_ELEMS`` entries.
-        """
-        c0, c1 = int(lo[rows_i].min()), int(hi[rows_i].max())
-        width = c1 - c0
-        step = max(1, _TILE_ELEMS // max(width, 1))
-        Kt = K[c0:c1].T
-        cols = np.arange(c0, c1)
-        for s in range(0, rows_i.size, step):
-            ri = rows_i[s : s + step]
-            z = (Q[s : s + step] @ Kt) * scale[ri][:, None]
-            inside = (cols[None, :] >= lo[ri][:, None]) & (cols[None, :] < hi[ri][:, None])
-            z = np.where(inside, z, -np.inf)
-            z -= z.max(axis=1, keepdims=True)
-            e = np.exp(z)
-            e /= e.sum(axis=1, keepdims=True)
-            if not np.isfinite(e[inside]).all():
-                bad = ~np.isfinite(np.where(inside, e, 0.0)).all(axis=1)
-                raise InputError(f"row_id {int(rid[ri[np.argmax(bad)]])}",
-                                 "its attention weights overflow (logits not finite)",
-                                 "check the stored query, keys and scale")
-            # row-major boolean extraction yields each row's [lo, hi) segment in order
-            p[ragged_index(p_off[ri], hi[ri] - lo[ri])] = e[inside]
 
     # -- public reads ---------------------------------------------------------------------
 

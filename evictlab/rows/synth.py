@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,10 @@ class SynthConfig:
     spread: float = 0.25
     rows_per_shard: int = 16384
 
+    def validate(self) -> dict[str, Any]:
+        """Check every knob (InputError naming its flag); return :meth:`resolved`."""
+        return _check(self)
+
     def resolved(self) -> dict[str, Any]:
         """Knobs with kind-specific defaults filled in (what the manifest records)."""
         out = asdict(self)
@@ -76,6 +81,8 @@ class SynthConfig:
 
 
 def _check(cfg: SynthConfig) -> dict[str, Any]:
+    """Validate ``cfg`` (InputError naming the CLI flag) and return ``cfg.resolved()``."""
+
     def need(ok: bool, field: str, problem: str, fix: str) -> None:
         if not ok:
             raise InputError(field, problem, fix)
@@ -165,8 +172,12 @@ def _dirichlet_logits(rng: np.random.Generator, n: np.ndarray, alpha: float) -> 
     return np.split(lg, np.cumsum(n)[:-1])
 
 
-def synthesize(out: str | os.PathLike[str], cfg: SynthConfig) -> Path:
-    """Write a synthetic row dataset described by ``cfg`` to the new directory ``out``."""
+def synthesize(out: str | os.PathLike[str], cfg: SynthConfig,
+               progress: Callable[[int], Any] | None = None) -> Path:
+    """Write a synthetic row dataset described by ``cfg`` to the new directory ``out``.
+
+    ``progress`` (optional) is called with the number of rows added after each block.
+    """
     r = _check(cfg)
     out = Path(out)
     if (out / "manifest.json").exists() or (out.exists() and any(out.iterdir())):
@@ -201,4 +212,6 @@ def synthesize(out: str | os.PathLike[str], cfg: SynthConfig) -> Path:
             w.end_prompt(block)
             done += R
             block += 1
+            if progress is not None:
+                progress(R)
     return out

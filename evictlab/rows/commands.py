@@ -1,0 +1,141 @@
+"""``evictlab rows ...``: synth, inspect, export (thin wrappers over evictlab.rows)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from evictlab.errors import InputError
+
+app = typer.Typer(help="The attention-row dataset: generate, inspect, export.",
+                  no_args_is_help=True, add_completion=False)
+
+
+@app.command("synth")
+def synth(
+    rows: int = typer.Option(..., "--rows", help="Number of attention rows N."),
+    keys: int = typer.Option(..., "--keys", help="Keys per row n (the largest; see --spread)."),
+    dim: int = typer.Option(..., "--dim", help="Head dimension d."),
+    seed: int = typer.Option(..., "--seed", help="Seed of the single numpy Generator."),
+    out: Path = typer.Option(..., "--out", help="New dataset directory."),
+    kind: str = typer.Option("query", "--kind", help="query (q, K stored) or logits (Dirichlet)."),
+    alpha: Optional[float] = typer.Option(None, "--alpha",
+                                          help="Dirichlet concentration (logits kind; default 0.1)."),
+    temperature: Optional[float] = typer.Option(
+        None, "--temperature", help="Logit std ~ 1/temperature (query kind; default 0.5)."),
+    sinks: Optional[int] = typer.Option(None, "--sinks",
+                                        help="Attention-sink keys per block (query kind; default 1)."),
+    sink_boost: Optional[float] = typer.Option(
+        None, "--sink-boost", help="Logit boost of sink keys (query kind; default 6)."),
+    recency: Optional[float] = typer.Option(
+        None, "--recency", help="Logit bonus of the last key vs the first (query kind; default 0)."),
+    values: str = typer.Option("gaussian", "--values", help="gaussian or clustered."),
+    clusters: int = typer.Option(8, "--clusters", help="Clusters per block for --values clustered."),
+    rows_per_block: int = typer.Option(256, "--rows-per-block",
+                                       help="Rows sharing one stored key/value block."),
+    spread: float = typer.Option(0.25, "--spread",
+                                 help="Row n uniform in [ceil(keys*(1-spread)), keys]."),
+    rows_per_shard: int = typer.Option(16384, "--rows-per-shard", help="Rows per array shard."),
+    overwrite: bool = typer.Option(False, "--overwrite",
+                                   help="Replace an existing row dataset at --out."),
+) -> None:
+    """Write a seeded synthetic row dataset (same arguments -> identical shard files)."""
+    from tqdm import tqdm
+
+    from evictlab.report.record import RunRecord
+    from evictlab.rows.schema import MANIFEST_FILE, RECORD_FILE
+    from evictlab.rows.synth import SynthConfig, synthesize
+
+    cfg = SynthConfig(rows=rows, keys=keys, dim=dim, seed=seed, kind=kind, alpha=alpha,
+                      temperature=temperature, sinks=sinks, sink_boost=sink_boost,
+                      recency=recency, values=values, clusters=clusters,
+                      rows_per_block=rows_per_block, spread=spread,
+                      rows_per_shard=rows_per_shard)
+    record = RunRecord(kind="rows.synth", config=cfg.validate(), model="synthetic", seed=seed)
+    if overwrite and out.exists():
+        if not (out / MANIFEST_FILE).exists():
+            raise InputError("--out", f"{out} exists but is not a row dataset",
+                             "refusing to delete it; choose another --out")
+        shutil.rmtree(out)
+    with tqdm(total=rows, unit="row", desc="synth", disable=None) as bar:
+        synthesize(out, cfg, progress=bar.update)
+    record.write(out / RECORD_FILE, output=str(out))
+    typer.echo(f"wrote {rows} rows (n <= {keys}, d = {dim}, kind {kind}) to {out}")
+
+
+@app.command("inspect")
+def inspect(
+    path: Path = typer.Argument(..., help="Row dataset directory."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    verify: bool = typer.Option(False, "--verify",
+                                help="Also check every shard's checksum and every stored number."),
+) -> None:
+    """Counts, n and d ranges, models, schema version and capture modes of a dataset."""
+    from evictlab.rows.store import RowStore
+
+    store = RowStore.open(path, allow_empty=True)
+    s = store.verify() if verify else store.summary()
+    if as_json:
+        typer.echo(json.dumps(s, indent=2, sort_keys=True))
+        return
+    lines = [
+        ("path", s["path"]),
+        ("schema version", s["schema_version"]),
+        ("models", ", ".join(s["models"])),
+        ("capture modes", ", ".join(s["capture_modes"])),
+        ("rows", f"{s['rows']} (query {s['query_rows']}, logits {s['logit_rows']})"),
+        ("prompts", s["prompts"]),
+        ("blocks", s["blocks"]),
+        ("shards", f"{s['shards']} ({s['bytes'] / 2**20:.1f} MiB)"),
+        ("n range", f"{s['n_min']}..{s['n_max']} (mean {s['n_mean']:.1f})" if s["rows"] else "-"),
+        ("d range", f"{s['d_min']}..{s['d_max']}"),
+        ("layers", _ranges(s["layers"])),
+        ("query heads", _ranges(s["q_heads"])),
+        ("kv heads", _ranges(s["kv_heads"])),
+        ("created", s["created"]),
+    ]
+    if verify:
+        lines.append(("verified", "all shards: size, sha256, structure, finite numbers"))
+    width = max(len(k) for k, _ in lines)
+    for k, v in lines:
+        typer.echo(f"{k:<{width}}  {v}")
+
+
+def _ranges(xs: list[int]) -> str:
+    """Compact '0..3, 7' rendering of sorted integers."""
+    if not xs:
+        return "-"
+    parts, start, prev = [], xs[0], xs[0]
+    for x in xs[1:] + [None]:  # type: ignore[list-item]
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        parts.append(str(start) if start == prev else f"{start}..{prev}")
+        if x is not None:
+            start = prev = x
+    return ", ".join(parts)
+
+
+@app.command("export")
+def export(
+    path: Path = typer.Argument(..., help="Row dataset directory."),
+    out: Path = typer.Option(..., "--out", help="Output FILE.npz."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Export only the first N rows."),
+    max_gib: float = typer.Option(4.0, "--max-gib",
+                                  help="Refuse if the dense arrays would exceed this size."),
+) -> None:
+    """Export rows as dense padded arrays (p, values, n, ids, key_index, prompt_tokens)."""
+    from evictlab.report.record import RunRecord
+    from evictlab.rows.export import export_npz
+
+    if not max_gib > 0:
+        raise InputError("--max-gib", f"must be > 0, got {max_gib}", "pass e.g. --max-gib 4")
+    record = RunRecord(kind="rows.export", config={"path": str(path), "limit": limit,
+                                                   "max_gib": max_gib})
+    info = export_npz(path, out, limit=limit, max_bytes=int(max_gib * 2**30))
+    record.write(out.with_name(out.name + ".record.json"), output=str(out), summary=info)
+    typer.echo(f"wrote {info['rows']} rows (n_max {info['n_max']}, d {info['head_dim']}) to {out}")
