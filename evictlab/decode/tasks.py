@@ -1,0 +1,194 @@
+"""Tasks for the decode loop: tokenised prompts, exact-match scoring, seeded suites, and
+held-out Shakespeare windows for perplexity.
+
+The examples themselves come from :mod:`evictlab.capture.prompts` (``make_task``, the
+Shakespeare corpus); this module only turns them into what the decode loop consumes:
+context ids and question ids *separately*, because the query-agnostic protocol compresses
+the context before the question is appended (SPEC section 6).
+
+Tokenizer None means the byte-level vocabulary of the tiny test models
+(:func:`evictlab.capture.testing.tiny_model`, 256 ids): token ids are the UTF-8 bytes.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from evictlab.capture.prompts import TASKS, TaskExample, encode, make_task, shakespeare_text
+from evictlab.errors import InputError
+
+__all__ = [
+    "PerplexityWindow",
+    "TaskPrompt",
+    "build_prompt",
+    "decode_ids",
+    "encode_text",
+    "heldout_windows",
+    "normalize_answer",
+    "score_exact_match",
+    "task_suite",
+]
+
+PromptMode = Literal["query-agnostic", "query-aware"]
+
+
+def encode_text(tokenizer: Any, text: str, *, special: bool = True) -> list[int]:
+    """Token ids of ``text``; with ``tokenizer=None`` the UTF-8 bytes (tiny models' vocab)."""
+    if tokenizer is None:
+        return list(text.encode("utf-8"))
+    return encode(tokenizer, text, special=special)
+
+
+def decode_ids(tokenizer: Any, ids: Sequence[int]) -> str:
+    """Text of generated ids (special tokens dropped); the inverse of :func:`encode_text`."""
+    if tokenizer is None:
+        return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
+    return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+@dataclass(frozen=True)
+class TaskPrompt:
+    """One example ready for the decode loop.
+
+    ``context_ids`` are fed (and compressed) first, then ``question_ids``; the model's
+    continuation is compared with ``answer``. ``mode`` labels the protocol:
+
+    - ``"query-agnostic"`` (default): context = the haystack; question = ``"\\n\\n" +
+      question`` (ends with an answer prefix). No ranking ever sees the question.
+    - ``"query-aware"`` (labelled option, to measure the margin): the question is moved into
+      the compressed part, so the scorer's observation window is the question:
+      context = haystack + question minus its last token, question = that last token (the
+      loop always has at least one token to feed after compression).
+    """
+
+    task: str
+    seed: int
+    mode: PromptMode
+    context_ids: list[int]
+    question_ids: list[int]
+    answer: str
+    answers: tuple[str, ...]
+
+
+def build_prompt(example: TaskExample, tokenizer: Any, mode: PromptMode = "query-agnostic") -> TaskPrompt:
+    """Tokenise ``example`` into separate context and question ids (see :class:`TaskPrompt`).
+
+    The context gets the tokenizer's special prefix (BOS), the question none; the question
+    text is ``"\\n\\n" + example.question``, as in capture's prompts.
+    """
+    if mode not in ("query-agnostic", "query-aware"):
+        raise InputError("mode", f"unknown mode {mode!r}", "use 'query-agnostic' or 'query-aware'")
+    ctx = encode_text(tokenizer, example.context)
+    q = encode_text(tokenizer, "\n\n" + example.question, special=False)
+    if mode == "query-aware":
+        ctx, q = ctx + q[:-1], q[-1:]
+    return TaskPrompt(task=example.task, seed=example.seed, mode=mode, context_ids=ctx, question_ids=q,
+                      answer=example.answer, answers=example.answers or (example.answer,))
+
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_NON_WORD = re.compile(r"[^0-9a-z]+")
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD-style normalisation: NFKC, lower case, punctuation -> space, drop a/an/the,
+    collapse whitespace. ``" The  number: 12,345."`` -> ``"number 12 345"``."""
+    t = unicodedata.normalize("NFKC", text).lower()
+    t = _NON_WORD.sub(" ", t)
+    t = _ARTICLES.sub(" ", t)
+    return " ".join(t.split())
+
+
+def score_exact_match(prediction: str, answer: str) -> float:
+    """1.0 if the prediction's first non-empty line equals the answer after normalisation.
+
+    Only the first non-empty line counts, because a greedy continuation runs on past the
+    answer (``" 7312345.\\nWhat is ..."``); both sides go through :func:`normalize_answer`,
+    so case, punctuation, articles and spacing do not matter but every word and digit does.
+    (For RULER's lenient "all parts found anywhere" score use ``TaskExample.score``.)
+    """
+    lines = [ln for ln in prediction.strip().splitlines() if ln.strip()]
+    first = lines[0] if lines else ""
+    return float(normalize_answer(first) == normalize_answer(answer) and normalize_answer(answer) != "")
+
+
+def task_suite(
+    names: Sequence[str], n: int, context_tokens: int, tokenizer: Any, seed: int,
+    mode: PromptMode = "query-agnostic",
+) -> list[TaskPrompt]:
+    """``n`` seeded examples of each task in ``names``, tokenised (ordered by task, then index).
+
+    Example ``i`` of a suite with ``seed`` uses ``seed * 1_000_003 + i`` (``make_task`` also
+    mixes in the task), so suites are reproducible and a larger ``n`` extends a smaller one.
+    """
+    unknown = [t for t in names if t not in TASKS]
+    if unknown:
+        raise InputError("tasks", f"unknown task(s) {unknown}", f"use some of: {', '.join(TASKS)}")
+    if n < 1:
+        raise InputError("n", f"{n} examples", "use n >= 1")
+    return [build_prompt(make_task(t, context_tokens, tokenizer, seed * 1_000_003 + i), tokenizer, mode)
+            for t in names for i in range(n)]
+
+
+@dataclass(frozen=True)
+class PerplexityWindow:
+    """A held-out Shakespeare window: ``context_ids`` are compressed, then the model is scored
+    on predicting each of ``target_ids`` (teacher forcing) from the compressed cache."""
+
+    seed: int
+    context_ids: list[int]
+    target_ids: list[int]
+
+
+HELDOUT_FRACTION = 0.1
+"""The last 10% of the Shakespeare corpus (in file-name order) is reserved for perplexity."""
+
+
+def heldout_split() -> tuple[str, str]:
+    """``(calibration, heldout)`` parts of the corpus, split at a line start near 90%.
+
+    Anything fitted on Shakespeare (e.g. ContourKV profiles) should draw from the first part
+    so that perplexity on the second is held out.
+    """
+    text = shakespeare_text()
+    cut = text.find("\n", int(len(text) * (1 - HELDOUT_FRACTION))) + 1
+    return text[:cut], text[cut:]
+
+
+def heldout_windows(
+    tokenizer: Any, n: int, context_tokens: int, target_tokens: int, seed: int, *, text: str | None = None
+) -> list[PerplexityWindow]:
+    """``n`` seeded windows of ``context_tokens + target_tokens`` tokens from held-out text.
+
+    Each window starts at a seeded line start of ``text`` (default: the held-out part of
+    :func:`heldout_split`); the context gets the tokenizer's special prefix (BOS). Window
+    ``i`` uses ``numpy.random.default_rng([seed, i])``.
+    """
+    if n < 1 or context_tokens < 1 or target_tokens < 1:
+        raise InputError("windows", f"n={n}, context={context_tokens}, target={target_tokens}",
+                         "use positive counts")
+    if text is None:
+        text = heldout_split()[1]
+    need = context_tokens + target_tokens
+    windows = []
+    for i in range(n):
+        rng = np.random.default_rng([seed, i])
+        span = 8 * need + 256  # ~4 characters per token; twice that so one tokenisation suffices
+        if span >= len(text):
+            raise InputError("context_tokens", f"{need} tokens is longer than the held-out text",
+                             "use shorter windows")
+        start = int(rng.integers(0, len(text) - span))
+        start = text.find("\n", start) + 1
+        ids = encode_text(tokenizer, text[start:start + span])
+        if len(ids) < need:
+            raise InputError("context_tokens", f"{need} tokens did not fit in {span} characters",
+                             "use shorter windows")
+        windows.append(PerplexityWindow(seed=seed, context_ids=ids[:context_tokens],
+                                        target_ids=ids[context_tokens:need]))
+    return windows
