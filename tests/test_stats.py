@@ -154,3 +154,14 @@ def test_bootstrap_auc_deterministic() -> None:
     y = rng.uniform(size=300) < 0.4
     s = rng.normal(size=300) + y
     assert bootstrap_auc(y, s, seed=1, key="k", n_boot=200) == bootstrap_auc(y, s, seed=1, key="k", n_boot=200)
+
+
+def test_vectorised_bootstrap_auc_equals_explicit_resample() -> None:
+    from evictlab.stats.bootstrap import rng_for
+
+    rng = np.random.default_rng(2)
+    y = rng.uniform(size=250) < 0.35
+    s = np.round(rng.normal(size=250) + y, 1)
+    est = bootstrap_auc(y, s, seed=11, key="x", n_boot=1)
+    idx = rng_for(11, "x").integers(0, 250, size=250)
+    assert est.lo == pytest.approx(roc_auc(y[idx], s[idx]), abs=1e-12)

@@ -11,7 +11,7 @@ from evictlab.plots.common import Figure, require, save, setup
 
 
 def mass_vs_kappa(results: pl.DataFrame, out: str | os.PathLike[str], threshold: float = 1.11,
-                  max_points: int = 20_000, seed: int = 0) -> Figure:
+                  max_points: int = 8_000, seed: int = 0) -> Figure:
     """Scatter of dropped mass m_s (x) against kappa_hat (log y), one panel per s, hue = model.
 
     At most ``max_points`` pairs per panel are drawn (a seeded subsample, stated in the caption).
@@ -20,19 +20,25 @@ def mass_vs_kappa(results: pl.DataFrame, out: str | os.PathLike[str], threshold:
     plt = setup()
     import seaborn as sns
 
-    d = results.filter(~pl.col("e_top_zero") & pl.col("kappa_hat").is_finite())
+    d = results.filter(~pl.col("e_top_zero") & pl.col("kappa_hat").is_finite() & (pl.col("kappa_hat") > 0)
+                        & (pl.col("dropped_mass") > 0))
     budgets = sorted(d["s"].unique().to_list())
     fig, axes = plt.subplots(1, len(budgets), figsize=(3.4 * len(budgets), 3.4), squeeze=False, sharey=True)
     rng = np.random.default_rng(seed)
+    models = sorted(d["model"].unique().to_list())
+    palette = sns.color_palette("deep", len(models))
     sampled = False
     for ax, s in zip(axes[0], budgets):
         sub = d.filter(pl.col("s") == s)
         if sub.height > max_points:
             sub = sub[np.sort(rng.choice(sub.height, max_points, replace=False))]
             sampled = True
-        pdf = sub.select("model", "dropped_mass", "kappa_hat").to_pandas()
-        sns.scatterplot(data=pdf, x="dropped_mass", y="kappa_hat", hue="model", s=5, alpha=0.35, linewidth=0,
-                        ax=ax, legend=(s == budgets[-1]))
+        for c, m in zip(palette, models):
+            g = sub.filter(pl.col("model") == m)
+            ax.scatter(g["dropped_mass"].to_numpy(), g["kappa_hat"].to_numpy(), s=4, alpha=0.35, color=c,
+                       linewidths=0, rasterized=True, label=m)
+        if s == budgets[-1]:
+            ax.legend(fontsize=7, markerscale=3, loc="upper left")
         ax.axhline(threshold, color="crimson", lw=1, ls="--")
         ax.set_yscale("log")
         ax.set_xscale("log")
