@@ -31,6 +31,9 @@ app.add_typer(hardness_app, name="hardness")
 from evictlab.stats.commands import predictor_app  # noqa: E402
 
 app.add_typer(predictor_app, name="predictor")
+from evictlab.pipeline import demo  # noqa: E402
+
+app.command("demo")(demo)
 # --- end registration -----------------------------------------------------------------
 
 
