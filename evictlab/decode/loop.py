@@ -1,0 +1,449 @@
+"""The decode loop: chunked prefill that compresses as it goes, then decoding that
+compresses every N steps, on a stock transformers model (through :mod:`evictlab.kv.cache`).
+
+Protocol (query-agnostic by default, SPEC section 6):
+
+1. The **context** is fed in chunks of ``chunk_size`` tokens. After each chunk, if the
+   cache holds more than the budget, it is compressed to the budget: every cell is scored
+   (the scorer sees the cell's keys and the last ``window`` queries of the context), an
+   allocator turns the budget into per-cell sizes, :func:`select_keep` picks the kept
+   entries, and the store evicts the rest. So the cache never holds more than
+   ``budget + chunk_size`` entries per cell (peak KV memory bounded).
+2. The **question** is appended only after the context was compressed: no ranking ever
+   sees it. With ``query_aware=True`` (a labelled option, to measure the margin) the
+   question is appended before the last compression and its queries are in the window.
+3. **Decoding** feeds the answer tokens (teacher forcing; the logits give perplexity, KL and
+   top-1 agreement, and all-argmax-correct is exactly greedy exact match) or greedy argmax
+   tokens; every ``compress_every`` steps the cache is compressed back to the budget.
+
+The budget counts kept entries after a compression; between compressions a cell may hold
+up to ``chunk_size`` (prefill) or ``question + compress_every`` (decoding) more. The paged
+pool is sized to exactly that and raises :class:`BudgetExceededError` rather than grow.
+
+Scoring is done per (batch item, KV head) cell, because after ragged eviction cells hold
+different keys at different positions (``ScoreInputs.positions`` is one vector). The
+scorer state (``ScoreInputs.state``) is one dict per (layer, batch item, KV head).
+Allocators receive per-layer scores ``(batch, kv_heads, S_l)`` padded with the float32
+minimum past a shorter head's length; a size above a head's length is clipped to it and the
+surplus is handed to cells with room (documented in docs/kv.md).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from evictlab.errors import BudgetExceededError, InputError
+from evictlab.kv.base import KVStore
+from evictlab.kv.budget import Budget, ByteReport
+from evictlab.kv.cache import EvictionCache, attach
+from evictlab.kv.masked import MaskedKVStore
+from evictlab.kv.paged import PagedKVStore
+
+Mode = Literal["physical", "masked", "full"]
+
+
+@dataclass
+class DecodeConfig:
+    """How one method runs through the loop.
+
+    ``mode``: ``"physical"`` (paged store, evicted entries freed), ``"masked"`` (full tensors +
+    keep mask: the audit of others), or ``"full"`` (no eviction, stock ``DynamicCache``; the
+    reference). ``budget`` is required unless ``mode == "full"``.
+    """
+
+    mode: Mode = "physical"
+    budget: Budget | None = None
+    scorer: str = "snapkv"
+    scorer_params: dict[str, Any] = field(default_factory=dict)
+    allocator: str = "uniform"
+    allocator_params: dict[str, Any] = field(default_factory=dict)
+    sinks: int = 4
+    recent: int = 16
+    chunk_size: int = 256
+    compress_every: int = 16
+    window: int = 32
+    block_size: int = 16
+    query_aware: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["budget"] = None if self.budget is None else {"unit": self.budget.unit, "value": self.budget.value}
+        return d
+
+
+@dataclass
+class StepTrace:
+    """Accounting after one forward (or compression) of the loop."""
+
+    phase: str  # "prefill", "compress", "question", "decode"
+    seen: int
+    report: ByteReport
+    rss: int
+
+
+@dataclass
+class DecodeOutput:
+    """Result of :func:`run_sequence`.
+
+    ``logits``: float32 ``(batch, T, vocab)``: row t predicts decode token t (row 0 comes from
+    the last question position). ``tokens``: int64 ``(batch, T)`` the decode-phase tokens
+    (the forced answer, or greedy argmax). ``trace``: one :class:`StepTrace` per phase step.
+    ``budget_tokens``: kept entries per sequence (None in full mode).
+    """
+
+    logits: torch.Tensor
+    tokens: torch.Tensor
+    trace: list[StepTrace]
+    budget_tokens: int | None
+    bytes_full_cache: int
+    peak_rss: int
+    wall_s: float
+    compressions: int
+
+    def peak(self, attr: str) -> int:
+        """Max of ``ByteReport.<attr>`` over the trace (0 for full mode)."""
+        return max((getattr(t.report, attr) for t in self.trace), default=0)
+
+    def after_compression(self, attr: str) -> int:
+        """Max of ``ByteReport.<attr>`` right after compressions (what the budget governs)."""
+        return max((getattr(t.report, attr) for t in self.trace if t.phase == "compress"), default=0)
+
+
+def model_geometry(model: torch.nn.Module) -> tuple[int, int, int, int, torch.dtype]:
+    """``(n_layers, q_heads, kv_heads, head_dim, dtype)`` from a transformers model config."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    hq = cfg.num_attention_heads
+    hk = getattr(cfg, "num_key_value_heads", None) or hq
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    if getattr(cfg, "sliding_window", None) and any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
+        raise InputError("model", "sliding-window layers are not supported by the eviction loop yet",
+                         "use a full-attention model (Llama, Qwen2, OLMo2)")
+    return cfg.num_hidden_layers, hq, hk, d, next(model.parameters()).dtype
+
+
+def _rss() -> int:
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def _scorer(cfg: DecodeConfig) -> Any:
+    from evictlab.methods import REGISTRY
+
+    if cfg.scorer not in REGISTRY:
+        raise InputError("--method", f"unknown scorer {cfg.scorer!r}", f"use one of {sorted(REGISTRY)}")
+    return REGISTRY[cfg.scorer](**cfg.scorer_params)
+
+
+def _allocator(cfg: DecodeConfig) -> Callable[..., np.ndarray]:
+    from evictlab.methods import ALLOCATORS
+
+    if cfg.allocator not in ALLOCATORS:
+        raise InputError("--allocator", f"unknown allocator {cfg.allocator!r}", f"use one of {sorted(ALLOCATORS)}")
+    return ALLOCATORS[cfg.allocator]
+
+
+def _clip_sizes(sizes: np.ndarray, lengths: np.ndarray, budget: int) -> np.ndarray:
+    """Clip per-cell sizes to cell lengths and hand the surplus to cells with room.
+
+    Surplus goes to the cells with the most room first (ties: lower flat index), one
+    token at a time in rounds, so the total stays ``min(budget, lengths.sum())``.
+    """
+    s = np.minimum(sizes.astype(np.int64), lengths)
+    left = int(min(budget, int(lengths.sum())) - s.sum())
+    while left > 0:
+        room = (lengths - s).ravel()
+        order = np.lexsort((np.arange(room.size), -room))
+        order = order[room[order] > 0]
+        if order.size == 0:
+            break
+        take = order[:left]
+        flat = s.ravel()
+        flat[take] += 1
+        s = flat.reshape(s.shape)
+        left -= take.size
+    return s
+
+
+class EvictionRunner:
+    """Owns one store + cache for one batch of sequences and runs the protocol on it."""
+
+    def __init__(self, model: torch.nn.Module, cfg: DecodeConfig, batch: int, *, capacity_tokens_per_cell: int,
+                 total_tokens: int) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.batch = batch
+        self.n_layers, self.q_heads, self.kv_heads, self.head_dim, self.dtype = model_geometry(model)
+        self.device = next(model.parameters()).device
+        self.scaling = float(self.head_dim) ** -0.5
+        mods = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
+        if mods:
+            self.scaling = float(mods[0].scaling)
+        if cfg.budget is None:
+            raise InputError("--budget", "a budget is required in physical and masked modes", "pass --budget")
+        self.budget_tokens = cfg.budget.total_tokens(self.n_layers, self.kv_heads, self.head_dim, self.dtype)
+        cells = self.n_layers * self.kv_heads
+        floor_total = cells * min(cfg.sinks + cfg.recent, total_tokens)
+        if self.budget_tokens < floor_total:
+            raise InputError("--budget", f"{self.budget_tokens} kept tokens per sequence is below the "
+                             f"{floor_total} always-kept sinks + recent entries ({cells} cells)",
+                             "raise the budget or lower --sinks/--recent")
+        store: KVStore
+        if cfg.mode == "physical":
+            bs = cfg.block_size
+            blocks = (math.ceil(self.budget_tokens * batch / bs) + cells * batch
+                      + cells * batch * math.ceil(capacity_tokens_per_cell / bs))
+            store = PagedKVStore(self.n_layers, batch, self.kv_heads, self.head_dim, capacity_blocks=blocks,
+                                 block_size=bs, dtype=self.dtype, device=self.device)
+        elif cfg.mode == "masked":
+            store = MaskedKVStore(self.n_layers, batch, self.kv_heads, self.head_dim, dtype=self.dtype,
+                                  device=self.device, initial_capacity=max(16, min(total_tokens, 1024)))
+        else:
+            raise InputError("mode", f"unknown mode {cfg.mode!r}", "use physical, masked or full")
+        self.store = store
+        self.cache = EvictionCache(store)
+        self.cache.query_window = cfg.window
+        self.scorer = _scorer(cfg)
+        self.allocate = _allocator(cfg)
+        self.states: dict[tuple[int, int, int], dict[str, Any]] = {}
+        self.extra_queries: dict[int, torch.Tensor] | None = None
+        self.compressions = 0
+
+    # -- compression ---------------------------------------------------------------------
+    def live_per_sequence(self) -> int:
+        return self.store.total_live() // self.batch
+
+    def compress(self) -> None:
+        """Bring every sequence down to ``budget_tokens`` kept entries (no-op if under)."""
+        if self.live_per_sequence() <= self.budget_tokens:
+            return
+        from evictlab.methods.base import ScoreInputs, select_keep
+
+        rep = self.q_heads // self.kv_heads
+        layer_scores: list[torch.Tensor] = []
+        cell_pos: list[torch.Tensor] = []
+        lengths = np.zeros((self.n_layers, self.kv_heads), dtype=np.int64)
+        fill = -torch.finfo(torch.float32).max
+        for l in range(self.n_layers):
+            k, v, pos = self.store.gather(l)
+            lens = self.store.lengths(l)
+            if not bool((lens == lens[0:1]).all()):
+                raise RuntimeError("cells of one KV head differ in length across the batch")
+            lengths[l] = lens[0].numpy()
+            rec = self.cache.take_queries(l)
+            if rec is None:
+                raise RuntimeError(f"no queries recorded for layer {l}; run a forward inside attach() first")
+            q, qpos = rec
+            sc = torch.full((self.batch, self.kv_heads, k.shape[2]), fill, dtype=torch.float32, device=k.device)
+            for b in range(self.batch):
+                for h in range(self.kv_heads):
+                    n = int(lens[b, h])
+                    extra = None
+                    if self.extra_queries is not None:
+                        extra = self.extra_queries[l][b:b + 1, h * rep:(h + 1) * rep]
+                    inputs = ScoreInputs(
+                        layer=l, n_layers=self.n_layers,
+                        keys=k[b:b + 1, h:h + 1, :n], values=v[b:b + 1, h:h + 1, :n], positions=pos[b, h, :n],
+                        queries=q[b:b + 1, h * rep:(h + 1) * rep], q_positions=qpos, scaling=self.scaling,
+                        extra_queries=extra, state=self.states.setdefault((l, b, h), {}),
+                    )
+                    out = self.scorer.score(inputs)
+                    sc[b, h, :n] = out.reshape(-1).float()
+            layer_scores.append(sc)
+            cell_pos.append(pos)
+        floor = self.cfg.sinks + self.cfg.recent
+        sizes = self.allocate(layer_scores, self.budget_tokens, self.n_layers, self.kv_heads, floor=floor,
+                              **self.cfg.allocator_params)
+        sizes = _clip_sizes(np.asarray(sizes), lengths, self.budget_tokens)
+        for l in range(self.n_layers):
+            keep: list[list[torch.Tensor]] = []
+            for b in range(self.batch):
+                row = []
+                for h in range(self.kv_heads):
+                    n = int(lengths[l, h])
+                    sel = select_keep(layer_scores[l][b:b + 1, h:h + 1, :n], [int(sizes[l, h])], cell_pos[l][b, h, :n],
+                                      sinks=self.cfg.sinks, recent=self.cfg.recent)
+                    row.append(sel[0][0])
+                keep.append(row)
+            self.store.keep(l, keep)
+        self.compressions += 1
+        if self.live_per_sequence() > self.budget_tokens:
+            raise BudgetExceededError(f"after compression {self.live_per_sequence()} entries are held per sequence, "
+                                      f"above the budget of {self.budget_tokens}")
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """One forward of ``ids`` ``(batch, q_len)`` through the model with the cache; returns logits."""
+        out = self.model(input_ids=ids, cache=self.cache, use_cache=True)
+        return out.logits
+
+    def reconstruction_queries(self, ids: torch.Tensor) -> dict[int, torch.Tensor]:
+        """KVzip-style: re-feed ``ids`` after the cache, record its queries, then drop its entries.
+
+        The chunk is appended a second time (positions after every held key), its post-RoPE
+        queries are returned per layer ``(batch, q_heads, q_len, d)``, and the appended
+        entries are removed again (:meth:`keep` on the physical store frees their blocks).
+        No instruction prefix is used (ours; KVzip prefixes a "repeat" prompt).
+        """
+        saved_window = self.cache.query_window
+        saved = dict(self.cache.queries)
+        self.cache.queries.clear()
+        self.cache.query_window = ids.shape[1]
+        self.forward(ids)
+        out = {l: self.cache.queries[l][0] for l in range(self.n_layers)}
+        q_len = ids.shape[1]
+        for l in range(self.n_layers):
+            lens = self.store.lengths(l)
+            keep = [[torch.arange(int(lens[b, h]) - q_len) for h in range(self.kv_heads)] for b in range(self.batch)]
+            self.store.keep(l, keep)
+            self.cache.layers[l].seen -= q_len
+        if isinstance(self.store, MaskedKVStore):
+            # Masked entries of a scoring pass are not part of the cache being audited.
+            for l in range(self.n_layers):
+                self.store.n[l] -= q_len
+        self.cache.queries.clear()
+        self.cache.queries.update(saved)
+        self.cache.query_window = saved_window
+        return out
+
+
+def _oracle_queries(model: torch.nn.Module, ids: torch.Tensor, n_future: int, window: int) -> dict[int, torch.Tensor]:
+    """True future queries (labelled oracle): the last ``n_future`` positions of a dense pass."""
+    n_layers, _, hk, d, dtype = model_geometry(model)
+    store = MaskedKVStore(n_layers, ids.shape[0], hk, d, dtype=dtype, device=ids.device, initial_capacity=ids.shape[1])
+    cache = EvictionCache(store)
+    cache.query_window = n_future
+    with attach(model, cache):
+        model(input_ids=ids, cache=cache, use_cache=True)
+    return {l: cache.queries[l][0] for l in range(n_layers)}
+
+
+def run_sequence(
+    model: torch.nn.Module,
+    context_ids: torch.Tensor,
+    question_ids: torch.Tensor,
+    cfg: DecodeConfig,
+    *,
+    answer_ids: torch.Tensor | None = None,
+    max_new_tokens: int = 0,
+    progress: Callable[[int], None] | None = None,
+) -> DecodeOutput:
+    """Run the protocol on a batch and return the decode-phase logits and accounting.
+
+    ``context_ids`` ``(batch, n)``, ``question_ids`` ``(batch, m)``, ``answer_ids``
+    ``(batch, a)`` or None. With ``answer_ids`` the decode phase is teacher-forced over the
+    answer (``T = a``); otherwise it is greedy for ``max_new_tokens`` steps. ``progress`` is
+    called with the number of tokens processed after each forward.
+    """
+    t0 = time.perf_counter()
+    rss0 = _rss()
+    peak = rss0
+    b, n = context_ids.shape
+    m = question_ids.shape[1]
+    T = answer_ids.shape[1] if answer_ids is not None else max_new_tokens
+    if T <= 0:
+        raise InputError("answer_ids", "nothing to decode", "pass answer_ids or max_new_tokens > 0")
+    n_layers, _, hk, d, dtype = model_geometry(model)
+    from evictlab.kv.budget import kv_bytes
+
+    total = n + m + T
+    bytes_full = kv_bytes(total * n_layers * hk * b, d, dtype)
+    trace: list[StepTrace] = []
+    logits_out: list[torch.Tensor] = []
+    tokens_out: list[torch.Tensor] = []
+    tick = progress or (lambda _k: None)
+
+    if cfg.mode == "full":
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            for start in range(0, n, cfg.chunk_size):
+                model(input_ids=context_ids[:, start:start + cfg.chunk_size], cache=cache, use_cache=True)
+                tick(min(cfg.chunk_size, n - start))
+            last = model(input_ids=question_ids, cache=cache, use_cache=True).logits[:, -1]
+            tick(m)
+            peak = max(peak, _rss())
+            for t in range(T):
+                logits_out.append(last.float())
+                tok = answer_ids[:, t] if answer_ids is not None else last.argmax(-1)
+                tokens_out.append(tok)
+                if t + 1 < T:
+                    last = model(input_ids=tok[:, None], cache=cache, use_cache=True).logits[:, -1]
+                peak = max(peak, _rss())
+                tick(1)
+        return DecodeOutput(torch.stack(logits_out, 1), torch.stack(tokens_out, 1), trace, None, bytes_full,
+                            peak, time.perf_counter() - t0, 0)
+
+    scorer = _scorer(cfg)
+    recon = "reconstruction" in getattr(scorer, "needs", frozenset())
+    future = "future" in getattr(scorer, "needs", frozenset())
+    # Headroom per cell between compressions: a prefill chunk (twice for a reconstruction
+    # pass), or the question plus the decode steps before the next compression.
+    head = max(cfg.chunk_size * (2 if recon else 1), m + cfg.compress_every + (cfg.chunk_size if cfg.query_aware else 0))
+    runner = EvictionRunner(model, cfg, b, capacity_tokens_per_cell=head, total_tokens=total)
+    if future:
+        if answer_ids is None:
+            raise InputError("--method", "the oracle needs the true future tokens", "run it teacher-forced (with an answer)")
+        full_ids = torch.cat([context_ids, question_ids, answer_ids], 1)
+        with torch.no_grad():
+            runner.extra_queries = _oracle_queries(model, full_ids, m + T, cfg.window)
+
+    def note(phase: str) -> None:
+        nonlocal peak
+        r = _rss()
+        peak = max(peak, r)
+        trace.append(StepTrace(phase, runner.cache.seen, runner.store.bytes(), r))
+
+    with torch.no_grad(), attach(model, runner.cache):
+        # 1. Context, chunk by chunk, compressing as it goes.
+        ctx = context_ids if not cfg.query_aware else torch.cat([context_ids, question_ids], 1)
+        for start in range(0, ctx.shape[1], cfg.chunk_size):
+            chunk = ctx[:, start:start + cfg.chunk_size]
+            last = runner.forward(chunk)[:, -1]
+            note("prefill")
+            if recon:
+                runner.extra_queries = runner.reconstruction_queries(chunk)
+            runner.compress()
+            note("compress")
+            tick(chunk.shape[1])
+        if isinstance(runner.store, PagedKVStore):
+            # Release the prefill headroom: the pool becomes the budget (plus one partial
+            # page per cell) plus the decode headroom.
+            cells = runner.n_layers * runner.kv_heads * b
+            dec_head = (0 if cfg.query_aware else m) + cfg.compress_every
+            budget_blocks = math.ceil(runner.budget_tokens * b / cfg.block_size) + cells
+            runner.store.resize(max(runner.store.blocks_in_use, budget_blocks) + cells * math.ceil(dec_head / cfg.block_size))
+            note("resize")
+        # 2. The question, after the context was compressed (query-agnostic).
+        if not cfg.query_aware:
+            last = runner.forward(question_ids)[:, -1]
+            note("question")
+            tick(m)
+        # 3. Decoding, compressing every `compress_every` steps.
+        for t in range(T):
+            logits_out.append(last.float())
+            tok = answer_ids[:, t] if answer_ids is not None else last.argmax(-1)
+            tokens_out.append(tok)
+            if t + 1 < T:
+                last = runner.forward(tok[:, None])[:, -1]
+                note("decode")
+                if (t + 1) % cfg.compress_every == 0:
+                    if recon:
+                        runner.extra_queries = runner.reconstruction_queries(tokens_out_tensor(tokens_out, cfg.window))
+                    runner.compress()
+                    note("compress")
+            tick(1)
+    return DecodeOutput(torch.stack(logits_out, 1), torch.stack(tokens_out, 1), trace, runner.budget_tokens,
+                        bytes_full, peak, time.perf_counter() - t0, runner.compressions)
+
+
+def tokens_out_tensor(tokens: list[torch.Tensor], window: int) -> torch.Tensor:
+    """The last ``window`` decoded tokens as ``(batch, <=window)`` (for a reconstruction pass)."""
+    return torch.stack(tokens[-window:], 1)

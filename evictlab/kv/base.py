@@ -1,0 +1,74 @@
+"""The interface shared by the physical (paged) and the masked KV store.
+
+A store holds, for every cell (layer, batch item, KV head), an ordered list of *live*
+entries: the keys, values and absolute token positions attention may read. Entries are
+appended in token order and removed only by :meth:`KVStore.keep`.
+
+Layout returned to attention (``gather``/``append_gather``): per layer, rectangular
+tensors ``(batch, kv_heads, S, head_dim)`` where each head's live entries come first in
+append order and slots past its length are padding, marked by position ``-1``. The
+attention mask is built from these positions (valid and causal), so heads of different
+lengths share one tensor for the duration of one attention call.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+
+from evictlab.kv.budget import ByteReport
+
+
+class KVStore(ABC):
+    """Per-(layer, batch, KV head) ordered entries; see the module docstring for layout."""
+
+    #: ``"physical"`` (evicted entries are freed) or ``"masked"`` (evicted entries stay in memory).
+    kind: str
+    n_layers: int
+    batch: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @abstractmethod
+    def lengths(self, layer: int) -> torch.Tensor:
+        """Live entries per cell of ``layer``: int64 ``(batch, kv_heads)`` on the CPU."""
+
+    @abstractmethod
+    def layout_positions(self, layer: int, new_positions: torch.Tensor) -> torch.Tensor:
+        """Positions of the slots :meth:`append_gather` will return, without appending.
+
+        ``new_positions``: int64 ``(q_len,)``, the absolute positions of the tokens about to
+        be appended. Returns int64 ``(batch, kv_heads, S)`` with ``-1`` on padding/masked
+        slots. Used by the attention pre-hook to build the mask before the keys exist.
+        """
+
+    @abstractmethod
+    def append_gather(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``keys``/``values`` ``(batch, kv_heads, q_len, head_dim)`` at ``positions``
+        ``(q_len,)`` and return the layer's K and V ``(batch, kv_heads, S, head_dim)`` in the
+        layout of :meth:`layout_positions`."""
+
+    @abstractmethod
+    def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Live entries of ``layer``, left-aligned per head: K, V ``(batch, kv_heads, S, d)``
+        and positions int64 ``(batch, kv_heads, S)`` (``-1`` past each head's length), with
+        ``S`` = the longest head. Always a fresh (transient) tensor for the physical store."""
+
+    @abstractmethod
+    def keep(self, layer: int, keep: Sequence[Sequence[torch.Tensor]]) -> None:
+        """Keep only ``keep[b][h]`` (sorted int64 indices into cell (layer, b, h)'s live
+        entries, in their order); every other live entry of that cell is evicted."""
+
+    @abstractmethod
+    def bytes(self) -> ByteReport:
+        """Current byte accounting (see :class:`evictlab.kv.budget.ByteReport`)."""
+
+    def total_live(self) -> int:
+        """Live entries summed over every cell of every layer and batch item."""
+        return int(sum(int(self.lengths(l).sum()) for l in range(self.n_layers)))

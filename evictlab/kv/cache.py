@@ -1,0 +1,169 @@
+"""Plugging a KV store into a stock transformers model: a ``Cache`` subclass plus hooks.
+
+No model code is copied. Two pieces:
+
+1. :class:`EvictionCache` (a ``transformers.Cache``): each layer's ``update(k, v)`` appends
+   the new keys/values to the store and returns that layer's K/V for attention,
+   ``(batch, kv_heads, S, head_dim)`` with every head's live entries left-aligned (see
+   :mod:`evictlab.kv.base`). For the paged store this is a **transient gather copy** of the
+   layer's live entries on every forward (the stock ``DynamicCache`` also copies the whole
+   layer, by ``torch.cat``, on every step). The masked store returns views (no copy).
+2. :func:`attach` (a context manager) registers, on every attention module, a forward
+   pre-hook (``with_kwargs=True``) that replaces ``attention_mask`` with a per-layer,
+   per-head additive mask built from the store's slot positions (padding and evicted
+   entries get the dtype minimum; causality is by absolute position, so it stays right
+   after eviction). It also records post-RoPE queries for the scorers: a forward hook on
+   the module's ``q_norm`` (if it has one, e.g. OLMo2/Gemma3) or ``q_proj`` output, rotated
+   with the modeling module's own ``apply_rotary_pos_emb`` and the ``position_embeddings``
+   the pre-hook saw. Hooks are removed in ``finally``.
+
+Positions: a layer's next token position is the number of tokens it has seen (not the
+number it holds), so ``get_seq_length`` returns tokens seen and the model's default
+``position_ids`` stay correct after eviction. Batch items must be the same length (no
+padding): every sequence of a batch is at the same position.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from evictlab.errors import InputError
+from evictlab.kv.attention import position_mask
+from evictlab.kv.base import KVStore
+
+
+class _StoreLayer(CacheLayerMixin):
+    """One layer's view of a shared :class:`KVStore` (transformers' per-layer cache object)."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, store: KVStore, layer: int) -> None:
+        super().__init__()
+        self.store = store
+        self.layer = layer
+        self.seen = 0  # tokens appended so far = absolute position of the next token
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``(batch, kv_heads, q_len, head_dim)`` keys/values; return the layer's K/V."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[2]
+        pos = torch.arange(self.seen, self.seen + q, device=key_states.device)
+        k, v = self.store.append_gather(self.layer, key_states, value_states, pos)
+        self.seen += q
+        return k, v
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Only used by the model's own mask builder, whose mask the pre-hook replaces.
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class EvictionCache(Cache):
+    """A transformers ``Cache`` whose storage is a :class:`KVStore` (physical or masked).
+
+    Use it as ``model(input_ids, cache=cache, use_cache=True)`` inside :func:`attach`.
+    Eviction itself is done between forward calls by the decode loop
+    (:mod:`evictlab.decode.loop`) through ``store.keep``.
+    """
+
+    def __init__(self, store: KVStore) -> None:
+        self.store = store
+        super().__init__(layers=[_StoreLayer(store, l) for l in range(store.n_layers)])
+        #: per layer: post-RoPE queries ``(batch, q_heads, m, d)`` and their positions ``(m,)``
+        #: recorded since the last :meth:`take_queries`, trimmed to ``query_window``.
+        self.queries: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.query_window = 0
+        self._pe: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def seen(self) -> int:
+        """Tokens processed so far (absolute position of the next token)."""
+        return self.layers[0].seen
+
+    def record_queries(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append ``q`` ``(batch, q_heads, q_len, d)`` to the layer's query window."""
+        if self.query_window <= 0:
+            return
+        if layer in self.queries:
+            old_q, old_p = self.queries[layer]
+            q, positions = torch.cat([old_q, q], 2), torch.cat([old_p, positions])
+        w = self.query_window
+        self.queries[layer] = (q[:, :, -w:].detach(), positions[-w:])
+
+    def take_queries(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The recorded queries of ``layer`` (kept for the next compression)."""
+        return self.queries.get(layer)
+
+
+def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Attention modules (those with ``layer_idx`` and ``q_proj``/``k_proj``), by layer."""
+    mods = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj") and hasattr(m, "k_proj")]
+    return sorted(mods, key=lambda m: m.layer_idx)
+
+
+@contextlib.contextmanager
+def attach(model: torch.nn.Module, cache: EvictionCache) -> Iterator[EvictionCache]:
+    """Register the mask pre-hooks and query hooks on ``model`` for ``cache``; remove on exit."""
+    mods = _attention_modules(model)
+    if len(mods) != cache.store.n_layers:
+        raise InputError("model", f"found {len(mods)} attention modules for a {cache.store.n_layers}-layer store",
+                         "build the store from this model's config")
+    handles: list[Any] = []
+
+    def pre_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        layer = module.layer_idx
+        q_len = hidden.shape[1]
+        seen = cache.layers[layer].seen
+        new_pos = torch.arange(seen, seen + q_len, device=hidden.device)
+        slot_pos = cache.store.layout_positions(layer, new_pos)
+        n_rep = module.config.num_attention_heads // module.config.num_key_value_heads
+        kwargs["attention_mask"] = position_mask(slot_pos, new_pos, n_rep, hidden.dtype)
+        if "position_embeddings" in kwargs and kwargs["position_embeddings"] is not None:
+            cache._pe[layer] = kwargs["position_embeddings"]
+        return args, kwargs
+
+    def make_q_hook(module: torch.nn.Module):  # noqa: ANN202 - closure over the module
+        rope = getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb", None)
+
+        def q_hook(_sub: torch.nn.Module, _inp: Any, out: torch.Tensor) -> None:
+            if cache.query_window <= 0:
+                return
+            layer = module.layer_idx
+            b, q_len = out.shape[0], out.shape[1]
+            q = out.reshape(b, q_len, -1, module.head_dim).transpose(1, 2)
+            if rope is not None and layer in cache._pe:
+                cos, sin = cache._pe[layer]
+                q, _ = rope(q, q, cos, sin)
+            seen = cache.layers[layer].seen
+            cache.record_queries(layer, q, torch.arange(seen, seen + q_len, device=q.device))
+
+        return q_hook
+
+    try:
+        for m in mods:
+            handles.append(m.register_forward_pre_hook(pre_hook, with_kwargs=True))
+            target = m.q_norm if hasattr(m, "q_norm") else m.q_proj
+            handles.append(target.register_forward_hook(make_q_hook(m)))
+        yield cache
+    finally:
+        for h in handles:
+            h.remove()
+        cache._pe.clear()

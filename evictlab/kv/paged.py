@@ -1,0 +1,274 @@
+"""The physically evicting store: paged K/V with one block-table row per cell.
+
+Storage
+-------
+One pool for the whole model (all layers, batch items and KV heads):
+
+- ``k_pool``, ``v_pool``: ``(capacity_blocks, block_size, head_dim)`` in the model dtype;
+- ``pos_pool``: int64 ``(capacity_blocks, block_size)``, the absolute token position of
+  each slot (``-1`` when empty); scorers and the causal mask need it after eviction.
+
+The **block table** ``block_table``: int64 numpy array ``(n_layers, batch, kv_heads,
+max_blocks)``. Row ``block_table[l, b, h]`` lists, in order, the pool blocks holding cell
+(layer l, batch item b, KV head h); ``-1`` marks unused columns. Entry ``j`` of the cell
+lives at block ``block_table[l, b, h, j // block_size]``, slot ``j % block_size``.
+``cell_len[l, b, h]`` (int64, same leading shape) is the cell's number of live entries,
+so a cell uses exactly ``ceil(len / block_size)`` blocks. Cells have independent lengths:
+this is what makes per-head budgets physical.
+
+Memory
+------
+The pool is allocated once with a fixed capacity (``capacity_blocks``) and never grows:
+an append that needs a block when none is free raises :class:`BudgetExceededError`.
+:meth:`PagedKVStore.keep` compacts a cell in place (its kept entries move to the front of
+its own blocks; the transient copy is one layer's kept entries) and returns emptied blocks
+to the free list. :meth:`PagedKVStore.resize` reallocates the pool to a new capacity,
+copying only blocks in use (used after prefill to drop the prefill headroom).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from evictlab.errors import BudgetExceededError, InputError
+from evictlab.kv.base import KVStore
+from evictlab.kv.budget import ByteReport, dtype_size
+
+
+class PagedKVStore(KVStore):
+    """Ragged per-(layer, batch, KV head) store that frees evicted entries (kind "physical")."""
+
+    kind = "physical"
+
+    def __init__(
+        self,
+        n_layers: int,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        *,
+        capacity_blocks: int,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if block_size <= 0:
+            raise InputError("block_size", f"must be positive, got {block_size}", "use e.g. 16")
+        if capacity_blocks <= 0:
+            raise InputError("capacity_blocks", f"must be positive, got {capacity_blocks}", "size the pool from the budget")
+        self.n_layers, self.batch, self.kv_heads, self.head_dim = n_layers, batch, kv_heads, head_dim
+        self.block_size = int(block_size)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.capacity_blocks = int(capacity_blocks)
+        self.k_pool = torch.zeros(capacity_blocks, block_size, head_dim, dtype=dtype, device=self.device)
+        self.v_pool = torch.zeros_like(self.k_pool)
+        self.pos_pool = torch.full((capacity_blocks, block_size), -1, dtype=torch.int64, device=self.device)
+        self.block_table = np.full((n_layers, batch, kv_heads, 0), -1, dtype=np.int64)
+        self.cell_len = np.zeros((n_layers, batch, kv_heads), dtype=np.int64)
+        # Free blocks as a stack; popping from the end hands out low block ids first.
+        self._free: list[int] = list(range(capacity_blocks - 1, -1, -1))
+        self._table_dev: dict[int, torch.Tensor] = {}
+
+    # -- bookkeeping -------------------------------------------------------------------
+    @staticmethod
+    def blocks_for(tokens: int, block_size: int) -> int:
+        """Blocks needed by one cell of ``tokens`` entries."""
+        return -(-int(tokens) // block_size)
+
+    @property
+    def blocks_in_use(self) -> int:
+        return self.capacity_blocks - len(self._free)
+
+    def lengths(self, layer: int) -> torch.Tensor:
+        return torch.from_numpy(self.cell_len[layer].copy())
+
+    def _ensure_columns(self, n_cols: int) -> None:
+        cur = self.block_table.shape[-1]
+        if n_cols > cur:
+            pad = np.full((*self.block_table.shape[:-1], n_cols - cur), -1, dtype=np.int64)
+            self.block_table = np.concatenate([self.block_table, pad], axis=-1)
+            self._table_dev.clear()
+
+    def _table(self, layer: int) -> torch.Tensor:
+        """Device copy of ``block_table[layer]`` with -1 replaced by block 0 (masked anyway)."""
+        t = self._table_dev.get(layer)
+        if t is None:
+            t = torch.from_numpy(np.maximum(self.block_table[layer], 0)).to(self.device)
+            self._table_dev[layer] = t
+        return t
+
+    def _alloc_block(self) -> int:
+        if not self._free:
+            raise BudgetExceededError(
+                f"paged KV pool is full ({self.capacity_blocks} blocks of {self.block_size} "
+                "entries): appending would exceed the budget plus its headroom; compress "
+                "more often or raise the budget"
+            )
+        return self._free.pop()
+
+    # -- append / gather ---------------------------------------------------------------
+    def _flat_slots(self, layer: int, start: np.ndarray, count: int) -> np.ndarray:
+        """Flat pool slot ids ``(batch, kv_heads, count)`` of entries start..start+count-1."""
+        j = start[..., None] + np.arange(count)[None, None, :]
+        blocks = np.take_along_axis(self.block_table[layer], j // self.block_size, axis=-1)
+        return blocks * self.block_size + j % self.block_size
+
+    def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append ``keys``/``values`` ``(batch, kv_heads, q_len, head_dim)`` to every cell of ``layer``.
+
+        Raises :class:`BudgetExceededError` (and changes nothing) if the pool lacks blocks.
+        """
+        b, h, q, d = keys.shape
+        if (b, h, d) != (self.batch, self.kv_heads, self.head_dim):
+            raise InputError("keys", f"shape {tuple(keys.shape)} does not match the store", "build the store for this model and batch")
+        start = self.cell_len[layer].copy()
+        need = -(-(start + q) // self.block_size)
+        have = -(-start // self.block_size)
+        extra = int((need - have).sum())
+        if extra > len(self._free):
+            raise BudgetExceededError(
+                f"layer {layer}: appending {q} entries per cell needs {extra} more blocks but only "
+                f"{len(self._free)} of {self.capacity_blocks} are free; the store never grows past its budget"
+            )
+        self._ensure_columns(int(need.max()))
+        for bi in range(b):
+            for hi in range(h):
+                for col in range(int(have[bi, hi]), int(need[bi, hi])):
+                    self.block_table[layer, bi, hi, col] = self._alloc_block()
+        if extra:
+            self._table_dev.pop(layer, None)
+        flat = torch.from_numpy(self._flat_slots(layer, start, q).reshape(-1)).to(self.device)
+        self.k_pool.view(-1, d).index_copy_(0, flat, keys.reshape(-1, d).to(self.dtype))
+        self.v_pool.view(-1, d).index_copy_(0, flat, values.reshape(-1, d).to(self.dtype))
+        self.pos_pool.view(-1).index_copy_(0, flat, positions.to(self.device).expand(b, h, q).reshape(-1))
+        self.cell_len[layer] = start + q
+
+    def _gather_layer(self, layer: int, s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Block-wise gather of the first ``s`` slots of every cell (one index_select per pool)."""
+        table = self._table(layer)  # (batch, kv_heads, max_blocks)
+        n_blocks = self.blocks_for(s, self.block_size)
+        idx = table[..., :n_blocks].reshape(-1)
+        b, h, d, bs = self.batch, self.kv_heads, self.head_dim, self.block_size
+        k = self.k_pool.index_select(0, idx).view(b, h, n_blocks * bs, d)[:, :, :s]
+        v = self.v_pool.index_select(0, idx).view(b, h, n_blocks * bs, d)[:, :, :s]
+        pos = self.pos_pool.index_select(0, idx).view(b, h, n_blocks * bs)[:, :, :s]
+        lens = torch.from_numpy(self.cell_len[layer]).to(self.device)
+        valid = torch.arange(s, device=self.device)[None, None, :] < lens[..., None]
+        return k, v, torch.where(valid, pos, torch.full_like(pos, -1))
+
+    def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s = int(self.cell_len[layer].max())
+        return self._gather_layer(layer, s)
+
+    def layout_positions(self, layer: int, new_positions: torch.Tensor) -> torch.Tensor:
+        q = int(new_positions.numel())
+        start = torch.from_numpy(self.cell_len[layer].copy()).to(self.device)
+        s = int(self.cell_len[layer].max()) + q
+        if self.block_table.shape[-1] == 0 or int(self.cell_len[layer].max()) == 0:
+            pos = torch.full((self.batch, self.kv_heads, s), -1, dtype=torch.int64, device=self.device)
+        else:
+            _, _, pos = self._gather_layer(layer, int(self.cell_len[layer].max()))
+            pos = torch.cat([pos, torch.full((self.batch, self.kv_heads, q), -1, dtype=torch.int64, device=self.device)], -1)
+        # New entries land right after each cell's live entries.
+        cols = start[..., None] + torch.arange(q, device=self.device)
+        return pos.scatter(-1, cols, new_positions.to(self.device).expand(self.batch, self.kv_heads, q).contiguous())
+
+    def append_gather(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.append(layer, keys, values, positions)
+        k, v, _ = self.gather(layer)
+        return k, v
+
+    # -- eviction ----------------------------------------------------------------------
+    def keep(self, layer: int, keep: Sequence[Sequence[torch.Tensor]]) -> None:
+        """Compact every cell of ``layer`` to its kept entries and free emptied blocks.
+
+        Kept entries move, in order, to the cell's first slots (``keep`` is sorted and
+        ``keep[j] >= j``); all sources are read into one transient tensor before any write,
+        so overlapping moves are safe.
+        """
+        src_all: list[np.ndarray] = []
+        dst_all: list[np.ndarray] = []
+        new_len = self.cell_len[layer].copy()
+        for bi in range(self.batch):
+            for hi in range(self.kv_heads):
+                idx = np.asarray(keep[bi][hi].detach().cpu().numpy(), dtype=np.int64)
+                n = int(self.cell_len[layer, bi, hi])
+                if idx.size and (idx.min() < 0 or idx.max() >= n or np.any(np.diff(idx) <= 0)):
+                    raise InputError(
+                        f"keep[{bi}][{hi}]", f"indices must be sorted, unique and in [0, {n})",
+                        "pass the output of select_keep for this cell",
+                    )
+                new_len[bi, hi] = idx.size
+                if idx.size == n:
+                    continue
+                row = self.block_table[layer, bi, hi]
+                src_all.append(row[idx // self.block_size] * self.block_size + idx % self.block_size)
+                j = np.arange(idx.size)
+                dst_all.append(row[j // self.block_size] * self.block_size + j % self.block_size)
+        if src_all:
+            src = torch.from_numpy(np.concatenate(src_all)).to(self.device)
+            dst = torch.from_numpy(np.concatenate(dst_all)).to(self.device)
+            d = self.head_dim
+            for pool in (self.k_pool.view(-1, d), self.v_pool.view(-1, d), self.pos_pool.view(-1, 1)):
+                moved = pool.index_select(0, src)
+                pool.index_copy_(0, dst, moved)
+        # Free the blocks past each cell's new length (and clear their positions).
+        for bi in range(self.batch):
+            for hi in range(self.kv_heads):
+                used = self.blocks_for(int(new_len[bi, hi]), self.block_size)
+                row = self.block_table[layer, bi, hi]
+                for col in range(used, row.shape[0]):
+                    if row[col] >= 0:
+                        self._free.append(int(row[col]))
+                        self.pos_pool[int(row[col])] = -1
+                        row[col] = -1
+        self.cell_len[layer] = new_len
+        self._table_dev.pop(layer, None)
+
+    def resize(self, capacity_blocks: int) -> None:
+        """Reallocate the pool with ``capacity_blocks`` blocks, copying only blocks in use.
+
+        Used after prefill to release the prefill headroom. Transient memory: old and new
+        pools coexist during the copy. Raises :class:`BudgetExceededError` if the blocks in
+        use do not fit.
+        """
+        used = self.block_table[self.block_table >= 0]
+        if used.size > capacity_blocks:
+            raise BudgetExceededError(f"{used.size} blocks in use do not fit in {capacity_blocks}")
+        order = np.sort(used)
+        remap = np.full(self.capacity_blocks, -1, dtype=np.int64)
+        remap[order] = np.arange(order.size)
+        src = torch.from_numpy(order).to(self.device)
+        new_k = torch.zeros(capacity_blocks, self.block_size, self.head_dim, dtype=self.dtype, device=self.device)
+        new_v = torch.zeros_like(new_k)
+        new_p = torch.full((capacity_blocks, self.block_size), -1, dtype=torch.int64, device=self.device)
+        new_k[: order.size] = self.k_pool.index_select(0, src)
+        new_v[: order.size] = self.v_pool.index_select(0, src)
+        new_p[: order.size] = self.pos_pool.index_select(0, src)
+        self.k_pool, self.v_pool, self.pos_pool = new_k, new_v, new_p
+        self.block_table = np.where(self.block_table >= 0, remap[np.maximum(self.block_table, 0)], -1)
+        self.capacity_blocks = int(capacity_blocks)
+        self._free = list(range(capacity_blocks - 1, order.size - 1, -1))
+        self._table_dev.clear()
+
+    # -- accounting --------------------------------------------------------------------
+    def bytes(self) -> ByteReport:
+        size = dtype_size(self.dtype)
+        live = int(self.cell_len.sum())
+        per_entry = 2 * self.head_dim * size
+        index = self.block_table.nbytes + self.cell_len.nbytes + self.pos_pool.numel() * 8
+        return ByteReport(
+            kind=self.kind,
+            live_tokens=live,
+            held_tokens=live,
+            bytes_live=live * per_entry,
+            bytes_in_use=self.blocks_in_use * self.block_size * per_entry,
+            bytes_allocated=self.capacity_blocks * self.block_size * per_entry,
+            bytes_index=int(index),
+        )
