@@ -179,3 +179,23 @@ def test_validate_false_skips_checks_but_gives_same_answer():
     b = make_batch(3, 5, 8, 3, 2, True, True)
     kept = random_kept(b, 4, 6)
     np.testing.assert_array_equal(K.batch_forced_error(*b, kept), K.batch_forced_error(*b, kept, validate=False))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_free_weight_kernel_on_larger_degenerate_rows(seed):
+    # Larger kept sets than the hypothesis batches: mu inside the hull (k > d), integer
+    # values with many duplicate / affinely dependent points, and k < d; the Gram warm
+    # start must hand over to the exact phase without changing the answer.
+    rng = np.random.default_rng(seed)
+    n, d, k = 96, [3, 8, 24][seed % 3], [6, 40, 90][seed // 2]
+    p = rng.dirichlet(np.full(n, 0.3))
+    v = rng.normal(size=(n, d))
+    if seed % 2:
+        v = np.round(v)
+    kept = R.top_mass_set(p, k)
+    e, w = K.row_free_weight(p, v, kept)
+    e_ref, _ = R.free_weight_error(p, v, kept)
+    assert abs(e - e_ref) <= tol(v)
+    lb, ub = R.free_weight_gap(p, v, kept, w)
+    x = v[kept] - R.dense_output(p, v)
+    assert ub * ub - lb * ub <= 1e-12 * float((x * x).sum(axis=1).max())

@@ -163,31 +163,162 @@ def _affine_min(xs: np.ndarray) -> np.ndarray:
 
 
 @njit(cache=True)
-def _wolfe(x: np.ndarray) -> np.ndarray:
-    """Wolfe min-norm-point weights ``(k,)`` for the convex hull of the rows of ``x`` ``(k, d)``.
+def _ratio_step(w: np.ndarray, active: np.ndarray, member: np.ndarray, na: int, alpha: np.ndarray) -> int:
+    """One boundary step of Wolfe's minor cycle; compacts ``active`` in place, returns its new size.
 
-    Step for step the algorithm of ``reference._wolfe_min_norm_point`` (see its docstring).
+    ``alpha`` ``(na,)`` are the affine-minimiser weights of the active points, some
+    ``<= WEIGHT_TOL``. Move ``w`` towards ``alpha`` as far as the simplex allows (ratio
+    test), drop the point that hits zero (and any others at zero), renormalise.
+    """
+    best_r = np.inf
+    best_t = -1
+    for t in range(na):
+        if alpha[t] <= WEIGHT_TOL:
+            cur = w[active[t]]
+            den = cur - alpha[t]
+            r = cur / den if den > 0.0 else 0.0
+            if r < best_r:
+                best_r = r
+                best_t = t
+    theta = min(max(best_r, 0.0), 1.0)
+    new = np.empty(na)
+    for t in range(na):
+        new[t] = (1.0 - theta) * w[active[t]] + theta * alpha[t]
+    keep = np.empty(na, dtype=np.bool_)
+    any_keep = False
+    for t in range(na):
+        keep[t] = new[t] > WEIGHT_TOL and t != best_t
+        any_keep = any_keep or keep[t]
+    if not any_keep:
+        keep[int(np.argmax(new))] = True
+    tot = 0.0
+    for t in range(na):
+        if keep[t]:
+            tot += new[t]
+    for t in range(na):
+        w[active[t]] = 0.0
+    m = 0
+    for t in range(na):
+        a = active[t]
+        if keep[t]:
+            w[a] = new[t] / tot
+            active[m] = a
+            m += 1
+        else:
+            member[a] = False
+    return m
+
+
+@njit(cache=True)
+def _gram_affine_min(g: np.ndarray, active: np.ndarray, na: int, shift: float) -> tuple[np.ndarray, bool]:
+    """Affine-minimiser weights of the active points from the Gram matrix ``g`` ``(k, k)``.
+
+    Solves ``(G_SS + shift 1 1^T) u = 1`` by Cholesky and returns ``alpha = u / sum(u)``
+    (for any ``shift > 0`` this is the minimiser of ``alpha^T G_SS alpha`` with sum 1;
+    ``shift = max_i ||x_i||^2`` matches the scales). Returns ``ok = False`` when the
+    matrix is numerically singular (points nearly affinely dependent): the caller then
+    falls back to the SVD least-squares path.
+    """
+    m = na
+    chol = np.zeros((m, m))
+    for j in range(m):
+        diag = g[active[j], active[j]] + shift
+        acc = diag
+        for c in range(j):
+            acc -= chol[j, c] * chol[j, c]
+        if not acc > 1e-12 * diag:
+            return np.empty(0), False
+        chol[j, j] = np.sqrt(acc)
+        for i in range(j + 1, m):
+            acc = g[active[i], active[j]] + shift
+            for c in range(j):
+                acc -= chol[i, c] * chol[j, c]
+            chol[i, j] = acc / chol[j, j]
+    z = np.empty(m)
+    for i in range(m):
+        acc = 1.0
+        for c in range(i):
+            acc -= chol[i, c] * z[c]
+        z[i] = acc / chol[i, i]
+    u = np.empty(m)
+    for i in range(m - 1, -1, -1):
+        acc = z[i]
+        for c in range(i + 1, m):
+            acc -= chol[c, i] * u[c]
+        u[i] = acc / chol[i, i]
+    tot = u.sum()
+    if not (tot > 0.0 and np.isfinite(tot)):
+        return np.empty(0), False
+    return u / tot, True
+
+
+@njit(cache=True)
+def _wolfe_gram(g: np.ndarray, scale: float, w: np.ndarray, active: np.ndarray, member: np.ndarray, na: int) -> int:
+    """Fast phase: Wolfe's algorithm on the Gram matrix ``g = X X^T`` (no ``d`` in the loop).
+
+    Updates ``w``, ``active``, ``member`` in place and returns the active-set size. Gram
+    arithmetic squares the conditioning, so this phase only provides a warm start; the
+    exact phase (:func:`_wolfe_direct`) re-checks and finishes on the coordinates.
+    """
+    k = g.shape[0]
+    dots = np.empty(k)
+    for _ in range(50 * k + 100):
+        for i in range(k):
+            acc = 0.0
+            for t in range(na):
+                acc += g[i, active[t]] * w[active[t]]
+            dots[i] = acc
+        yy = 0.0
+        for t in range(na):
+            yy += w[active[t]] * dots[active[t]]
+        jn = int(np.argmin(dots))
+        if yy - dots[jn] <= WOLFE_TOL * scale or member[jn]:
+            break
+        active[na] = jn
+        member[jn] = True
+        na += 1
+        while True:  # minor cycle
+            alpha, ok = _gram_affine_min(g, active, na, scale)
+            if not ok:
+                return na  # w is still a convex combination of the active points
+            if alpha.min() > WEIGHT_TOL:
+                for t in range(na):
+                    w[active[t]] = alpha[t]
+                break
+            na = _ratio_step(w, active, member, na, alpha)
+        if not member[jn]:
+            break
+    return na
+
+
+@njit(cache=True)
+def _minor_cycle(x: np.ndarray, w: np.ndarray, active: np.ndarray, member: np.ndarray, na: int) -> int:
+    """Wolfe's minor cycle on the coordinates ``x`` (SVD least squares); returns the active size."""
+    d = x.shape[1]
+    while True:
+        xs = np.empty((na, d))
+        for t in range(na):
+            xs[t, :] = x[active[t], :]
+        alpha = _affine_min(xs)
+        if alpha.min() > WEIGHT_TOL:
+            for t in range(na):
+                w[active[t]] = alpha[t]
+            return na
+        na = _ratio_step(w, active, member, na, alpha)
+
+
+@njit(cache=True)
+def _wolfe_direct(x: np.ndarray, scale: float, w: np.ndarray, active: np.ndarray, member: np.ndarray, na: int) -> int:
+    """Exact phase: Wolfe's algorithm on the coordinates, warm-started from ``(w, active)``.
+
+    Starts with a minor cycle (so ``w`` becomes the affine minimiser of a face, computed
+    from the coordinates), then runs major cycles with the stopping test of the reference:
+    ``||y||^2 - min_i <y, x_i> <= WOLFE_TOL * scale``.
     """
     k, d = x.shape
-    sq = np.empty(k)
-    for i in range(k):
-        acc = 0.0
-        for j in range(d):
-            acc += x[i, j] * x[i, j]
-        sq[i] = acc
-    scale = sq.max()
-    w = np.zeros(k)
-    j0 = int(np.argmin(sq))
-    w[j0] = 1.0
-    if scale == 0.0:
-        return w
-    active = np.empty(k, dtype=np.int64)
-    member = np.zeros(k, dtype=np.bool_)
-    active[0] = j0
-    member[j0] = True
-    na = 1
     y = np.empty(d)
     dots = np.empty(k)
+    na = _minor_cycle(x, w, active, member, na)
     for _ in range(50 * (k + d) + 100):
         for j in range(d):
             y[j] = 0.0
@@ -209,55 +340,38 @@ def _wolfe(x: np.ndarray) -> np.ndarray:
         active[na] = jn
         member[jn] = True
         na += 1
-        while True:  # minor cycle
-            xs = np.empty((na, d))
-            for t in range(na):
-                xs[t, :] = x[active[t], :]
-            alpha = _affine_min(xs)
-            if alpha.min() > WEIGHT_TOL:
-                for t in range(na):
-                    w[active[t]] = alpha[t]
-                break
-            # ratio test: largest step towards alpha keeping weights >= 0
-            best_r = np.inf
-            best_t = -1
-            for t in range(na):
-                if alpha[t] <= WEIGHT_TOL:
-                    cur = w[active[t]]
-                    den = cur - alpha[t]
-                    r = cur / den if den > 0.0 else 0.0
-                    if r < best_r:
-                        best_r = r
-                        best_t = t
-            theta = min(max(best_r, 0.0), 1.0)
-            new = np.empty(na)
-            for t in range(na):
-                new[t] = (1.0 - theta) * w[active[t]] + theta * alpha[t]
-            keep = np.empty(na, dtype=np.bool_)
-            any_keep = False
-            for t in range(na):
-                keep[t] = new[t] > WEIGHT_TOL and t != best_t
-                any_keep = any_keep or keep[t]
-            if not any_keep:
-                keep[int(np.argmax(new))] = True
-            tot = 0.0
-            for t in range(na):
-                if keep[t]:
-                    tot += new[t]
-            for t in range(na):
-                w[active[t]] = 0.0
-            m = 0
-            for t in range(na):
-                a = active[t]
-                if keep[t]:
-                    w[a] = new[t] / tot
-                    active[m] = a
-                    m += 1
-                else:
-                    member[a] = False
-            na = m
+        na = _minor_cycle(x, w, active, member, na)
         if not member[jn]:
             break
+    return na
+
+
+@njit(cache=True)
+def _wolfe(x: np.ndarray) -> np.ndarray:
+    """Wolfe min-norm-point weights ``(k,)`` for the convex hull of the rows of ``x`` ``(k, d)``.
+
+    Two phases: a fast one on the Gram matrix (Cholesky solves of size |active|), then the
+    exact one on the coordinates with the same SVD least squares and stopping test as
+    ``reference._wolfe_min_norm_point``; the exact phase usually confirms the warm start in
+    one minor and one major cycle.
+    """
+    k, d = x.shape
+    g = x @ x.T
+    sq = np.empty(k)
+    for i in range(k):
+        sq[i] = g[i, i]
+    scale = sq.max()
+    w = np.zeros(k)
+    j0 = int(np.argmin(sq))
+    w[j0] = 1.0
+    if scale == 0.0:
+        return w
+    active = np.empty(k, dtype=np.int64)
+    member = np.zeros(k, dtype=np.bool_)
+    active[0] = j0
+    member[j0] = True
+    na = _wolfe_gram(g, scale, w, active, member, 1)
+    _wolfe_direct(x, scale, w, active, member, na)
     return w
 
 
