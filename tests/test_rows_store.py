@@ -256,3 +256,27 @@ def test_copy_of_dataset_reads_identically(tmp_path: Path) -> None:
     shutil.copytree(tmp_path / "ds", tmp_path / "moved")
     b = next(RowStore.open(tmp_path / "moved").iter_batches(max_rows=1000))
     _check_rows(b, expected, 0)
+
+
+def test_prompts_and_blocks_without_rows(tmp_path: Path) -> None:
+    """A prompt with no rows, and a block no row reads, are committed consistently."""
+    path = tmp_path / "ds"
+    with RowWriter(path, model="toy", capture_mode="synthetic", head_dim=D,
+                   rows_per_shard=1) as w:
+        w.add_prompt(0, [7])
+        w.end_prompt(0)  # no blocks, no rows
+        w.add_prompt(1, [8])
+        w.add_block(1, 0, 0, None, np.ones((3, D)), [0, 1, 2])  # block 0, unused
+        w.end_prompt(1)
+        w.flush()
+        w.add_prompt(2, [9])
+        b = w.add_block(2, 0, 1, None, np.ones((2, D)), [0, 1])
+        assert b == 1
+        w.add_logit_rows(b, [np.zeros(2)], [0], [1])
+        w.end_prompt(2)
+    store = RowStore.open(path)
+    assert store.manifest["counts"] == {"rows": 1, "prompts": 3, "blocks": 2,
+                                        "query_rows": 0, "logit_rows": 1}
+    assert store.meta["block"].to_list() == [1]
+    store.verify()
+    np.testing.assert_allclose(store.get_rows([0]).p, [0.5, 0.5])

@@ -588,7 +588,7 @@ class RowWriter:
             return
         man = self._manifest
         shard_no = len(man["shards"])
-        if p.n_rows:
+        if p.blocks:  # blocks without rows are still stored (counted, ids stay dense)
             index = self._build_index(p, shard_no)
             fname = shard_name(shard_no)
             write_npz(self.path / fname, self._shard_arrays(p))
@@ -598,11 +598,13 @@ class RowWriter:
                 "blocks": len(p.blocks), "first_row": self._next_row,
                 "first_block": self._next_block,
             })
-            self._index_parts.append(index)
+            if index.height:
+                self._index_parts.append(index)
             # The index and prompts only ever grow; readers ignore rows of shards the
             # manifest does not list yet, so writing them before the manifest is safe.
             with atomic_path(self.path / INDEX_FILE, suffix=".parquet") as tmp:
-                pl.concat(self._index_parts, how="vertical").write_parquet(tmp)
+                (pl.concat(self._index_parts, how="vertical") if self._index_parts
+                 else pl.DataFrame(schema=INDEX_SCHEMA)).write_parquet(tmp)
         prompts = pl.DataFrame(p.prompts, schema=PROMPT_SCHEMA)
         self._prompt_parts.append(prompts)
         with atomic_path(self.path / PROMPTS_FILE, suffix=".parquet") as tmp:
@@ -621,6 +623,8 @@ class RowWriter:
         self._pending = _Pending()
 
     def _build_index(self, p: _Pending, shard_no: int) -> pl.DataFrame:
+        if not p.rows:
+            return pl.DataFrame(schema=INDEX_SCHEMA)
         cols = {k: np.concatenate([r[k] for r in p.rows]) for k in p.rows[0]}
         cols["row_id"] = np.arange(self._next_row, self._next_row + p.n_rows, dtype=np.int64)
         cols["shard"] = np.full(p.n_rows, shard_no, np.int64)
@@ -630,9 +634,9 @@ class RowWriter:
     def _shard_arrays(self, p: _Pending) -> dict[str, np.ndarray]:
         d = self.head_dim
         bl = p.blocks
-        kinds = np.concatenate([r["kind"] for r in p.rows])
+        kinds = np.concatenate([r["kind"] for r in p.rows] or [np.zeros(0, object)])
         row_ids = np.arange(self._next_row, self._next_row + p.n_rows, dtype=np.int64)
-        local = np.concatenate([r["local"] for r in p.rows])
+        local = np.concatenate([r["local"] for r in p.rows] or [np.zeros(0, np.int64)])
         is_q = kinds == "query"
         q_ids = np.empty(p.n_query, np.int64)
         q_ids[local[is_q]] = row_ids[is_q]
