@@ -60,7 +60,7 @@ class CaptureSpec:
         """Folder name under runs/cache/rows that identifies these rows."""
         if self.synthetic:
             return f"synthetic-r{self.synthetic_rows}-k{self.synthetic_keys}-d{self.synthetic_dim}-seed{self.seed}"
-        return f"{self.model}-{self.source}-ctx{self.context}-pos{self.positions}-pr{self.prompts}"
+        return f"{self.model}-{self.source}-ctx{self.context}-pos{self.positions}-pr{self.prompts}-seed{self.seed}"
 
     def label(self) -> str:
         """Model name as it appears in tables."""
@@ -123,7 +123,8 @@ def ensure_rows(spec: CaptureSpec, cache: Path, log: Any) -> tuple[Path, bool, f
             args.append("--overwrite")
     else:
         args = ["capture", "--model", spec.model, "--source", spec.source, "--context", str(spec.context),
-                "--positions", str(spec.positions), "--prompts", str(spec.prompts), "--out", str(rows)]
+                "--positions", str(spec.positions), "--prompts", str(spec.prompts), "--seed", str(spec.seed),
+                "--out", str(rows)]
     secs = _evictlab(args, log)
     from evictlab.io import atomic_write_json
 
