@@ -291,3 +291,20 @@ def test_scorers_deterministic_and_batch_independent(name: str) -> None:
     single = ScoreInputs(inp.layer, inp.n_layers, inp.keys[:1], inp.values[:1], inp.positions,
                          inp.queries[:1], inp.q_positions, SCALE, inp.extra_queries[:1])
     torch.testing.assert_close(REGISTRY[name]().score(single), a[:1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+@pytest.mark.parametrize(("hk", "g"), [(1, 1), (1, 3), (3, 2)])
+def test_gqa_group_of_copies_equals_one_head(name: str, hk: int, g: int) -> None:
+    """A group whose query heads are identical copies scores like a single head (MHA)."""
+    gen = torch.Generator().manual_seed(11)
+    s, q, m = 18, 5, 4
+    keys, values = torch.randn(1, hk, s, D, generator=gen), torch.randn(1, hk, s, D, generator=gen)
+    one_q, one_x = torch.randn(1, hk, q, D, generator=gen), torch.randn(1, hk, m, D, generator=gen)
+    pos, qpos = torch.arange(s), torch.arange(s - q, s)
+    mha = ScoreInputs(0, 1, keys, values, pos, one_q, qpos, SCALE, one_x)
+    gqa = ScoreInputs(0, 1, keys, values, pos, one_q.repeat_interleave(g, dim=1), qpos, SCALE,
+                      one_x.repeat_interleave(g, dim=1))
+    a, b = REGISTRY[name]().score(mha), REGISTRY[name]().score(gqa)
+    assert b.shape == (1, hk, s)
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
