@@ -191,6 +191,8 @@ def test_nan_in_stored_arrays_names_the_row(ds: Path, array: str, row_kind: str)
     (lambda a: a.update(positions=a["positions"][:-1]), "positions"),
     (lambda a: a.update(val_off=a["val_off"] + 1), "val_off"),
     (lambda a: a.pop("keys"), "lacks arrays"),
+    (lambda a: a.update(positions=a["positions"].astype(np.float64)), "positions has dtype"),
+    (lambda a: a.update(queries=a["queries"][:, 0].copy()), "queries has shape"),
     (lambda a: a.update(query_row_id=a["query_row_id"][::-1].copy()), "row ids stored"),
     (lambda a: a.update(block_layer=a["block_layer"] + 1), "layer of a row"),
 ])

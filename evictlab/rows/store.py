@@ -38,6 +38,7 @@ from evictlab.rows.schema import (
     PROMPT_SCHEMA,
     PROMPTS_FILE,
     SCHEMA_VERSION,
+    SHARD_ARRAYS,
     check_manifest,
     shard_name,
 )
@@ -755,11 +756,14 @@ class _Shard:
         def bad(what: str) -> CorruptFileError:
             return CorruptFileError(str(path), what, _REGEN)
 
-        from evictlab.rows.schema import SHARD_ARRAYS
-
         missing = [k for k in SHARD_ARRAYS if k not in a]
         if missing:
             raise bad(f"lacks arrays {missing}")
+        for k, (dtypes, _shape) in SHARD_ARRAYS.items():
+            if a[k].dtype.name not in dtypes.split("|"):
+                raise bad(f"array {k} has dtype {a[k].dtype}, expected {dtypes}")
+            if a[k].ndim != (2 if k in ("values", "keys", "queries") else 1):
+                raise bad(f"array {k} has shape {a[k].shape}, expected {_shape}")
         B = a["block_id"].shape[0]
         for k in ("block_prompt", "block_layer", "block_kv_head"):
             if a[k].shape != (B,):
