@@ -308,3 +308,18 @@ def test_gqa_group_of_copies_equals_one_head(name: str, hk: int, g: int) -> None
     a, b = REGISTRY[name]().score(mha), REGISTRY[name]().score(gqa)
     assert b.shape == (1, hk, s)
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_scorers_and_select_keep_on_cuda_match_cpu(name: str) -> None:
+    cpu = make_inputs(seed=12)
+    dev = ScoreInputs(cpu.layer, cpu.n_layers, cpu.keys.cuda(), cpu.values.cuda(), cpu.positions.cuda(),
+                      cpu.queries.cuda(), cpu.q_positions.cuda(), SCALE, cpu.extra_queries.cuda())
+    a, b = REGISTRY[name]().score(cpu), REGISTRY[name]().score(dev)
+    assert b.device.type == "cuda"
+    torch.testing.assert_close(b.cpu(), a, rtol=1e-4, atol=1e-5)
+    from evictlab.methods import select_keep
+
+    keep = select_keep(b, [10, 12], dev.positions, sinks=2, recent=3)
+    assert keep[0][0].device.type == "cuda" and len(keep[1][1]) == 12
