@@ -802,7 +802,8 @@ class _Shard:
         return j
 
 
-def _query_p_py(Kt, Q, scale, lo, hi, out, out_off):  # pragma: no cover - numba-compiled
+def _query_p_py(Kt: np.ndarray, Q: np.ndarray, scale: np.ndarray, lo: np.ndarray,
+                hi: np.ndarray, out: np.ndarray, out_off: np.ndarray) -> int:  # pragma: no cover
     """p of query rows reading one block, written into ``out``; returns -1 or a bad row.
 
     ``Kt``: float64 ``[d, W]`` (the block's keys, transposed, columns c0..c0+W);
@@ -838,7 +839,8 @@ def _query_p_py(Kt, Q, scale, lo, hi, out, out_off):  # pragma: no cover - numba
     return -1
 
 
-def _logits_p_py(x, starts, n, out, out_off):  # pragma: no cover - numba-compiled
+def _logits_p_py(x: np.ndarray, starts: np.ndarray, n: np.ndarray, out: np.ndarray,
+                 out_off: np.ndarray) -> int:  # pragma: no cover (numba-compiled)
     """p = softmax of stored logits ``x[starts[i] : starts[i] + n[i]]`` (float32/64) into
     ``out[out_off[i]:...]``, float64, one row at a time; returns -1 or the first bad row."""
     for i in range(n.shape[0]):
