@@ -1,0 +1,99 @@
+"""CP-SAT against the exact (count, sum) DP as ZERO-ES instances grow, both timed in the same run.
+
+For each source size n: ``--per-size`` balanced instances (planted yes / proved no) from
+``evictlab.hardness.generators.balanced``; each source and its image (2n+1 values) is decided
+by CP-SAT (one worker) and by the DP; answers must agree (the script exits 1 otherwise).
+Reports, per size and answer, median milliseconds per decision and the ratio CP-SAT / DP of
+the medians (max times go to ``--out``).
+
+Regimes (``--regime``): ``sparse`` draws values from [-2^n, 2^n] (the default of ``check``:
+distinct subset sums, the DP's state count grows like 2^n); ``dense`` draws them from [-n, n]
+(few distinct sums, the DP's state count stays polynomial).
+
+    .venv/bin/python benchmarks/bench_hardness.py --sizes 4,8,12,16,20 --per-size 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from evictlab.hardness.deciders import decide_image, decide_source
+from evictlab.hardness.generators import balanced, default_magnitude
+from evictlab.hardness.reduction import reduce_instance
+
+
+SOLVERS = ("source_cpsat", "source_dp", "image_cpsat", "image_dp")
+
+
+def bench(sizes: list[int], per_size: int, seed: int, regime: str) -> list[dict[str, object]]:
+    """One row per (size, answer): median / max milliseconds of each solver, and CP-SAT / DP ratios."""
+    rows: list[dict[str, object]] = []
+    for n in sizes:
+        magnitude = default_magnitude(n) if regime == "sparse" else max(1, n)
+        instances = balanced(seed + n, per_size, n, magnitude)
+        times: dict[bool, dict[str, list[float]]] = {True: {s: [] for s in SOLVERS}, False: {s: [] for s in SOLVERS}}
+        for gen in instances:
+            image = reduce_instance(gen.source)
+            ds = {
+                "source_cpsat": decide_source(gen.source, "cpsat"),
+                "source_dp": decide_source(gen.source, "dp"),
+                "image_cpsat": decide_image(image, "cpsat"),
+                "image_dp": decide_image(image, "dp"),
+            }
+            if {d.yes for d in ds.values()} != {gen.expected_yes}:
+                print(f"DISAGREEMENT at n={n}: {gen.source} -> {[(k, d.yes) for k, d in ds.items()]}", file=sys.stderr)
+                sys.exit(1)
+            for name, d in ds.items():
+                times[gen.expected_yes][name].append(d.seconds)
+        for answer in (True, False):
+            ts = times[answer]
+            if not ts["source_dp"]:
+                continue
+            row: dict[str, object] = {"regime": regime, "n": n, "image_n": 2 * n + 1, "magnitude": magnitude,
+                                      "answer": "yes" if answer else "no", "instances": len(ts["source_dp"])}
+            for name in SOLVERS:
+                row[f"{name}_median_ms"] = 1e3 * statistics.median(ts[name])
+                row[f"{name}_max_ms"] = 1e3 * max(ts[name])
+            row["source_ratio"] = row["source_cpsat_median_ms"] / row["source_dp_median_ms"]  # type: ignore[operator]
+            row["image_ratio"] = row["image_cpsat_median_ms"] / row["image_dp_median_ms"]  # type: ignore[operator]
+            rows.append(row)
+            print(
+                f"| {regime} | {n} | {2 * n + 1} | {row['answer']} | {row['source_cpsat_median_ms']:.2f} | "
+                f"{row['source_dp_median_ms']:.2f} | {row['source_ratio']:.2f} | {row['image_cpsat_median_ms']:.2f} | "
+                f"{row['image_dp_median_ms']:.2f} | {row['image_ratio']:.2f} |",
+                flush=True,
+            )
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="4,8,12,16,20", help="comma-separated source sizes n")
+    ap.add_argument("--per-size", type=int, default=10, help="instances per size (half yes, half no)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--regime", choices=("sparse", "dense", "both"), default="both")
+    ap.add_argument("--out", type=Path, default=None, help="optional JSON file for the rows and a run record")
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+    regimes = ("sparse", "dense") if args.regime == "both" else (args.regime,)
+    t0 = time.perf_counter()
+    print("| regime | n | N | answer | source CP-SAT ms | source DP ms | CP-SAT/DP | image CP-SAT ms | image DP ms | CP-SAT/DP |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    rows = [r for regime in regimes for r in bench(sizes, args.per_size, args.seed, regime)]
+    print(f"total wall time {time.perf_counter() - t0:.1f} s; all answers agreed")
+    if args.out is not None:
+        from evictlab.io import atomic_write_json
+        from evictlab.report.record import RunRecord
+
+        atomic_write_json(args.out, rows)
+        RunRecord(kind="bench-hardness", seed=args.seed, config=vars(args) | {"out": str(args.out)}).write(
+            args.out.with_suffix(".record.json"))
+
+
+if __name__ == "__main__":
+    main()
