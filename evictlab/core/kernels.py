@@ -10,7 +10,9 @@ Two layers:
 
 * ``batch_*`` public wrappers: validate their inputs with :mod:`evictlab.core.validate`
   (vectorised, linear time; pass ``validate=False`` when the batch was already checked,
-  e.g. inside a solver loop), then call a jitted kernel parallel over rows (``prange``).
+  e.g. inside a solver loop), then call a jitted kernel parallel over rows (``prange``);
+  batches below ``PARALLEL_MIN_WORK`` multiply-adds run on one thread, because forking
+  the thread pool costs more than it saves there.
 * ``row_*`` / ``rank_desc``: small jitted building blocks on one row, with **no
   validation**, for use inside other Numba code (e.g. ``evictlab.solve``).
 
@@ -25,6 +27,7 @@ All kernels use ``cache=True`` so the first import in a fresh environment compil
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 from numba import njit, prange
 
@@ -41,6 +44,9 @@ from evictlab.errors import InputError
 WOLFE_TOL = 1e-14
 #: Weights at or below this are treated as zero when leaving a face.
 WEIGHT_TOL = 1e-13
+#: Below this many multiply-adds a batch runs on one thread: forking the thread pool costs
+#: more than it saves (and on an oversubscribed machine far more; docs/performance.md).
+PARALLEL_MIN_WORK = 2_000_000
 
 __all__ = [
     "batch_dense_output",
@@ -555,6 +561,18 @@ def _k_entropy(p, p_off):
 # ---------------------------------------------------------------------------------------
 
 
+def _call(kernel, work: float, *args):
+    """Run a parallel kernel, on one thread when ``work`` (multiply-adds) is small."""
+    threads = numba.get_num_threads()
+    if work >= PARALLEL_MIN_WORK or threads == 1:
+        return kernel(*args)
+    numba.set_num_threads(1)
+    try:
+        return kernel(*args)
+    finally:
+        numba.set_num_threads(threads)
+
+
 def _batch(p, p_off, values, v_start, validate):
     """Validated and converted batch arrays (or plain dtype conversion when trusted)."""
     if validate:
@@ -595,7 +613,7 @@ def batch_dense_output(
 ) -> np.ndarray:
     """Dense outputs ``mu_i = sum_j p_j v_j`` of every row: float64 ``(N, d)``."""
     b = _batch(p, p_off, values, v_start, validate)
-    return _k_dense_output(b[0], b[1], b[2], b[3])
+    return _call(_k_dense_output, b[0].shape[0] * b[2].shape[1], *b)
 
 
 def batch_top_mass(p: np.ndarray, p_off: np.ndarray, s: int, *, validate: bool = True) -> np.ndarray:
@@ -606,7 +624,7 @@ def batch_top_mass(p: np.ndarray, p_off: np.ndarray, s: int, *, validate: bool =
     """
     p_arr, off = _masses(p, p_off, validate)
     s = _check_budget_rows(s, off)
-    return _k_top_mass(p_arr, off, s)
+    return _call(_k_top_mass, 20.0 * p_arr.shape[0], p_arr, off, s)
 
 
 def batch_candidate_pool(
@@ -635,7 +653,7 @@ def batch_candidate_pool(
     r_m = check_count(r_m, "r_m")
     r_e = check_count(r_e, "r_e")
     c_max = int(min(int(np.diff(b[1]).max()), s + r_m + r_e))
-    return _k_candidate_pool(b[0], b[1], b[2], b[3], s, r_m, r_e, c_max)
+    return _call(_k_candidate_pool, b[0].shape[0] * (b[2].shape[1] + 40.0), *b, s, r_m, r_e, c_max)
 
 
 def batch_forced_error(
@@ -647,14 +665,14 @@ def batch_forced_error(
     """
     b = _batch(p, p_off, values, v_start, validate)
     k = _kept(kept, b[1], validate)
-    return _k_forced_error(b[0], b[1], b[2], b[3], k)
+    return _call(_k_forced_error, b[0].shape[0] * b[2].shape[1], *b, k)
 
 
 def batch_dropped_mass(p: np.ndarray, p_off: np.ndarray, kept: np.ndarray, *, validate: bool = True) -> np.ndarray:
     """Dropped masses ``D(A_i)`` (of the normalised rows) of every row: float64 ``(N,)`` in ``[0, 1]``."""
     p_arr, off = _masses(p, p_off, validate)
     k = _kept(kept, off, validate)
-    return _k_dropped_mass(p_arr, off, k)
+    return _call(_k_dropped_mass, 2.0 * p_arr.shape[0], p_arr, off, k)
 
 
 def batch_free_weight_error(
@@ -667,7 +685,8 @@ def batch_free_weight_error(
     """
     b = _batch(p, p_off, values, v_start, validate)
     k = _kept(kept, b[1], validate)
-    return _k_free_weight_error(b[0], b[1], b[2], b[3], k)
+    # Wolfe: Gram matrix k^2 d per row plus a few least-squares solves of similar cost.
+    return _call(_k_free_weight_error, 4.0 * k.shape[0] * k.shape[1] ** 2 * b[2].shape[1], *b, k)
 
 
 def batch_single_key_errors(
@@ -675,10 +694,10 @@ def batch_single_key_errors(
 ) -> np.ndarray:
     """Single-key errors ``||mu_i - v_j||`` of every key of every row: float64 ``[sum n_i]`` (laid out like ``p``)."""
     b = _batch(p, p_off, values, v_start, validate)
-    return _k_single_key_errors(b[0], b[1], b[2], b[3])
+    return _call(_k_single_key_errors, 2.0 * b[0].shape[0] * b[2].shape[1], *b)
 
 
 def batch_entropy(p: np.ndarray, p_off: np.ndarray, *, validate: bool = True) -> np.ndarray:
     """Shannon entropies (nats) of the normalised rows: float64 ``(N,)``."""
     p_arr, off = _masses(p, p_off, validate)
-    return _k_entropy(p_arr, off)
+    return _call(_k_entropy, 20.0 * p_arr.shape[0], p_arr, off)
