@@ -389,7 +389,7 @@ def demo(
     console = Console(stderr=True)
 
     def log(msg: str) -> None:
-        console.print(f"[bold cyan][demo][/bold cyan] {msg}", highlight=False)
+        console.print(f"[bold cyan]\\[demo][/bold cyan] {msg}", highlight=False)
 
     if not threshold > 0:
         raise InputError("--threshold", f"must be positive, got {threshold}", "use e.g. 1.11")
