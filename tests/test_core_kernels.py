@@ -199,3 +199,14 @@ def test_free_weight_kernel_on_larger_degenerate_rows(seed):
     lb, ub = R.free_weight_gap(p, v, kept, w)
     x = v[kept] - R.dense_output(p, v)
     assert ub * ub - lb * ub <= 1e-12 * float((x * x).sum(axis=1).max())
+
+
+@given(st.lists(st.sampled_from([0.0, -0.0, 0.1, 0.25, 0.5, 1.0, -np.inf]), min_size=1, max_size=40), st.integers(0, 40))
+def test_top_k_desc_is_a_prefix_of_the_full_ranking(scores, k):
+    # Few distinct values -> many exact ties, where the partial selection must still apply
+    # the tie rule (larger index first); checked against sorting (score, index) tuples.
+    score = np.array(scores)
+    k = min(k, score.shape[0])
+    expect = [i for _, i in sorted(((float(score[i]), i) for i in range(score.shape[0])), reverse=True)]
+    assert K.rank_desc(score).tolist() == expect
+    assert K.top_k_desc(score, k).tolist() == expect[:k]

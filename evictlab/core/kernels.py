@@ -58,6 +58,7 @@ __all__ = [
     "batch_single_key_errors",
     "batch_entropy",
     "rank_desc",
+    "top_k_desc",
     "row_dense_output",
     "row_forced_error",
     "row_free_weight",
@@ -83,6 +84,50 @@ def rank_desc(score: np.ndarray) -> np.ndarray:
     out = np.empty(n, dtype=np.int64)
     for i in range(n):
         out[i] = n - 1 - order[i]
+    return out
+
+
+@njit(cache=True)
+def top_k_desc(score: np.ndarray, k: int) -> np.ndarray:
+    """The first ``k`` entries of ``rank_desc(score)``, int64 ``(k,)``, in O(n + k log k).
+
+    Selects the k-th largest value with ``np.partition`` (linear), keeps everything above
+    it plus the largest indices among the values equal to it (the tie rule), then sorts
+    only those ``k`` keys. ``0 <= k <= n``.
+    """
+    n = score.shape[0]
+    if k >= n:
+        return rank_desc(score)
+    if k <= 0:
+        return np.empty(0, dtype=np.int64)
+    thr = np.partition(score, n - k)[n - k]
+    n_above = 0
+    for i in range(n):
+        if score[i] > thr:
+            n_above += 1
+    need_eq = k - n_above  # >= 1 by the choice of thr
+    chosen = np.zeros(n, dtype=np.bool_)
+    for i in range(n):
+        if score[i] > thr:
+            chosen[i] = True
+    for i in range(n - 1, -1, -1):  # ties at the threshold: larger index first
+        if need_eq == 0:
+            break
+        if score[i] == thr:
+            chosen[i] = True
+            need_eq -= 1
+    idx = np.empty(k, dtype=np.int64)
+    sub = np.empty(k)
+    c = 0
+    for i in range(n):  # ascending index, so rank_desc's tie rule carries over
+        if chosen[i]:
+            idx[c] = i
+            sub[c] = score[i]
+            c += 1
+    order = rank_desc(sub)
+    out = np.empty(k, dtype=np.int64)
+    for t in range(k):
+        out[t] = idx[order[t]]
     return out
 
 
@@ -441,8 +486,7 @@ def _k_top_mass(p, p_off, s):
     n_rows = p_off.shape[0] - 1
     out = np.empty((n_rows, s), dtype=np.int64)
     for r in prange(n_rows):
-        order = rank_desc(p[p_off[r] : p_off[r + 1]])
-        out[r, :] = order[:s]
+        out[r, :] = top_k_desc(p[p_off[r] : p_off[r + 1]], s)
     return out
 
 
@@ -457,8 +501,8 @@ def _k_candidate_pool(p, p_off, values, v_start, s, r_m, r_e, c_max):
         n = hi - lo
         p_row = p[lo:hi]
         v_row = values[v_start[r] : v_start[r] + n]
-        order = rank_desc(p_row)
         n_top = min(n, s + r_m)
+        order = top_k_desc(p_row, n_top)
         err = np.empty(n)
         mu = np.empty(d)
         row_dense_output(p_row, v_row, mu)
@@ -472,7 +516,7 @@ def _k_candidate_pool(p, p_off, values, v_start, s, r_m, r_e, c_max):
             pool[r, t] = order[t]
             err[order[t]] = -np.inf  # already in the pool: rank last
         n_extra = min(n - n_top, r_e)
-        eorder = rank_desc(err)
+        eorder = top_k_desc(err, n_extra)
         for t in range(n_extra):
             pool[r, n_top + t] = eorder[t]
         size[r] = n_top + n_extra
