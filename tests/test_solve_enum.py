@@ -149,3 +149,27 @@ def test_drift_guard_long_enumeration() -> None:
     out = batch_solve(p, np.array([0, n]), V, np.array([0]), np.array([s]), n, 0, 0)
     bf_val, _ = sref.pool_bruteforce(p, V, np.arange(n), s)
     assert out[1][0, 0] == pytest.approx(bf_val, rel=1e-9)
+
+
+@given(inst=instances, k=st.integers(0, 14))
+def test_top_desc_is_prefix_of_rank_desc(inst, k) -> None:
+    from evictlab.solve.kernels import top_desc
+
+    p, _ = inst
+    k = min(k, p.shape[0])
+    assert top_desc(p, k).tolist() == rank_desc(p)[:k].tolist()
+
+
+@given(inst=instances, s=st.integers(1, 14))
+@settings(max_examples=30)
+def test_free_weight_errors_match_core_reference(inst, s) -> None:
+    from evictlab.core.reference import free_weight_error
+
+    p, V = inst
+    n = p.shape[0]
+    s = min(s, n)
+    out = batch_solve(p, np.array([0, n]), V, np.array([0]), np.array([s]), 2, 2, 8)
+    scale = max(1.0, float(np.abs(V).max()))
+    for kept, ef in ((out[4][0, 0, :s], out[11][0, 0]), (out[5][0, 0, :s], out[12][0, 0])):
+        assert ef == pytest.approx(free_weight_error(p, V, kept)[0], rel=1e-7, abs=1e-9 * scale)
+        assert ef <= sref.forced_error(p, V, kept) + 1e-12 * scale

@@ -29,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from evictlab.core.kernels import row_free_weight
 from evictlab.solve.revolving import rd_init, rd_next
 
 #: Steps between exact recomputations of the running sums during enumeration (drift guard).
@@ -55,6 +56,45 @@ def rank_desc(score: np.ndarray) -> np.ndarray:
     out = np.empty(n, dtype=np.int64)
     for i in range(n):
         out[i] = n - 1 - o[i]
+    return out
+
+
+@njit(cache=True)
+def top_desc(score: np.ndarray, k: int) -> np.ndarray:
+    """The first ``k`` entries of :func:`rank_desc` (same tie rule), int64 ``(k,)``, O(n + k log k).
+
+    ``np.partition`` finds the k-th largest value; every key above it and, among the keys
+    equal to it, the largest indices are kept; only those k are sorted.
+    """
+    n = score.shape[0]
+    if k >= n:
+        return rank_desc(score)
+    if k <= 0:
+        return np.empty(0, dtype=np.int64)
+    kth = -np.partition(-score, k - 1)[k - 1]
+    sel = np.empty(k, dtype=np.int64)
+    m = 0
+    for i in range(n):
+        if score[i] > kth:
+            sel[m] = i
+            m += 1
+    for i in range(n - 1, -1, -1):  # ties at the threshold: larger index first
+        if m == k:
+            break
+        if score[i] == kth:
+            sel[m] = i
+            m += 1
+    sub = np.empty(k)
+    for a in range(k):
+        sub[a] = score[sel[a]]
+    # rank the k survivors; sel is not index-sorted, so sort (score desc, index desc) directly
+    order = np.argsort(sel)  # index ascending
+    sel2 = sel[order]
+    sub2 = sub[order]
+    r = rank_desc(sub2)
+    out = np.empty(k, dtype=np.int64)
+    for a in range(k):
+        out[a] = sel2[r[a]]
     return out
 
 
@@ -94,14 +134,14 @@ def forced_error_exact(p: np.ndarray, V: np.ndarray, mu: np.ndarray, kept: np.nd
 
 
 @njit(cache=True)
-def candidate_pool_row(order_p: np.ndarray, order_err: np.ndarray, s: int, r_m: int, r_e: int) -> np.ndarray:
+def candidate_pool_row(order_p: np.ndarray, order_err: np.ndarray, n: int, s: int, r_m: int, r_e: int) -> np.ndarray:
     """Pool ``C_s(r_m, r_e)`` from the two rankings, int64 ``(c,)``; ``pool[:s]`` is ``T_s``.
 
     ``order_p``: keys by mass descending (ties: larger index first); ``order_err``: keys by
-    single-key error ``||mu - v_i||`` descending (same tie rule). Same order as
-    ``evictlab.core.reference.candidate_pool``.
+    single-key error ``||mu - v_i||`` descending (same tie rule); both may be truncated to
+    their first ``s + r_m`` and ``s + r_m + r_e`` entries (enough to build the pool). ``n``:
+    number of keys of the row. Same order as ``evictlab.core.reference.candidate_pool``.
     """
-    n = order_p.shape[0]
     n_top = min(n, s + r_m)
     n_extra = min(n - n_top, r_e)
     pool = np.empty(n_top + n_extra, dtype=np.int64)
@@ -110,7 +150,7 @@ def candidate_pool_row(order_p: np.ndarray, order_err: np.ndarray, s: int, r_m: 
         pool[a] = order_p[a]
         in_top[order_p[a]] = True
     c = n_top
-    for a in range(n):
+    for a in range(order_err.shape[0]):
         if c == n_top + n_extra:
             break
         j = order_err[a]
@@ -148,6 +188,14 @@ def pool_gram(p: np.ndarray, V: np.ndarray, mu: np.ndarray, pool: np.ndarray) ->
 def enumerate_min(G: np.ndarray, pw: np.ndarray, s: int) -> tuple[float, np.ndarray, int]:
     """Minimum of ``e(A)^2`` over every s-subset ``A`` of a pool, by revolving-door enumeration.
 
+    The subsets ``B`` (size ``t = min(s, c - s)``; ``A = B`` or its complement) are visited
+    in the order of :func:`evictlab.solve.revolving.rd_next`, in which consecutive subsets
+    differ by one swap. In that order the smallest element ``c1`` sweeps a run of values
+    while ``W = B \\ {c1}`` stays fixed, and each change of ``W`` is a single swap. So we keep
+    ``RW_m = <S_W, x_m>`` for all m (O(c) per swap of W, and recomputed from scratch every
+    :data:`REFRESH` swaps against drift) and evaluate each subset of a sweep in O(1):
+    ``||S_W + x_m||^2 = ||S_W||^2 + 2 RW_m + G_mm``.
+
     Args:
         G: ``(c, c)`` Gram matrix of ``x_a = p_a (v_a - mu)``.
         pw: ``(c,)`` masses of the pool keys.
@@ -156,8 +204,9 @@ def enumerate_min(G: np.ndarray, pw: np.ndarray, s: int) -> tuple[float, np.ndar
     Returns:
         ``(best_e2, best, count)``: the smallest running value of ``Q_A / P(A)^2`` (rounded;
         the caller recomputes the error of ``best`` exactly), the argmin as int64 pool
-        positions ``(s,)`` sorted ascending (first found among exact ties), and the number
-        of subsets evaluated (``C(c, s)``). Sets with ``P(A) = 0`` count as ``e = inf``.
+        positions ``(s,)`` sorted ascending (first in visiting order among exact ties), and
+        the number of subsets evaluated (``C(c, s)``). Sets with ``P(A) = 0`` count as
+        ``e = inf``.
     """
     c = pw.shape[0]
     comp = s > c - s
@@ -175,63 +224,103 @@ def enumerate_min(G: np.ndarray, pw: np.ndarray, s: int) -> tuple[float, np.ndar
         PC += pw[a]
     best = np.empty(s, dtype=np.int64)
     if t == 0:
-        # A is the whole pool (s == c) or B is empty: one subset.
+        # A is the whole pool (s == c): one subset.
         for a in range(s):
             best[a] = a
         return (max(XX, 0.0) / (PC * PC) if PC > 0.0 else np.inf), best, 1
+    diag = np.empty(c)
+    for a in range(c):
+        diag[a] = G[a, a]
     cc = rd_init(c, t)
+    RW = np.zeros(c)
     best_b = np.empty(t, dtype=np.int64)
     best_e2 = np.inf
     count = 0
-    since = REFRESH  # forces an exact computation of the sums at the first subset
-    QB = 0.0
-    gB = 0.0
-    PB = 0.0
-    o = -1
-    i = -1
+    since = REFRESH  # forces an exact computation of RW at the start
     while True:
         if since >= REFRESH:
-            # Exact recomputation of the running sums (drift guard).
-            QB = 0.0
-            gB = 0.0
-            PB = 0.0
-            for u in range(1, t + 1):
-                a = cc[u]
-                gB += g[a]
-                PB += pw[a]
-                for w in range(1, t + 1):
-                    QB += G[a, cc[w]]
+            # Exact recomputation of W's sums (drift guard).
+            for m in range(c):
+                acc = 0.0
+                for u in range(2, t + 1):
+                    acc += G[m, cc[u]]
+                RW[m] = acc
             since = 0
+        WW = 0.0
+        PW = 0.0
+        gW = 0.0
+        for u in range(2, t + 1):
+            a = cc[u]
+            WW += RW[a]
+            PW += pw[a]
+            gW += g[a]
+        # Sweep c1 over its run (up to c2 - 1 for odd t, down to 0 for even t), in the
+        # same order as the easy steps of Algorithm R.
+        if t % 2 == 1:
+            m0 = cc[1]
+            m1 = cc[2] - 1
+            step = 1
         else:
-            # One swap o -> i (cc already holds B'): O(t) update.
-            Ti = 0.0
-            To = 0.0
-            for u in range(1, t + 1):
-                b = cc[u]
-                Ti += G[i, b]
-                To += G[o, b]
-            QB += 2.0 * (Ti - To) - G[i, i] - G[o, o] + 2.0 * G[i, o]
-            gB += g[i] - g[o]
-            PB += pw[i] - pw[o]
-        if comp:
-            QA = XX - 2.0 * gB + QB
-            PA = PC - PB
-        else:
-            QA = QB
-            PA = PB
-        if QA < 0.0:
-            QA = 0.0  # rounding below zero
-        count += 1
-        if PA > 0.0:
-            e2 = QA / (PA * PA)
-            if e2 < best_e2:
-                best_e2 = e2
-                for u in range(t):
-                    best_b[u] = cc[u + 1]
-        o, i = rd_next(cc, t)
+            m0 = cc[1]
+            m1 = 0
+            step = -1
+        m = m0
+        while True:
+            QB = WW + 2.0 * RW[m] + diag[m]
+            if comp:
+                QA = XX - 2.0 * (gW + g[m]) + QB
+                PA = PC - PW - pw[m]
+            else:
+                QA = QB
+                PA = PW + pw[m]
+            if PA > 0.0:
+                if QA < 0.0:
+                    QA = 0.0  # rounding below zero
+                e2 = QA / (PA * PA)
+                if e2 < best_e2:
+                    best_e2 = e2
+                    best_b[0] = m
+                    for u in range(1, t):
+                        best_b[u] = cc[u + 1]
+            if m == m1:
+                break
+            m += step
+        count += (m1 - m0) * step + 1
+        cc[1] = m1
+        o, i = rd_next(cc, t)  # the easy case is exhausted: a move involving W
         if o < 0:
             break
-        since += 1
+        # W changes by the swap's elements plus the change of c1 (old m1 -> new cc[1]):
+        # W_new = W_old + {m1, i} - {o, cc[1]} (a pair that appears on both sides cancels).
+        add0 = m1
+        add1 = i
+        rem0 = o
+        rem1 = cc[1]
+        if add0 == rem0:
+            add0 = -1
+            rem0 = -1
+        elif add0 == rem1:
+            add0 = -1
+            rem1 = -1
+        if add1 >= 0 and add1 == rem0:
+            add1 = -1
+            rem0 = -1
+        elif add1 >= 0 and add1 == rem1:
+            add1 = -1
+            rem1 = -1
+        for pair in range(2):
+            a_in = add0 if pair == 0 else add1
+            if a_in < 0:
+                continue
+            if rem0 >= 0:
+                a_out = rem0
+                rem0 = -1
+            else:
+                a_out = rem1
+                rem1 = -1
+            for q in range(c):
+                RW[q] += G[a_in, q] - G[a_out, q]
+            since += 1
     # Translate the best B into A (pool positions, ascending).
     if comp:
         inb = np.zeros(c, dtype=np.bool_)
@@ -348,7 +437,7 @@ def batch_solve(
     r_m: int,
     r_e: int,
     max_swaps: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple:
     """Top-mass, pool optimum and balancing selector for every (row, budget) of a ragged batch.
 
     Args:
@@ -361,7 +450,9 @@ def batch_solve(
         e_top ``(N, B)``, es_hat ``(N, B)``, e_bal ``(N, B)``, dropped ``(N, B)`` = D(T_s),
         kept_top ``(N, B, smax)``, kept_opt ``(N, B, smax)`` (argmin of ES_hat),
         kept_bal ``(N, B, smax)``, pool_size ``(N, B)``, n_subsets ``(N, B)``,
-        n_swaps ``(N, B)``, entropy ``(N,)`` in nats.
+        n_swaps ``(N, B)``, entropy ``(N,)`` in nats, e_free_top ``(N, B)`` and
+        e_free_opt ``(N, B)`` (free-weight errors of T_s and of the argmin, exact min-norm
+        point by ``evictlab.core.kernels.row_free_weight``; reused when the sets coincide).
 
     Guarantees by construction (each value is an exactly recomputed e(A) of an s-subset of
     the pool): ``es_hat <= e_bal <= e_top``.
@@ -382,6 +473,8 @@ def batch_solve(
     n_sub = np.empty((N, B), dtype=np.int64)
     n_swaps = np.empty((N, B), dtype=np.int64)
     ent = np.empty(N)
+    ef_top = np.empty((N, B))
+    ef_opt = np.empty((N, B))
     for r in prange(N):
         lo = p_off[r]
         n = p_off[r + 1] - lo
@@ -405,18 +498,24 @@ def batch_solve(
                 diff = V[i, t] - mu[t]
                 acc += diff * diff
             err[i] = np.sqrt(acc)
-        order_p = rank_desc(p[lo : lo + n])  # rank raw masses (normalising can merge values)
-        order_err = rank_desc(err)
+        # Only the first smax + r_m keys by mass (and smax + r_m + r_e by single-key error)
+        # can enter any T_s or pool; the dropped mass uses the complement of T_s.
+        order_p = top_desc(p[lo : lo + n], min(n, smax + r_m))  # raw masses: no merged ties
+        order_err = top_desc(err, min(n, smax + r_m + r_e))
         for b in range(B):
             s = budgets[b]
             # T_s and its dropped mass (summed over the dropped keys: no 1 - P cancellation).
             top = np.sort(order_p[:s].copy())
+            intop = np.zeros(n, dtype=np.bool_)
+            for a in range(s):
+                intop[order_p[a]] = True
             dm = 0.0
-            for a in range(s, n):
-                dm += pr[order_p[a]]
+            for i in range(n):
+                if not intop[i]:
+                    dm += pr[i]
             dropped[r, b] = dm
             et = forced_error_exact(pr, V, mu, top)
-            pool = candidate_pool_row(order_p, order_err, s, r_m, r_e)
+            pool = candidate_pool_row(order_p, order_err, n, s, r_m, r_e)
             c = pool.shape[0]
             pw = np.empty(c)
             for a in range(c):
@@ -436,6 +535,12 @@ def batch_solve(
             if eo > eb:
                 eo = eb
                 opt = bal
+            ef_top[r, b] = row_free_weight(pr, V, top)[0]
+            same = True
+            for a in range(s):
+                if opt[a] != top[a]:
+                    same = False
+            ef_opt[r, b] = ef_top[r, b] if same else row_free_weight(pr, V, opt)[0]
             e_top[r, b] = et
             e_bal[r, b] = eb
             es_hat[r, b] = eo
@@ -446,4 +551,5 @@ def batch_solve(
             pool_size[r, b] = c
             n_sub[r, b] = cnt
             n_swaps[r, b] = nsw
-    return e_top, es_hat, e_bal, dropped, kept_top, kept_opt, kept_bal, pool_size, n_sub, n_swaps, ent
+    return (e_top, es_hat, e_bal, dropped, kept_top, kept_opt, kept_bal, pool_size, n_sub,
+            n_swaps, ent, ef_top, ef_opt)
