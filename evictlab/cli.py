@@ -22,6 +22,10 @@ app = typer.Typer(
 )
 
 # --- registration: one line per package (keep sorted by data flow) ---------------------
+from evictlab.capture.commands import capture, models_app  # noqa: E402
+
+app.add_typer(models_app, name="models")
+app.command("capture")(capture)
 from evictlab.rows.commands import app as rows_app  # noqa: E402
 
 app.add_typer(rows_app, name="rows")

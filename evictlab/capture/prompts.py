@@ -195,9 +195,11 @@ def _haystack(tokenizer: Any, needles: list[str], context_tokens: int, rng: np.r
 
     text = build(n_noise)
     # shrink until within budget (token counts of the repeated filler are near-linear in n)
-    while n_noise > len(needles) + 1 and _count(tokenizer, text) > context_tokens:
-        over = _count(tokenizer, text) - context_tokens
-        n_noise -= max(1, over // per_noise)
+    while (over := _count(tokenizer, text) - context_tokens) > 0:
+        if n_noise <= 1:
+            raise InputError("--context", f"{context_tokens} tokens cannot hold the task's needles "
+                             "and any filler", f"use a longer context (at least {context_tokens + over + per_noise})")
+        n_noise = max(1, n_noise - max(1, over // per_noise))
         text = build(n_noise)
     return text
 

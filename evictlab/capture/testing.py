@@ -70,3 +70,21 @@ def tiny_model(family: str, seed: int = 0) -> tuple[Any, None]:
                                                  dtype=torch.float32)
     model.eval()
     return model, None
+
+
+class ByteTokenizer:
+    """A byte-level stand-in tokenizer for the tiny models (ids = UTF-8 bytes, BOS = 1).
+
+    Implements the one call evictlab's prompt code makes on a Hugging Face tokenizer,
+    ``tok(text, add_special_tokens=...)["input_ids"]``, plus ``decode``, so capture runs
+    on tiny models go through the same prompt-building code as on real ones.
+    """
+
+    bos_token_id = 1
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        ids = list(text.encode("utf-8"))
+        return {"input_ids": ([self.bos_token_id] if add_special_tokens else []) + ids}
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i != self.bos_token_id).decode("utf-8", errors="replace")

