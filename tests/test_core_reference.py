@@ -256,3 +256,35 @@ def test_exhaustive_small_row_free_weight_never_above_forced():
         for kept in itertools.combinations(range(6), k):
             kept = np.array(kept)
             assert R.free_weight_error(p, v, kept)[0] <= R.forced_error(p, v, kept) + 1e-14
+
+
+def _face_enumeration_free_weight(p: np.ndarray, v: np.ndarray, kept: np.ndarray) -> float:
+    """Exact independent reference for small |A|: the optimum is the affine minimiser of
+    some face with non-negative weights (Caratheodory: an affinely independent face
+    suffices), so the minimum over all faces of those feasible affine minimisers is exact."""
+    mu = (p / p.sum()) @ v
+    x = v[kept] - mu
+    best = np.inf
+    for size in range(1, kept.shape[0] + 1):
+        for face in itertools.combinations(range(kept.shape[0]), size):
+            xf = x[list(face)]
+            # KKT of min ||xf^T a||^2 s.t. sum a = 1:  [2 G  1; 1^T 0] [a; lam] = [0; 1]
+            kkt = np.zeros((size + 1, size + 1))
+            kkt[:size, :size] = 2.0 * xf @ xf.T
+            kkt[:size, size] = 1.0
+            kkt[size, :size] = 1.0
+            rhs = np.zeros(size + 1)
+            rhs[size] = 1.0
+            sol = np.linalg.lstsq(kkt, rhs, rcond=None)[0]
+            a = sol[:size]
+            if abs(a.sum() - 1.0) < 1e-9 and np.all(a >= -1e-12):
+                best = min(best, float(np.linalg.norm(a @ xf)))
+    return best
+
+
+@given(rows, st.integers(0, 10**6), st.integers(1, 5))
+def test_free_weight_matches_exact_face_enumeration(row, kseed, k):
+    p, v = row
+    kept = np.random.default_rng(kseed).permutation(p.shape[0])[: min(k, p.shape[0])]
+    ef, _ = R.free_weight_error(p, v, kept)
+    assert abs(ef - _face_enumeration_free_weight(p, v, kept)) <= 1e-10 * (1.0 + np.abs(v).max())

@@ -431,7 +431,9 @@ def row_free_weight(p_row: np.ndarray, v_row: np.ndarray, kept: np.ndarray) -> t
     """Free-weight error of one row and its weights ``(k,)`` (aligned with ``kept``; 0 on padding).
 
     Distance from ``mu`` to ``conv{v_i : i in kept}``, by Wolfe's min-norm-point algorithm on
-    ``x_i = v_i - mu``. ``p_row`` ``(n,)``, ``v_row`` ``(n, d)``, ``kept`` int64 ``(k,)``.
+    ``x_i = v_i - mu``. ``p_row`` ``(n,)``, ``v_row`` ``(n, d)``, ``kept`` int64 ``(k,)`` with
+    at least one entry ``>= 0`` (not checked here). The error is recomputed from the final
+    weights as ``||sum_i w_i x_i||``, not carried through the iterations.
     """
     n, d = v_row.shape
     mu = np.empty(d)
