@@ -28,6 +28,7 @@ def field_of(call) -> str:
         (np.array([0.5, np.inf, 0.5]), V, "row.p[1]"),
         (P, np.array([[1.0, 0.0], [0.0, np.nan], [1.0, 1.0]]), "row.values[1, 1]"),
         (P, np.array([[1.0, 0.0], [0.0, -np.inf], [1.0, 1.0]]), "row.values[1, 1]"),
+        (P, np.array([[1.0, 0.0], [0.0, 1.0], [1e200, 1.0]]), "row.values[2, 0]"),  # would overflow
         (np.array([0.6, 0.3, 0.2]), V, "row.p"),  # sums to 1.1
         (np.array([0.5, 0.3, 0.2 - 2e-6]), V, "row.p"),  # just beyond 1e-6
         (np.array([0.7, -0.1, 0.4]), V, "row.p[1]"),

@@ -7,7 +7,8 @@ The jitted kernels themselves never validate.
 Conventions checked here (see ``docs/theory.md``):
 
 * masses ``p`` are finite, non-negative and sum to 1 within ``MASS_TOL`` (absolute), per row;
-* values are finite, float64 after conversion, shape ``(n, d)`` with ``n >= 1``, ``d >= 1``;
+* values are finite with ``|v| <= VALUE_MAX``, float64 after conversion, shape ``(n, d)``
+  with ``n >= 1``, ``d >= 1``;
 * a kept set is a non-empty set of distinct integer key indices in ``[0, n)``;
 * a budget ``s`` satisfies ``1 <= s <= n``.
 """
@@ -22,6 +23,8 @@ from evictlab.errors import InputError
 
 #: Largest allowed ``|sum(p) - 1|`` for one row (float32 softmax rows sit well inside it).
 MASS_TOL = 1e-6
+#: Largest allowed ``|value|``: the free-weight solver squares norms, which must stay finite.
+VALUE_MAX = 1e100
 
 
 class Batch(NamedTuple):
@@ -95,6 +98,13 @@ def _check_values(values: np.ndarray, field: str) -> None:
     if bad.any():
         i, j = _first_bad(bad)
         raise InputError(f"{field}[{i}, {j}]", f"is {values[i, j]!r}, not finite", "remove NaN/inf value vectors")
+    huge = np.abs(values) > VALUE_MAX
+    if huge.any():
+        i, j = _first_bad(huge)
+        raise InputError(
+            f"{field}[{i}, {j}]", f"is {values[i, j]!r}, beyond +-{VALUE_MAX:g} (squared norms would overflow float64)",
+            "rescale the values (every error scales linearly with them)",
+        )
 
 
 def validate_masses(p: object, field: str = "p") -> np.ndarray:
