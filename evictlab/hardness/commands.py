@@ -29,7 +29,7 @@ _METHOD_CHOICES = ("both", "cpsat", "dp")
 
 
 @app.command("check")
-def check(
+def check_command(
     trials: int = typer.Option(100, "--trials", help="Number of source instances (half planted yes, half proved no)."),
     size: int = typer.Option(8, "--size", help="Number of source values n (the image has 2n+1)."),
     seed: int = typer.Option(0, "--seed", help="Seed of numpy.random.default_rng."),
@@ -91,7 +91,7 @@ def check(
 
 
 @app.command("reduce")
-def reduce(
+def reduce_command(
     source: Path = typer.Argument(..., help='k-subset-sum JSON: {"problem": "k-subset-sum", "values": [...], "k": .., "target": ..}'),
     out: Path = typer.Option(..., "--out", help='Where to write the image: {"problem": "zero-es", "values": [...], "s": ..}'),
 ) -> None:
@@ -109,7 +109,7 @@ def reduce(
 
 
 @app.command("decide")
-def decide(
+def decide_command(
     image: Path = typer.Argument(..., help='ZERO-ES JSON: {"problem": "zero-es", "values": [...], "s": ..}'),
     as_json: bool = typer.Option(False, "--json", help='Print one object {"answer": "yes"|"no", "kept": [indices]}.'),
     method: str = typer.Option("both", "--method", help="cpsat, dp, or both (cross-checked; default)."),
