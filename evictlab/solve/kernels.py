@@ -452,7 +452,8 @@ def batch_solve(
         kept_bal ``(N, B, smax)``, pool_size ``(N, B)``, n_subsets ``(N, B)``,
         n_swaps ``(N, B)``, entropy ``(N,)`` in nats, e_free_top ``(N, B)`` and
         e_free_opt ``(N, B)`` (free-weight errors of T_s and of the argmin, exact min-norm
-        point by ``evictlab.core.kernels.row_free_weight``; reused when the sets coincide).
+        point by ``evictlab.core.kernels.row_free_weight``; reused when the sets coincide),
+        scale ``(N,)`` = ``max(max_i ||v_i - mu||, ||mu||)`` (the row's error scale, for zero tests).
 
     Guarantees by construction (each value is an exactly recomputed e(A) of an s-subset of
     the pool): ``es_hat <= e_bal <= e_top``.
@@ -475,6 +476,7 @@ def batch_solve(
     ent = np.empty(N)
     ef_top = np.empty((N, B))
     ef_opt = np.empty((N, B))
+    scale = np.empty(N)
     for r in prange(N):
         lo = p_off[r]
         n = p_off[r + 1] - lo
@@ -502,6 +504,12 @@ def batch_solve(
         # can enter any T_s or pool; the dropped mass uses the complement of T_s.
         order_p = top_desc(p[lo : lo + n], min(n, smax + r_m))  # raw masses: no merged ties
         order_err = top_desc(err, min(n, smax + r_m + r_e))
+        # error scale for zero tests: the spread of the values or their magnitude (the
+        # rounding level of mu), whichever is larger
+        mnorm = 0.0
+        for t in range(d):
+            mnorm += mu[t] * mu[t]
+        scale[r] = max(err[order_err[0]], np.sqrt(mnorm))
         for b in range(B):
             s = budgets[b]
             # T_s and its dropped mass (summed over the dropped keys: no 1 - P cancellation).
@@ -552,4 +560,4 @@ def batch_solve(
             n_sub[r, b] = cnt
             n_swaps[r, b] = nsw
     return (e_top, es_hat, e_bal, dropped, kept_top, kept_opt, kept_bal, pool_size, n_sub,
-            n_swaps, ent, ef_top, ef_opt)
+            n_swaps, ent, ef_top, ef_opt, scale)

@@ -1,0 +1,358 @@
+"""The rows -> results runner behind ``evictlab solve`` (resumable, one part file per chunk).
+
+For every row of a dataset and every budget s it computes (``docs/solvers.md``): ``e_top``
+(forced error of T_s), ``es_hat`` (exact optimum over the candidate pool, revolving-door
+enumeration), ``e_bal`` (balancing selector), free-weight errors of T_s and of the argmin,
+the dropped mass and entropy, and optionally the certified optimum over all keys. Output:
+one Parquet row per (row_id, s) with the columns of :data:`RESULT_COLUMNS` (the contract
+"Solver results" in ``docs/architecture.md``).
+
+Resumability: the rows (in ``row_id`` order) are cut into chunks of ``chunk_rows``; chunk k
+is written atomically to ``<out>.parts/part-{k:05d}.parquet``. A rerun with the same job
+(dataset, budgets, pool, ...) skips the chunks already written; when all are there they
+are concatenated into ``<out>`` atomically, a run record is written beside it, and the
+parts folder is removed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from dataclasses import asdict, dataclass, field
+from math import comb
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import polars as pl
+
+from evictlab.errors import InputError
+from evictlab.io import atomic_path, atomic_write_json
+
+#: ``kappa_hat = e_top / max(es_hat, KAPPA_EPS)`` (absolute, in value units).
+KAPPA_EPS = 1e-12
+#: A row's ``e_top`` counts as zero when ``e_top <= ZERO_REL * max(max_i ||v_i - mu||, ||mu||)``
+#: (rounding level); such rows are kept and flagged ``e_top_zero``, with null gap/kappa.
+ZERO_REL = 1e-12
+#: Default cap on the number of subsets enumerated per (row, s): C(|C_s|, s).
+MAX_SUBSETS = 100_000_000
+
+#: Columns of the results table, in order (``--certify`` adds :data:`CERT_COLUMNS`).
+RESULT_COLUMNS: tuple[str, ...] = (
+    "row_id", "s", "n", "e_top", "es_hat", "e_bal", "gap_closed", "kappa_hat", "dropped_mass",
+    "e_free_top", "e_free_opt", "pi_top", "pi_opt", "kept", "kept_pos", "e_top_zero", "entropy",
+    "prompt_id", "layer", "q_head", "kv_head", "position", "model", "pool_size", "n_subsets",
+    "n_swaps", "kept_bal",
+)
+CERT_COLUMNS: tuple[str, ...] = ("es_cert", "cert_status", "cert_lb", "cert_gap", "cert_nodes", "kept_cert")
+
+
+@dataclass(frozen=True)
+class SolveConfig:
+    """Everything that changes the numbers of a solve run (stored in the job file).
+
+    budgets: the s values; r_m, r_e: pool parameters C_s(r_m, r_e); max_swaps: balancing
+    swap limit K; certify: also run branch and bound over all keys for rows with
+    ``n <= cert_max_n`` and ``s <= cert_max_s`` (others get status "skipped") with at most
+    ``cert_nodes`` bound evaluations per (row, s); chunk_rows: rows per part file;
+    max_subsets: refuse pools whose C(|C_s|, s) exceeds it.
+    """
+
+    budgets: tuple[int, ...]
+    r_m: int = 2
+    r_e: int = 2
+    max_swaps: int = 64
+    certify: bool = False
+    cert_max_n: int = 48
+    cert_max_s: int = 8
+    cert_nodes: int = 20_000_000
+    chunk_rows: int = 4096
+    max_subsets: int = MAX_SUBSETS
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["budgets"] = list(self.budgets)
+        return d
+
+
+def _int(x: Any, name: str, lo: int) -> int:
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or int(x) < lo:
+        raise InputError(name, f"must be an integer >= {lo}, got {x!r}", f"pass an integer >= {lo}")
+    return int(x)
+
+
+def check_config(cfg: SolveConfig, n_min: int, n_max: int, n_min_row: int | None = None) -> SolveConfig:
+    """Validate a config against the dataset's key counts; returns it with budgets sorted.
+
+    Raises :class:`InputError` for an empty or non-positive budget list, duplicates, a
+    budget above the smallest row's n (``budgets s > n`` are rejected, never skipped), bad
+    pool parameters, or a pool whose enumeration exceeds ``max_subsets``.
+    """
+    if len(cfg.budgets) == 0:
+        raise InputError("--budgets", "no budget given", "pass e.g. --budgets 4 8 16 32")
+    bud = [_int(s, "--budgets", 1) for s in cfg.budgets]
+    if len(set(bud)) != len(bud):
+        raise InputError("--budgets", f"has duplicates {bud}", "list each budget once")
+    r_m = _int(cfg.r_m, "--pool (r_m)", 0)
+    r_e = _int(cfg.r_e, "--pool (r_e)", 0)
+    _int(cfg.max_swaps, "--max-swaps", 0)
+    _int(cfg.chunk_rows, "--chunk-rows", 1)
+    _int(cfg.cert_max_n, "--cert-max-n", 1)
+    _int(cfg.cert_max_s, "--cert-max-s", 1)
+    _int(cfg.cert_nodes, "--cert-nodes", 1)
+    _int(cfg.max_subsets, "max_subsets", 1)
+    too_big = [s for s in bud if s > n_min]
+    if too_big:
+        where = f" (row_id {n_min_row})" if n_min_row is not None else ""
+        raise InputError(
+            "--budgets", f"budget s = {too_big[0]} exceeds the number of keys n = {n_min} of the "
+            f"shortest row{where}; a budget must satisfy s <= n for every row",
+            f"use budgets <= {n_min}, or filter rows with n < {max(too_big)} out of the dataset")
+    for s in bud:
+        c = min(n_max, s + r_m + r_e)
+        m = comb(c, s)
+        if m > cfg.max_subsets:
+            raise InputError(
+                "--pool", f"s = {s} with pool size |C_s| = {c} means C({c}, {s}) = {m:.3e} subsets "
+                f"per row, above the limit {cfg.max_subsets:.1e}",
+                "lower r_m + r_e (e.g. --pool 2 2) or the budget")
+    return SolveConfig(**{**asdict(cfg), "budgets": tuple(sorted(bud))})
+
+
+def _list_col(name: str, arr: np.ndarray) -> pl.Series:
+    """An ``(N, k)`` int64 array as a polars ``list[i64]`` column."""
+    if arr.shape[1] == 0:
+        return pl.Series(name, [[] for _ in range(arr.shape[0])], dtype=pl.List(pl.Int64))
+    return pl.Series(name, np.ascontiguousarray(arr)).cast(pl.List(pl.Int64))
+
+
+def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    """``num / den`` with the conventions of pi: inf if den = 0 < num, NaN (-> null) if both 0."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = num / den
+    r = np.where((den == 0) & (num == 0), np.nan, r)
+    return np.where((den == 0) & (num > 0), np.inf, r)
+
+
+def solve_batch(batch: Any, cfg: SolveConfig, model: str | None = None) -> pl.DataFrame:
+    """Solve one :class:`evictlab.rows.store.RowBatch` for every budget; one row per (row_id, s).
+
+    ``cfg`` must already be checked (:func:`check_config`). Rows are sorted by
+    ``(row_id, s)``. Columns: :data:`RESULT_COLUMNS` (+ :data:`CERT_COLUMNS` with certify).
+    """
+    from evictlab.solve.certify import STATUS_NAMES, batch_certify
+    from evictlab.solve.kernels import batch_solve
+
+    p = np.ascontiguousarray(batch.p, dtype=np.float64)
+    off = np.ascontiguousarray(batch.p_off, dtype=np.int64)
+    vals = np.ascontiguousarray(batch.values, dtype=np.float64)
+    vs = np.ascontiguousarray(batch.v_start, dtype=np.int64)
+    bud = np.asarray(cfg.budgets, dtype=np.int64)
+    n = np.diff(off)
+    if n.size and int(n.min()) < int(bud.max()):
+        i = int(np.argmin(n))
+        raise InputError("--budgets", f"budget s = {int(bud.max())} exceeds n = {int(n[i])} of row_id "
+                         f"{int(batch.meta['row_id'][i])}", "use budgets <= the smallest n")
+    (e_top, es_hat, e_bal, dropped, kept_top, kept_opt, kept_bal, pool_size, n_sub, n_sw, ent,
+     ef_top, ef_opt, scale) = batch_solve(p, off, vals, vs, bud, cfg.r_m, cfg.r_e, cfg.max_swaps)
+    if cfg.certify:
+        es_c, kept_c, st_c, lb_c, nodes_c = batch_certify(
+            p, off, vals, vs, bud, kept_opt, cfg.cert_max_n, cfg.cert_max_s, cfg.cert_nodes)
+    meta = batch.meta
+    key_index = np.asarray(batch.key_index, dtype=np.int64)
+    frames = []
+    for b, s in enumerate(cfg.budgets):
+        et, eh = e_top[:, b], es_hat[:, b]
+        zero = et <= ZERO_REL * scale
+        with np.errstate(divide="ignore", invalid="ignore"):
+            gap = np.where(zero, np.nan, (et - eh) / et)
+            kap = np.where(zero, np.nan, et / np.maximum(eh, KAPPA_EPS))
+        ko = kept_opt[:, b, :s]
+        pos = key_index[off[:-1, None] + ko]
+        cols: dict[str, Any] = {
+            "row_id": meta["row_id"].to_numpy(),
+            "s": np.full(n.shape[0], s, dtype=np.int64),
+            "n": n,
+            "e_top": et,
+            "es_hat": eh,
+            "e_bal": e_bal[:, b],
+            "gap_closed": gap,
+            "kappa_hat": kap,
+            "dropped_mass": dropped[:, b],
+            "e_free_top": ef_top[:, b],
+            "e_free_opt": ef_opt[:, b],
+            "pi_top": _ratio(et, ef_top[:, b]),
+            "pi_opt": _ratio(eh, ef_opt[:, b]),
+        }
+        df = pl.DataFrame(cols).with_columns(
+            pl.col("gap_closed", "kappa_hat", "pi_top", "pi_opt").fill_nan(None))
+        df = df.with_columns(
+            _list_col("kept", ko), _list_col("kept_pos", pos),
+            pl.Series("e_top_zero", zero), pl.Series("entropy", ent),
+            meta["prompt_id"], meta["layer"], meta["q_head"], meta["kv_head"], meta["position"],
+            pl.lit(model, dtype=pl.String).alias("model"),
+            pl.Series("pool_size", pool_size[:, b]), pl.Series("n_subsets", n_sub[:, b]),
+            pl.Series("n_swaps", n_sw[:, b]), _list_col("kept_bal", kept_bal[:, b, :s]),
+        )
+        if cfg.certify:
+            st = st_c[:, b]
+            es = es_c[:, b]
+            lb = lb_c[:, b]
+            df = df.with_columns(
+                pl.Series("es_cert", es).fill_nan(None),
+                pl.Series("cert_status", [STATUS_NAMES[int(x)] for x in st], dtype=pl.String),
+                pl.Series("cert_lb", lb).fill_nan(None),
+                pl.Series("cert_gap", es - lb).fill_nan(None),
+                pl.Series("cert_nodes", nodes_c[:, b]),
+                _list_col("kept_cert", kept_c[:, b, :s]),
+            ).with_columns(
+                pl.when(pl.col("cert_status") == "skipped").then(None)
+                .otherwise(pl.col("kept_cert")).alias("kept_cert"))
+        frames.append(df)
+    out = pl.concat(frames, how="vertical").sort(["row_id", "s"])
+    order = list(RESULT_COLUMNS) + (list(CERT_COLUMNS) if cfg.certify else [])
+    return out.select(order)
+
+
+@dataclass
+class SolveSummary:
+    """What a call of :func:`solve_rows` did."""
+
+    out: Path | None
+    parts_total: int
+    parts_done_before: int
+    parts_written: int
+    rows: int
+    complete: bool
+    record: Path | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def parts_dir_for(out: Path) -> Path:
+    """Folder of the part files of ``out`` (``RESULTS.parquet`` -> ``RESULTS.parquet.parts``)."""
+    return out.with_name(out.name + ".parts")
+
+
+def record_path_for(out: Path) -> Path:
+    """Run record beside ``out`` (``RESULTS.parquet`` -> ``RESULTS.run_record.json``)."""
+    return out.with_name(out.stem + ".run_record.json")
+
+
+def _dataset_id(store: Any) -> str:
+    """A digest identifying the dataset content (its shards' checksums and row count)."""
+    man = store.manifest
+    h = hashlib.sha256()
+    h.update(json.dumps([sh.get("sha256") for sh in man.get("shards", [])]).encode())
+    h.update(str(store.n_rows).encode())
+    return h.hexdigest()[:16]
+
+
+def solve_rows(
+    rows: str | Path,
+    out: str | Path,
+    cfg: SolveConfig,
+    *,
+    threads: int | None = None,
+    overwrite: bool = False,
+    restart: bool = False,
+    progress: bool = True,
+    stop_after: int | None = None,
+    on_rows: Callable[[int], None] | None = None,
+) -> SolveSummary:
+    """Solve every row of the dataset at ``rows`` and write ``out`` (Parquet), resumably.
+
+    Args:
+        rows: row dataset directory (``evictlab.rows``).
+        out: results file; its part files live in ``<out>.parts/`` until the end.
+        cfg: the solve configuration (checked here against the dataset).
+        threads: Numba threads (``None``: Numba's default, all cores).
+        overwrite: replace an existing ``out``; restart: discard part files of an earlier,
+            different job instead of refusing.
+        progress: show a tqdm bar (rows); stop_after: write at most this many new parts,
+            then return without concatenating (used to test interruption).
+        on_rows: optional callback with the number of rows finished after each part.
+    """
+    import numba
+    from tqdm import tqdm
+
+    from evictlab.report.record import RunRecord
+    from evictlab.rows.store import RowStore
+
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise InputError("--out", f"{out} already exists", "pass --overwrite or choose another --out")
+    if threads is not None:
+        _int(threads, "--threads", 1)
+        if threads > numba.config.NUMBA_NUM_THREADS:
+            raise InputError("--threads", f"{threads} exceeds the {numba.config.NUMBA_NUM_THREADS} "
+                             "threads Numba was started with", "use fewer threads (or set NUMBA_NUM_THREADS)")
+        numba.set_num_threads(threads)
+    record = RunRecord(kind="solve", config={**cfg.to_dict(), "rows": str(rows), "threads": threads})
+    store = RowStore.open(rows)
+    index = store.meta.select("row_id", "n").sort("row_id")
+    ids = index["row_id"].to_numpy()
+    nn = index["n"].to_numpy()
+    i_min = int(np.argmin(nn))
+    cfg = check_config(cfg, int(nn[i_min]), int(nn.max()), int(ids[i_min]))
+    model = store.manifest.get("model")
+    record.model = model
+    n_parts = (ids.shape[0] + cfg.chunk_rows - 1) // cfg.chunk_rows
+    parts = parts_dir_for(out)
+    job = {"dataset": _dataset_id(store), "rows": str(Path(rows).resolve()), "n_rows": int(ids.shape[0]),
+           "config": cfg.to_dict()}
+    job_file = parts / "job.json"
+    if parts.exists():
+        old = json.loads(job_file.read_text()) if job_file.exists() else None
+        if old != job:
+            if not restart:
+                raise InputError(str(parts), "holds part files of a different solve job (dataset or "
+                                 "options differ)", "rerun with the same options, or pass --restart to discard them")
+            shutil.rmtree(parts)
+    parts.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(job_file, job)
+
+    def part_file(k: int) -> Path:
+        return parts / f"part-{k:05d}.parquet"
+
+    done = [k for k in range(n_parts) if part_file(k).exists()]
+    pending = [k for k in range(n_parts) if not part_file(k).exists()]
+    written = 0
+    rows_done = sum(min(cfg.chunk_rows, ids.shape[0] - k * cfg.chunk_rows) for k in done)
+    if pending:
+        todo_ids = np.concatenate([ids[k * cfg.chunk_rows:(k + 1) * cfg.chunk_rows] for k in pending])
+        flt = pl.col("row_id").is_in(pl.Series(todo_ids).implode())
+        bar = tqdm(total=int(ids.shape[0]), initial=rows_done, unit="row", desc="solve",
+                   disable=not progress)
+        try:
+            it = store.iter_batches(cfg.chunk_rows, filter=flt)
+            for k, batch in zip(pending, it):
+                expect = ids[k * cfg.chunk_rows:(k + 1) * cfg.chunk_rows]
+                got = batch.meta["row_id"].to_numpy()
+                if not np.array_equal(np.sort(got), expect):
+                    raise RuntimeError(f"batch for part {k} does not hold the expected rows")
+                df = solve_batch(batch, cfg, model)
+                with atomic_path(part_file(k), suffix=".parquet") as tmp:
+                    df.write_parquet(tmp)
+                written += 1
+                bar.update(batch.n_rows)
+                if on_rows is not None:
+                    on_rows(batch.n_rows)
+                if stop_after is not None and written >= stop_after:
+                    break
+        finally:
+            bar.close()
+    complete = all(part_file(k).exists() for k in range(n_parts))
+    summary = SolveSummary(out=None, parts_total=n_parts, parts_done_before=len(done),
+                           parts_written=written, rows=int(ids.shape[0]), complete=complete)
+    if not complete:
+        return summary
+    table = pl.concat([pl.read_parquet(part_file(k)) for k in range(n_parts)], how="vertical")
+    with atomic_path(out, suffix=".parquet") as tmp:
+        table.write_parquet(tmp)
+    rec = record.write(record_path_for(out), output=str(out), rows_out=table.height,
+                       parts=n_parts, parts_resumed=len(done))
+    shutil.rmtree(parts)
+    summary.out = out
+    summary.record = rec
+    return summary
