@@ -41,6 +41,10 @@ app.add_typer(predictor_app, name="predictor")
 from evictlab.pipeline import demo  # noqa: E402
 
 app.command("demo")(demo)
+from evictlab.decode.commands import audit, decode  # noqa: E402
+
+app.command("audit")(audit)
+app.command("decode")(decode)
 # --- end registration -----------------------------------------------------------------
 
 

@@ -48,6 +48,9 @@ from evictlab.kv.paged import PagedKVStore
 
 Mode = Literal["physical", "masked", "full"]
 
+_RECON_PROMPT_ALLOWANCE = 64
+"""Tokens per cell reserved for a reconstruction pass's prompt (KVzip's is about 8)."""
+
 
 @dataclass
 class DecodeConfig:
@@ -106,6 +109,7 @@ class DecodeOutput:
     peak_rss: int
     wall_s: float
     compressions: int
+    decode_s: float = 0.0  # wall time of the decode phase (T - 1 forwards and its compressions)
 
     def peak(self, attr: str) -> int:
         """Max of ``ByteReport.<attr>`` over the trace (0 for full mode)."""
@@ -333,13 +337,16 @@ def run_sequence(
     answer_ids: torch.Tensor | None = None,
     max_new_tokens: int = 0,
     progress: Callable[[int], None] | None = None,
+    tokenizer: Any = None,
 ) -> DecodeOutput:
     """Run the protocol on a batch and return the decode-phase logits and accounting.
 
     ``context_ids`` ``(batch, n)``, ``question_ids`` ``(batch, m)``, ``answer_ids``
     ``(batch, a)`` or None. With ``answer_ids`` the decode phase is teacher-forced over the
     answer (``T = a``); otherwise it is greedy for ``max_new_tokens`` steps. ``progress`` is
-    called with the number of tokens processed after each forward.
+    called with the number of tokens processed after each forward. ``tokenizer`` is used
+    only by scorers with a ``reconstruction_ids(chunk, tokenizer)`` method (KVzip: its
+    "repeat the context" prompt before the chunk); without one the chunk alone is re-fed.
     """
     t0 = time.perf_counter()
     rss0 = _rss()
@@ -370,6 +377,7 @@ def run_sequence(
             last = model(input_ids=question_ids, cache=cache, use_cache=True).logits[:, -1]
             tick(m)
             peak = max(peak, _rss())
+            t_dec = time.perf_counter()
             for t in range(T):
                 logits_out.append(last.float())
                 tok = answer_ids[:, t] if answer_ids is not None else last.argmax(-1)
@@ -379,14 +387,15 @@ def run_sequence(
                 peak = max(peak, _rss())
                 tick(1)
         return DecodeOutput(torch.stack(logits_out, 1), torch.stack(tokens_out, 1), trace, None, bytes_full,
-                            peak, time.perf_counter() - t0, 0)
+                            peak, time.perf_counter() - t0, 0, time.perf_counter() - t_dec)
 
     scorer = _scorer(cfg)
     recon = "reconstruction" in getattr(scorer, "needs", frozenset())
     future = "future" in getattr(scorer, "needs", frozenset())
     # Headroom per cell between compressions: a prefill chunk (twice for a reconstruction
     # pass), or the question plus the decode steps before the next compression.
-    head = max(cfg.chunk_size * (2 if recon else 1), m + cfg.compress_every + (cfg.chunk_size if cfg.query_aware else 0))
+    recon_head = cfg.chunk_size + _RECON_PROMPT_ALLOWANCE if recon else 0
+    head = max(cfg.chunk_size + recon_head, m + cfg.compress_every + (cfg.chunk_size if cfg.query_aware else 0))
     runner = EvictionRunner(model, cfg, b, capacity_tokens_per_cell=head, total_tokens=total)
     if future:
         if answer_ids is None:
@@ -409,7 +418,7 @@ def run_sequence(
             last = runner.forward(chunk)[:, -1]
             note("prefill")
             if recon:
-                runner.extra_queries = runner.reconstruction_queries(chunk)
+                runner.extra_queries = runner.reconstruction_queries(_recon_ids(scorer, chunk, tokenizer))
             runner.compress()
             note("compress")
             tick(chunk.shape[1])
@@ -418,6 +427,8 @@ def run_sequence(
             # page per cell) plus the decode headroom.
             cells = runner.n_layers * runner.kv_heads * b
             dec_head = (0 if cfg.query_aware else m) + cfg.compress_every
+            if recon:  # a decode-time reconstruction pass re-feeds the last `window` tokens
+                dec_head += cfg.window + _RECON_PROMPT_ALLOWANCE
             budget_blocks = math.ceil(runner.budget_tokens * b / cfg.block_size) + cells
             runner.store.resize(max(runner.store.blocks_in_use, budget_blocks) + cells * math.ceil(dec_head / cfg.block_size))
             note("resize")
@@ -427,6 +438,7 @@ def run_sequence(
             note("question")
             tick(m)
         # 3. Decoding, compressing every `compress_every` steps.
+        t_dec = time.perf_counter()
         for t in range(T):
             logits_out.append(last.float())
             tok = answer_ids[:, t] if answer_ids is not None else last.argmax(-1)
@@ -436,14 +448,23 @@ def run_sequence(
                 note("decode")
                 if (t + 1) % cfg.compress_every == 0:
                     if recon:
-                        runner.extra_queries = runner.reconstruction_queries(tokens_out_tensor(tokens_out, cfg.window))
+                        recent_ids = tokens_out_tensor(tokens_out, cfg.window)
+                        runner.extra_queries = runner.reconstruction_queries(_recon_ids(scorer, recent_ids, tokenizer))
                     runner.compress()
                     note("compress")
             tick(1)
     return DecodeOutput(torch.stack(logits_out, 1), torch.stack(tokens_out, 1), trace, runner.budget_tokens,
-                        bytes_full, peak, time.perf_counter() - t0, runner.compressions)
+                        bytes_full, peak, time.perf_counter() - t0, runner.compressions, time.perf_counter() - t_dec)
 
 
 def tokens_out_tensor(tokens: list[torch.Tensor], window: int) -> torch.Tensor:
     """The last ``window`` decoded tokens as ``(batch, <=window)`` (for a reconstruction pass)."""
     return torch.stack(tokens[-window:], 1)
+
+
+def _recon_ids(scorer: Any, chunk: torch.Tensor, tokenizer: Any) -> torch.Tensor:
+    """Token ids of a reconstruction pass over ``chunk`` ``(batch, n)``."""
+    build = getattr(scorer, "reconstruction_ids", None)
+    if build is not None and tokenizer is not None:
+        return build(chunk, tokenizer)
+    return chunk

@@ -4,9 +4,13 @@ Storage
 -------
 One pool for the whole model (all layers, batch items and KV heads):
 
-- ``k_pool``, ``v_pool``: ``(capacity_blocks, block_size, head_dim)`` in the model dtype;
-- ``pos_pool``: int64 ``(capacity_blocks, block_size)``, the absolute token position of
-  each slot (``-1`` when empty); scorers and the causal mask need it after eviction.
+- ``kv_pool``: ``(2, capacity_blocks + 1, block_size, head_dim)`` in the model dtype;
+  ``k_pool = kv_pool[0]`` and ``v_pool = kv_pool[1]`` (one buffer, so one gather reads
+  both). The extra last block is the *null block*: always empty, it stands in for unused
+  block-table columns so a gather needs no branch;
+- ``pos_pool``: int64 ``(capacity_blocks + 1, block_size)``, the absolute token position
+  of each slot, ``-1`` exactly when the slot holds no live entry (an invariant kept by
+  append/keep); scorers and the causal mask read it after eviction.
 
 The **block table** ``block_table``: int64 numpy array ``(n_layers, batch, kv_heads,
 max_blocks)``. Row ``block_table[l, b, h]`` lists, in order, the pool blocks holding cell
@@ -64,14 +68,18 @@ class PagedKVStore(KVStore):
         self.dtype = dtype
         self.device = torch.device(device)
         self.capacity_blocks = int(capacity_blocks)
-        self.k_pool = torch.zeros(capacity_blocks, block_size, head_dim, dtype=dtype, device=self.device)
-        self.v_pool = torch.zeros_like(self.k_pool)
-        self.pos_pool = torch.full((capacity_blocks, block_size), -1, dtype=torch.int64, device=self.device)
+        self._alloc_pools(capacity_blocks)
         self.block_table = np.full((n_layers, batch, kv_heads, 0), -1, dtype=np.int64)
         self.cell_len = np.zeros((n_layers, batch, kv_heads), dtype=np.int64)
         # Free blocks as a stack; popping from the end hands out low block ids first.
         self._free: list[int] = list(range(capacity_blocks - 1, -1, -1))
         self._table_dev: dict[int, torch.Tensor] = {}
+
+    def _alloc_pools(self, capacity_blocks: int) -> None:
+        self.kv_pool = torch.zeros(2, capacity_blocks + 1, self.block_size, self.head_dim, dtype=self.dtype,
+                                   device=self.device)
+        self.k_pool, self.v_pool = self.kv_pool[0], self.kv_pool[1]
+        self.pos_pool = torch.full((capacity_blocks + 1, self.block_size), -1, dtype=torch.int64, device=self.device)
 
     # -- bookkeeping -------------------------------------------------------------------
     @staticmethod
@@ -94,10 +102,11 @@ class PagedKVStore(KVStore):
             self._table_dev.clear()
 
     def _table(self, layer: int) -> torch.Tensor:
-        """Device copy of ``block_table[layer]`` with -1 replaced by block 0 (masked anyway)."""
+        """Device copy of ``block_table[layer]`` with -1 replaced by the null block."""
         t = self._table_dev.get(layer)
         if t is None:
-            t = torch.from_numpy(np.maximum(self.block_table[layer], 0)).to(self.device)
+            tbl = self.block_table[layer]
+            t = torch.from_numpy(np.where(tbl >= 0, tbl, self.capacity_blocks)).to(self.device)
             self._table_dev[layer] = t
         return t
 
@@ -153,12 +162,10 @@ class PagedKVStore(KVStore):
         n_blocks = self.blocks_for(s, self.block_size)
         idx = table[..., :n_blocks].reshape(-1)
         b, h, d, bs = self.batch, self.kv_heads, self.head_dim, self.block_size
-        k = self.k_pool.index_select(0, idx).view(b, h, n_blocks * bs, d)[:, :, :s]
-        v = self.v_pool.index_select(0, idx).view(b, h, n_blocks * bs, d)[:, :, :s]
+        kv = self.kv_pool.index_select(1, idx).view(2, b, h, n_blocks * bs, d)[:, :, :, :s]
+        # Non-live slots already hold position -1 (pool invariant): no length mask needed.
         pos = self.pos_pool.index_select(0, idx).view(b, h, n_blocks * bs)[:, :, :s]
-        lens = torch.from_numpy(self.cell_len[layer]).to(self.device)
-        valid = torch.arange(s, device=self.device)[None, None, :] < lens[..., None]
-        return k, v, torch.where(valid, pos, torch.full_like(pos, -1))
+        return kv[0], kv[1], pos
 
     def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         s = int(self.cell_len[layer].max())
@@ -218,16 +225,22 @@ class PagedKVStore(KVStore):
             for pool in (self.k_pool.view(-1, d), self.v_pool.view(-1, d), self.pos_pool.view(-1, 1)):
                 moved = pool.index_select(0, src)
                 pool.index_copy_(0, dst, moved)
-        # Free the blocks past each cell's new length (and clear their positions).
+        # Clear the positions of slots past each cell's new length and free emptied blocks.
+        stale: list[np.ndarray] = []
         for bi in range(self.batch):
             for hi in range(self.kv_heads):
                 used = self.blocks_for(int(new_len[bi, hi]), self.block_size)
                 row = self.block_table[layer, bi, hi]
+                j = np.arange(int(new_len[bi, hi]), min(int(self.cell_len[layer, bi, hi]), used * self.block_size))
+                if j.size:
+                    stale.append(row[j // self.block_size] * self.block_size + j % self.block_size)
                 for col in range(used, row.shape[0]):
                     if row[col] >= 0:
                         self._free.append(int(row[col]))
                         self.pos_pool[int(row[col])] = -1
                         row[col] = -1
+        if stale:
+            self.pos_pool.view(-1).index_fill_(0, torch.from_numpy(np.concatenate(stale)).to(self.device), -1)
         self.cell_len[layer] = new_len
         self._table_dev.pop(layer, None)
 
@@ -245,13 +258,11 @@ class PagedKVStore(KVStore):
         remap = np.full(self.capacity_blocks, -1, dtype=np.int64)
         remap[order] = np.arange(order.size)
         src = torch.from_numpy(order).to(self.device)
-        new_k = torch.zeros(capacity_blocks, self.block_size, self.head_dim, dtype=self.dtype, device=self.device)
-        new_v = torch.zeros_like(new_k)
-        new_p = torch.full((capacity_blocks, self.block_size), -1, dtype=torch.int64, device=self.device)
-        new_k[: order.size] = self.k_pool.index_select(0, src)
-        new_v[: order.size] = self.v_pool.index_select(0, src)
-        new_p[: order.size] = self.pos_pool.index_select(0, src)
-        self.k_pool, self.v_pool, self.pos_pool = new_k, new_v, new_p
+        old_kv, old_pos = self.kv_pool, self.pos_pool
+        self._alloc_pools(capacity_blocks)
+        self.kv_pool[:, : order.size] = old_kv.index_select(1, src)
+        self.pos_pool[: order.size] = old_pos.index_select(0, src)
+        del old_kv, old_pos
         self.block_table = np.where(self.block_table >= 0, remap[np.maximum(self.block_table, 0)], -1)
         self.capacity_blocks = int(capacity_blocks)
         self._free = list(range(capacity_blocks - 1, order.size - 1, -1))
@@ -269,6 +280,6 @@ class PagedKVStore(KVStore):
             held_tokens=live,
             bytes_live=live * per_entry,
             bytes_in_use=self.blocks_in_use * self.block_size * per_entry,
-            bytes_allocated=self.capacity_blocks * self.block_size * per_entry,
+            bytes_allocated=int(self.kv_pool.numel()) * size,  # capacity + the null block
             bytes_index=int(index),
         )
