@@ -71,64 +71,102 @@ __all__ = [
 
 
 @njit(cache=True)
-def rank_desc(score: np.ndarray) -> np.ndarray:
-    """Indices of ``score`` ``(n,)`` sorted descending, ties to the larger index first.
+def _before(score: np.ndarray, a: int, b: int) -> bool:
+    """True when key ``a`` ranks before key ``b``: larger score, or equal score and larger index."""
+    return score[a] > score[b] or (score[a] == score[b] and a > b)
 
-    A stable sort of the reversed array puts equal scores in descending original index.
+
+@njit(cache=True)
+def _sort_by_rank(score: np.ndarray, idx: np.ndarray) -> None:
+    """Sort the key indices ``idx`` in place by rank (``_before``); bottom-up merge sort.
+
+    The order is total (ties broken by index), so any correct sort gives the same result;
+    a hand-written one keeps Numba compile time low (no generic argsort / partition).
     """
-    n = score.shape[0]
-    rev = np.empty(n)
-    for i in range(n):
-        rev[i] = -score[n - 1 - i]
-    order = np.argsort(rev, kind="mergesort")
-    out = np.empty(n, dtype=np.int64)
-    for i in range(n):
-        out[i] = n - 1 - order[i]
-    return out
+    m = idx.shape[0]
+    buf = np.empty(m, dtype=np.int64)
+    width = 1
+    src, dst = idx, buf
+    while width < m:
+        for lo in range(0, m, 2 * width):
+            mid = min(lo + width, m)
+            hi = min(lo + 2 * width, m)
+            i, j, t = lo, mid, lo
+            while i < mid and j < hi:
+                if _before(score, src[j], src[i]):
+                    dst[t] = src[j]
+                    j += 1
+                else:
+                    dst[t] = src[i]
+                    i += 1
+                t += 1
+            while i < mid:
+                dst[t] = src[i]
+                i += 1
+                t += 1
+            while j < hi:
+                dst[t] = src[j]
+                j += 1
+                t += 1
+        src, dst = dst, src
+        width *= 2
+    if src is not idx:
+        idx[:] = src
+
+
+@njit(cache=True)
+def rank_desc(score: np.ndarray) -> np.ndarray:
+    """Indices of ``score`` ``(n,)`` sorted descending, ties to the larger index first. O(n log n)."""
+    idx = np.arange(score.shape[0])
+    _sort_by_rank(score, idx)
+    return idx
 
 
 @njit(cache=True)
 def top_k_desc(score: np.ndarray, k: int) -> np.ndarray:
-    """The first ``k`` entries of ``rank_desc(score)``, int64 ``(k,)``, in O(n + k log k).
+    """The first ``k`` entries of ``rank_desc(score)``, int64 ``(k,)``, in O(n log k).
 
-    Selects the k-th largest value with ``np.partition`` (linear), keeps everything above
-    it plus the largest indices among the values equal to it (the tie rule), then sorts
-    only those ``k`` keys. ``0 <= k <= n``.
+    A binary heap of size ``k`` keeps the ``k`` best keys seen so far with the worst at the
+    root; a key replaces the root when it ranks before it. The survivors are then sorted.
+    ``0 <= k <= n``.
     """
     n = score.shape[0]
-    if k >= n:
-        return rank_desc(score)
-    if k <= 0:
-        return np.empty(0, dtype=np.int64)
-    thr = np.partition(score, n - k)[n - k]
-    n_above = 0
+    k = max(0, min(k, n))
+    heap = np.empty(k, dtype=np.int64)
+    if k == 0:
+        return heap
+    size = 0
     for i in range(n):
-        if score[i] > thr:
-            n_above += 1
-    need_eq = k - n_above  # >= 1 by the choice of thr
-    chosen = np.zeros(n, dtype=np.bool_)
-    for i in range(n):
-        if score[i] > thr:
-            chosen[i] = True
-    for i in range(n - 1, -1, -1):  # ties at the threshold: larger index first
-        if need_eq == 0:
-            break
-        if score[i] == thr:
-            chosen[i] = True
-            need_eq -= 1
-    idx = np.empty(k, dtype=np.int64)
-    sub = np.empty(k)
-    c = 0
-    for i in range(n):  # ascending index, so rank_desc's tie rule carries over
-        if chosen[i]:
-            idx[c] = i
-            sub[c] = score[i]
-            c += 1
-    order = rank_desc(sub)
-    out = np.empty(k, dtype=np.int64)
-    for t in range(k):
-        out[t] = idx[order[t]]
-    return out
+        if size < k:
+            # push: sift up while the parent ranks before the new key (root = worst)
+            c = size
+            heap[c] = i
+            size += 1
+            while c > 0:
+                parent = (c - 1) // 2
+                if _before(score, heap[parent], heap[c]):
+                    heap[parent], heap[c] = heap[c], heap[parent]
+                    c = parent
+                else:
+                    break
+        elif _before(score, i, heap[0]):
+            heap[0] = i
+            c = 0
+            while True:  # sift down: move the worse child up
+                left = 2 * c + 1
+                if left >= k:
+                    break
+                worst = left
+                right = left + 1
+                if right < k and _before(score, heap[left], heap[right]):
+                    worst = right
+                if _before(score, heap[c], heap[worst]):
+                    heap[c], heap[worst] = heap[worst], heap[c]
+                    c = worst
+                else:
+                    break
+    _sort_by_rank(score, heap)
+    return heap
 
 
 @njit(cache=True)
