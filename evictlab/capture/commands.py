@@ -86,4 +86,4 @@ def capture(
     s = run_capture(cfg, out, progress=not quiet)
     typer.echo(f"{s.rows_written} rows from {s.prompts_written} prompts in {s.seconds:.1f} s "
                f"({s.rows_per_second:.0f} rows/s; {s.prompts_skipped} prompts already done); "
-               f"dataset holds {s.rows_total} rows; max |mu - model| = {s.max_verify_error:.1e}; {out}")
+               f"dataset holds {s.rows_total} rows; max |mu - model| / max(1,|v|) = {s.max_verify_error:.1e}; {out}")

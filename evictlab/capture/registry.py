@@ -32,6 +32,7 @@ tests need the explicit softmax, and the choice is made at load time, never by e
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import importlib.util
 import json
@@ -42,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -214,6 +216,7 @@ def ensure_package(ref: PackageRef, *, quiet: bool = True) -> Path:
         if target.exists():  # a concurrent pull finished first: keep theirs
             shutil.rmtree(tmp, ignore_errors=True)
         else:
+            tmp.chmod(0o755)  # mkdtemp makes it 0700; a shared cache must be readable
             os.replace(tmp, target)
     finally:
         if tmp.exists():
@@ -320,6 +323,8 @@ def convert_gguf(spec: ModelSpec, dest: Path) -> Path:
         out = work / "model"
         fresh.save_pretrained(str(out), safe_serialization=True)
         tok.save_pretrained(str(out))
+        for f in out.iterdir():
+            f.chmod(0o644)  # mkstemp-style writers leave 0600; a shared cache must be readable
         atomic_write_json(out / MANIFEST, {
             "manifest_version": MANIFEST_VERSION,
             "name": spec.name,
@@ -332,8 +337,10 @@ def convert_gguf(spec: ModelSpec, dest: Path) -> Path:
             "transformers": _version("transformers"),
             "files": _manifest_files(out),
         })
+        (out / MANIFEST).chmod(0o644)
         if dest.exists():
-            shutil.rmtree(dest)
+            # an older or broken copy: move it aside first so dest is never half-replaced
+            os.replace(dest, work / "old")
         os.replace(out, dest)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -394,14 +401,42 @@ def _check_safetensors(folder: Path, fix: str) -> None:
             raise CorruptFileError(str(p), f"unreadable safetensors header ({exc})", fix) from None
 
 
+@contextlib.contextmanager
+def _pull_lock(name: str) -> Iterator[None]:
+    """Serialise pulls of one model across processes (two test runs, two CLI calls).
+
+    An advisory ``flock`` on ``<cache>/models/.<name>.lock``; the second process waits and
+    then finds the folder ready. Where ``fcntl`` is missing (Windows) pulls are not locked,
+    and the atomic rename still keeps every folder whole.
+    """
+    lock = cache_dir() / "models" / f".{name}.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - non-POSIX
+        yield
+        return
+    with open(lock, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def pull(name: str, *, force: bool = False) -> Path:
-    """Make registry model ``name`` available as a verified safetensors folder; return it."""
+    """Make registry model ``name`` available as a verified safetensors folder; return it.
+
+    An existing copy is fully verified (SHA-256 of every file) and kept; ``force``
+    reconverts it from the GGUF.
+    """
     spec = get_spec(name)
     dest = model_dir(name)
-    if not force and (dest / MANIFEST).is_file():
-        verify_folder(dest, name, full=True)
-        return dest
-    return convert_gguf(spec, dest)
+    with _pull_lock(name):
+        if not force and (dest / MANIFEST).is_file():
+            verify_folder(dest, name, full=True)
+            return dest
+        return convert_gguf(spec, dest)
 
 
 # --------------------------------------------------------------------------- loading

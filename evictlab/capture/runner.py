@@ -44,8 +44,9 @@ from evictlab.capture.prompts import SOURCES, PromptTokens, build_prompt
 from evictlab.errors import InputError
 
 MODES = ("query-agnostic", "query-aware")
-#: Largest |mu - module output| accepted for a captured row. float32 forward passes agree
-#: with the float64 recomputation to ~1e-6 on every supported family; a model the hooks do
+#: Largest |mu - module output| / max(1, max|v|) accepted for a captured row (see
+#: :func:`~evictlab.capture.hooks.verify_layer`). float32 forward passes agree with the
+#: float64 recomputation to ~1e-7..1e-6 on every supported family; a model the hooks do
 #: not understand is off by orders of magnitude more.
 VERIFY_TOL = 1e-4
 #: One-line statement of the query-position rule, stored in every dataset's manifest.
