@@ -37,6 +37,7 @@ from evictlab.hardness.instances import (
 from evictlab.hardness.reduction import (
     image_bit_bound,
     image_to_source_certificate,
+    padding_weight,
     reduce_instance,
     source_to_image_certificate,
 )
@@ -326,6 +327,18 @@ def test_malformed_instances_name_the_field(obj: object, field: str) -> None:
     with pytest.raises(InputError) as info:
         parse_instance(obj)
     assert info.value.field == field and info.value.fix
+
+
+def test_numpy_integers_become_python_ints() -> None:
+    source = KSubsetSum(np.array([2**40, -3, 5], dtype=np.int64), np.int64(2), np.int64(2))
+    assert all(type(v) is int for v in (*source.values, source.k, source.target))
+    # Products of int64 values would wrap around; Python ints do not.
+    assert reduce_instance(source).values[0] == 2 * 2**40 - 2 + padding_weight(source)
+    assert source.is_certificate(np.array([1, 2]))
+    with pytest.raises(InputError, match=r"values\[0\]"):
+        ZeroES(np.array([0.5, 1.0]), 1)
+    with pytest.raises(InputError, match="values"):
+        ZeroES(np.zeros((2, 2), dtype=np.int64), 1)
 
 
 def test_wrong_problem_for_the_command() -> None:

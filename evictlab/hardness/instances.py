@@ -17,10 +17,13 @@ single rounded value can flip a yes into a no.
 from __future__ import annotations
 
 import json
+import numbers
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
+
+import numpy as np
 
 from evictlab.errors import InputError
 
@@ -35,8 +38,8 @@ CPSAT_LIMIT = 2**62
 
 
 def _is_int(x: object) -> bool:
-    """True for a genuine integer; ``bool`` is an ``int`` subclass in Python but not a number here."""
-    return isinstance(x, int) and not isinstance(x, bool)
+    """True for a genuine integer (Python or numpy); ``bool`` is an ``int`` subclass but not a number here."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
 
 
 def _check_int(field: str, x: object) -> int:
@@ -50,7 +53,7 @@ def _check_int(field: str, x: object) -> int:
 
 
 def _check_values(field: str, values: object) -> tuple[int, ...]:
-    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)):
+    if not isinstance(values, (list, tuple, np.ndarray)) or (isinstance(values, np.ndarray) and values.ndim != 1):
         raise InputError(field, f"expected a list of integers, got {type(values).__name__}",
                          "give the values as a JSON list such as [3, -1, 4]")
     if len(values) == 0:
@@ -86,7 +89,9 @@ class KSubsetSum:
         if not 0 <= k <= len(self.values):
             raise InputError("k", f"k = {k} is outside 0..n = 0..{len(self.values)}",
                              "choose how many values to pick, between 0 and the number of values")
-        _check_int("target", self.target)
+        # Store Python ints even when given numpy integers (fixed width would overflow later).
+        object.__setattr__(self, "k", k)
+        object.__setattr__(self, "target", _check_int("target", self.target))
 
     @property
     def n(self) -> int:
@@ -99,7 +104,7 @@ class KSubsetSum:
             return False
         if not all(_is_int(i) and 0 <= i < self.n for i in chosen):
             return False
-        return sum(self.values[i] for i in chosen) == self.target
+        return sum(self.values[int(i)] for i in chosen) == self.target
 
     def to_json(self) -> dict[str, Any]:
         return {"problem": SOURCE_PROBLEM, "values": list(self.values), "k": self.k,
@@ -119,6 +124,7 @@ class ZeroES:
         if not 1 <= s <= len(self.values):
             raise InputError("s", f"s = {s} is outside 1..N = 1..{len(self.values)}",
                              "keep at least one and at most all of the values")
+        object.__setattr__(self, "s", s)
 
     @property
     def n(self) -> int:
@@ -132,7 +138,7 @@ class ZeroES:
         if not all(_is_int(i) and 0 <= i < self.n for i in kept):
             return False
         # Cross-multiplied mean equality: no division, so no rounding.
-        return self.n * sum(self.values[i] for i in kept) == self.s * sum(self.values)
+        return self.n * sum(self.values[int(i)] for i in kept) == self.s * sum(self.values)
 
     def centred(self) -> tuple[int, ...]:
         """Coefficients ``c_i = N*v_i - sum(v)``: a size-s set A has zero error iff sum(c_A) == 0.
