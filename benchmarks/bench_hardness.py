@@ -18,7 +18,6 @@ bound on its true time); the DP is never limited, it always answers.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time

@@ -22,12 +22,11 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Sequence
 
 from evictlab.errors import EvictlabError
 from evictlab.hardness.instances import KSubsetSum, ZeroES, check_cpsat_limits
 
-Method = Literal["cpsat", "dp", "enumerate"]
 METHODS: tuple[str, ...] = ("cpsat", "dp", "enumerate")
 
 
