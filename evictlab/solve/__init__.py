@@ -1,0 +1,27 @@
+"""Exact solvers: candidate-pool enumeration, balancing selector, certified optimum, runner.
+
+* :mod:`evictlab.solve.revolving` -- revolving-door (Gray code) order of t-subsets.
+* :mod:`evictlab.solve.kernels` -- Numba kernels: pool enumeration (ES_hat), balancing
+  selector, and the fused per-batch driver :func:`batch_solve`.
+* :mod:`evictlab.solve.certify` -- branch and bound for the true ES(s) over all keys.
+* :mod:`evictlab.solve.reference` -- itertools / numpy references the kernels are tested against.
+* :mod:`evictlab.solve.runner` -- rows -> results Parquet (``evictlab solve``), resumable.
+
+Algorithms, limits and certificates: ``docs/solvers.md``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CERT_COLUMNS", "KAPPA_EPS", "MAX_SUBSETS", "RESULT_COLUMNS", "ZERO_REL", "SolveConfig",
+    "SolveSummary", "check_config", "solve_batch", "solve_rows",
+]
+
+
+def __getattr__(name: str) -> object:
+    """Lazy re-exports from :mod:`evictlab.solve.runner` (keeps ``evictlab --help`` fast)."""
+    if name in __all__:
+        from evictlab.solve import runner
+
+        return getattr(runner, name)
+    raise AttributeError(f"module 'evictlab.solve' has no attribute {name!r}")
