@@ -115,6 +115,29 @@ def test_decide_huge_numbers_work_with_the_dp_only(tmp_path: Path, monkeypatch, 
     assert code == 0 and json.loads(out) == {"answer": "yes", "kept": [2]}
 
 
+def test_decide_time_limit_without_answer_exits_3(tmp_path: Path, monkeypatch, capsys) -> None:
+    from evictlab.hardness import deciders
+
+    def undecided(image, method="cpsat", **kw):
+        raise deciders.UndecidedError("CP-SAT returned UNKNOWN within 0.001 s")
+
+    monkeypatch.setattr(deciders, "decide_image", undecided)
+    path = write(tmp_path / "i.json", {"problem": "zero-es", "values": [1, 2, 3], "s": 1})
+    code, out, err = run_cli(monkeypatch, capsys, "hardness", "decide", str(path), "--time-limit", "0.001")
+    assert code == 3 and out == "" and err.startswith("undecided: CP-SAT returned UNKNOWN")
+
+
+def test_reduce_accepts_huge_sources_and_says_the_image_needs_the_dp(tmp_path: Path, monkeypatch, capsys) -> None:
+    src = write(tmp_path / "s.json", {"problem": "k-subset-sum", "values": [2**80, 1, -(2**80)], "k": 2, "target": 0})
+    img = tmp_path / "i.json"
+    code, _, err = run_cli(monkeypatch, capsys, "hardness", "reduce", str(src), "--out", str(img))
+    assert code == 0 and "--method dp" in err
+    code, _, err = run_cli(monkeypatch, capsys, "hardness", "decide", str(img))
+    assert code == 2 and "2^62" in err
+    code, out, _ = run_cli(monkeypatch, capsys, "hardness", "decide", str(img), "--method", "dp", "--json")
+    assert code == 0 and json.loads(out)["answer"] == "yes"
+
+
 def test_decide_bad_options_and_missing_file(tmp_path: Path, monkeypatch, capsys) -> None:
     good = write(tmp_path / "g.json", {"problem": "zero-es", "values": [1, 2], "s": 1})
     code, _, err = run_cli(monkeypatch, capsys, "hardness", "decide", str(good), "--method", "float")

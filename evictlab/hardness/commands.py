@@ -5,7 +5,7 @@
 * ``decide`` decide a ZERO-ES instance exactly and print the kept indices of a solution.
 
 Exit codes: 0 success, 1 disagreement between exact methods (a bug), 2 bad input (printed
-as one line by ``evictlab.cli.main``). Failures exit through ``sys.exit`` because
+as one line by ``evictlab.cli.main``), 3 ``decide`` stopped by ``--time-limit`` without an answer. Failures exit through ``sys.exit`` because
 ``cli.main`` runs typer in non-standalone mode, where a ``typer.Exit`` code is not propagated.
 """
 
@@ -116,7 +116,7 @@ def decide_command(
     time_limit: Optional[float] = typer.Option(None, "--time-limit", help="CP-SAT seconds; default none."),
 ) -> None:
     """Decide whether some s kept values have the mean of all values (ES(s) = 0)."""
-    from evictlab.hardness.deciders import decide_image
+    from evictlab.hardness.deciders import UndecidedError, decide_image
     from evictlab.hardness.instances import IMAGE_PROBLEM, check_cpsat_limits, load_instance
 
     if method not in _METHOD_CHOICES:
@@ -127,7 +127,11 @@ def decide_command(
     if method in ("both", "cpsat"):
         check_cpsat_limits(inst)  # a clear InputError before any solving
     names = ("cpsat", "dp") if method == "both" else (method,)
-    decisions = [decide_image(inst, name, time_limit_s=time_limit) for name in names]  # type: ignore[arg-type]
+    try:
+        decisions = [decide_image(inst, name, time_limit_s=time_limit) for name in names]  # type: ignore[arg-type]
+    except UndecidedError as exc:  # not bad input and not an answer: its own exit code
+        typer.echo(f"undecided: {exc}; raise or drop --time-limit, or use --method dp", err=True)
+        sys.exit(3)
     if len({d.yes for d in decisions}) > 1:
         typer.echo("error: CP-SAT and the exact DP disagree: "
                    + ", ".join(f"{d.method}={d.answer}" for d in decisions), err=True)
