@@ -59,7 +59,11 @@ def version() -> None:
 def main() -> None:
     """Entry point that turns evictlab's own errors into one clear line and exit code 2."""
     try:
-        app(standalone_mode=False)
+        # Without standalone mode click hands typer.Exit back as a return value (its exit
+        # code) instead of raising; pass it on so `raise typer.Exit(1)` still fails the shell.
+        rc = app(standalone_mode=False)
+        if isinstance(rc, int) and not isinstance(rc, bool) and rc != 0:
+            sys.exit(rc)
     except EvictlabError as exc:
         typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
         sys.exit(2)
