@@ -19,7 +19,8 @@ One row per (method, mode, budget) with:
   free pages and headroom; masked buffers incl. unused capacity);
 - ``bytes_index``: index overhead (block tables, positions, masks), peak;
 - ``bytes_full_cache``: the full cache of the longest sequence (context+question+answer);
-- ``freed_fraction``: ``1 - bytes_live / bytes_full_cache``, 0 for masked by construction;
+- ``freed_fraction``: share of appended K/V entries no longer held, at the last compression
+  (``1 - held / appended``); exactly 0 for masked (masking frees nothing);
 - ``peak_rss``, ``peak_rss_delta``: process resident memory (psutil), peak during the run
   and its rise over the run's start (same process for every run: read with care);
 - task metrics (means over examples): ``exact_match`` (greedy decoding reproduces the
@@ -154,13 +155,25 @@ def run_audit(
                     "bytes_allocated": max(o.peak("bytes_allocated") for o, _ in outs),
                     "bytes_index": max(o.peak("bytes_index") for o, _ in outs),
                     "bytes_full_cache": full_bytes,
-                    "freed_fraction": 1.0 - live / full_bytes,
+                    "freed_fraction": min(_freed_fraction(o, n_layers * hk) for o, _ in outs),
                     "peak_rss": max(o.peak_rss for o, _ in outs),
                     "peak_rss_delta": max(o.peak_rss - r for o, r in outs),
                     **{k: sum(m[k] for m in mets) / len(mets) for k in mets[0]},
                     "n_examples": len(examples), "wall_s": sum(o.wall_s for o, _ in outs),
                 })
     return pl.DataFrame(rows, infer_schema_length=None)
+
+
+def _freed_fraction(out: DecodeOutput, cells: int) -> float:
+    """Share of the K/V entries appended so far that the store no longer holds, at the last
+    compression: ``1 - held_tokens / (seen x cells x batch)``. Exactly 0 for the masked
+    store (it holds every appended entry), whatever its keep mask says."""
+    comp = [t for t in out.trace if t.phase == "compress"]
+    if not comp:
+        return 0.0
+    last = comp[-1]
+    batch = out.logits.shape[0]
+    return 1.0 - last.report.held_tokens / (last.seen * cells * batch)
 
 
 def _rss() -> int:
