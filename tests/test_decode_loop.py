@@ -15,6 +15,7 @@ from evictlab.kv.paged import PagedKVStore
 
 @pytest.fixture(scope="module")
 def setup():
+    torch.set_num_threads(1)  # far faster than 2 threads on a shared 2-core machine
     model, _ = tiny_model("llama")
     g = torch.Generator().manual_seed(0)
     ctx = torch.randint(3, 256, (2, 200), generator=g)

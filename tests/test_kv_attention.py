@@ -17,6 +17,12 @@ from evictlab.kv.paged import PagedKVStore
 B, HQ, HK, D, N = 2, 6, 3, 16, 37
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One torch thread: far faster than two on a shared 2-core machine."""
+    torch.set_num_threads(1)
+
+
 def _store_with(k: torch.Tensor, v: torch.Tensor, bs: int = 8) -> PagedKVStore:
     store = PagedKVStore(1, B, HK, D, capacity_blocks=64, block_size=bs, dtype=k.dtype)
     store.append_gather(0, k, v, torch.arange(k.shape[2]))
