@@ -85,15 +85,19 @@ def test_greedy_decoding_and_decode_time_compression(setup) -> None:
 
 
 def test_query_agnostic_ranking_never_sees_the_question(setup) -> None:
-    """Changing the question must not change which context entries are kept."""
+    """Changing the question must not change which context entries are kept, unless the
+    labelled query-aware option lets the ranking see it."""
     model, ctx, q, a, _ = setup
-    from evictlab.kv.cache import EvictionCache  # noqa: F401 (documented coupling)
-
-    kept = []
-    for question in (q, torch.flip(q, [1])):
-        out = run_sequence(model, ctx, question, _cfg(allocator="adakv"), answer_ids=a[:, :1])
-        kept.append([t.report.live_tokens for t in out.trace if t.phase == "compress"])
-    assert kept[0] == kept[1]
+    q2 = torch.flip(q, [1])
+    kept = {}
+    for aware in (False, True):
+        for name, question in (("q", q), ("q2", q2)):
+            out = run_sequence(model, ctx, question, _cfg(scorer="snapkv", allocator="adakv", query_aware=aware),
+                               answer_ids=a[:, :1])
+            kept[(aware, name)] = out.context_kept
+    for l1, l2 in zip(kept[(False, "q")], kept[(False, "q2")]):
+        assert torch.equal(l1, l2)
+    assert any(not torch.equal(l1, l2) for l1, l2 in zip(kept[(True, "q")], kept[(True, "q2")]))
 
 
 def test_budget_below_floor_raises(setup) -> None:

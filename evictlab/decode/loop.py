@@ -110,6 +110,9 @@ class DecodeOutput:
     wall_s: float
     compressions: int
     decode_s: float = 0.0  # wall time of the decode phase (T - 1 forwards and its compressions)
+    #: per layer, the kept positions ``(batch, kv_heads, S)`` (-1 = padding) right after the
+    #: context phase, before the question (query-agnostic) is appended; empty in full mode.
+    context_kept: list[torch.Tensor] = field(default_factory=list)
 
     def peak(self, attr: str) -> int:
         """Max of ``ByteReport.<attr>`` over the trace (0 for full mode)."""
@@ -432,6 +435,7 @@ def run_sequence(
             budget_blocks = math.ceil(runner.budget_tokens * b / cfg.block_size) + cells
             runner.store.resize(max(runner.store.blocks_in_use, budget_blocks) + cells * math.ceil(dec_head / cfg.block_size))
             note("resize")
+        context_kept = [runner.store.gather(l)[2].cpu() for l in range(runner.n_layers)]
         # 2. The question, after the context was compressed (query-agnostic).
         if not cfg.query_aware:
             last = runner.forward(question_ids)[:, -1]
@@ -454,7 +458,8 @@ def run_sequence(
                     note("compress")
             tick(1)
     return DecodeOutput(torch.stack(logits_out, 1), torch.stack(tokens_out, 1), trace, runner.budget_tokens,
-                        bytes_full, peak, time.perf_counter() - t0, runner.compressions, time.perf_counter() - t_dec)
+                        bytes_full, peak, time.perf_counter() - t0, runner.compressions, time.perf_counter() - t_dec,
+                        context_kept)
 
 
 def tokens_out_tensor(tokens: list[torch.Tensor], window: int) -> torch.Tensor:
