@@ -206,7 +206,8 @@ def audit_figure(df: pl.DataFrame, path_stem: str | Path) -> list[Path]:
     axes[0].legend(loc="lower right", fontsize=8)
     sns.barplot(d, y="method @ budget/cell", x="kl", hue="mode", ax=axes[1], hue_order=["masked", "physical"],
                 palette={"masked": "#c44e52", "physical": "#4c72b0"})
-    axes[1].set_title("next-token KL to the full cache (nats)")
+    axes[1].set_title("next-token KL to the full cache")
+    axes[1].set_xlabel("KL(full || compressed), nats")
     axes[1].set_ylabel("")
     fig.tight_layout()
     paths = []
