@@ -64,7 +64,9 @@ def ragged_attention(
     :func:`grouped_attention`. Equals dense attention restricted to the kept entries with
     renormalised (forced) weights.
     """
-    k, v, pos = store.gather(layer)
+    # The paged store can gather into its reusable scratch buffer (consumed right here).
+    gather = getattr(store, "gather_view", store.gather)
+    k, v, pos = gather(layer)
     return grouped_attention(query, k, v, pos, q_pos, scaling)
 
 

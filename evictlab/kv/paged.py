@@ -69,6 +69,7 @@ class PagedKVStore(KVStore):
         self.device = torch.device(device)
         self.capacity_blocks = int(capacity_blocks)
         self._alloc_pools(capacity_blocks)
+        self._scratch = torch.empty(0, dtype=dtype, device=self.device)
         self.block_table = np.full((n_layers, batch, kv_heads, 0), -1, dtype=np.int64)
         self.cell_len = np.zeros((n_layers, batch, kv_heads), dtype=np.int64)
         # Free blocks as a stack; popping from the end hands out low block ids first.
@@ -156,13 +157,26 @@ class PagedKVStore(KVStore):
         self.pos_pool.view(-1).index_copy_(0, flat, positions.to(self.device).expand(b, h, q).reshape(-1))
         self.cell_len[layer] = start + q
 
-    def _gather_layer(self, layer: int, s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Block-wise gather of the first ``s`` slots of every cell (one index_select per pool)."""
+    def _gather_layer(self, layer: int, s: int, *, scratch: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Block-wise gather of the first ``s`` slots of every cell (one index_select per pool).
+
+        With ``scratch=True`` K/V are written into a buffer the store reuses (no fresh
+        allocation, so no page faults on every step); the returned K/V then stay valid only
+        until the next scratch gather. Positions are always a fresh tensor.
+        """
         table = self._table(layer)  # (batch, kv_heads, max_blocks)
         n_blocks = self.blocks_for(s, self.block_size)
         idx = table[..., :n_blocks].reshape(-1)
         b, h, d, bs = self.batch, self.kv_heads, self.head_dim, self.block_size
-        kv = self.kv_pool.index_select(1, idx).view(2, b, h, n_blocks * bs, d)[:, :, :, :s]
+        if scratch:
+            need = 2 * idx.numel() * bs * d
+            if self._scratch.numel() < need:
+                self._scratch = torch.empty(need, dtype=self.dtype, device=self.device)
+            out = self._scratch[:need].view(2, idx.numel(), bs, d)
+            torch.index_select(self.kv_pool, 1, idx, out=out)
+            kv = out.view(2, b, h, n_blocks * bs, d)[:, :, :, :s]
+        else:
+            kv = self.kv_pool.index_select(1, idx).view(2, b, h, n_blocks * bs, d)[:, :, :, :s]
         # Non-live slots already hold position -1 (pool invariant): no length mask needed.
         pos = self.pos_pool.index_select(0, idx).view(b, h, n_blocks * bs)[:, :, :s]
         return kv[0], kv[1], pos
@@ -171,6 +185,12 @@ class PagedKVStore(KVStore):
         s = int(self.cell_len[layer].max())
         return self._gather_layer(layer, s)
 
+    def gather_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Like :meth:`gather`, but K/V live in the store's reusable scratch buffer: valid
+        until the next ``gather_view``/``append_gather`` (one layer's attention call)."""
+        s = int(self.cell_len[layer].max())
+        return self._gather_layer(layer, s, scratch=True)
+
     def layout_positions(self, layer: int, new_positions: torch.Tensor) -> torch.Tensor:
         q = int(new_positions.numel())
         start = torch.from_numpy(self.cell_len[layer].copy()).to(self.device)
@@ -178,7 +198,9 @@ class PagedKVStore(KVStore):
         if self.block_table.shape[-1] == 0 or int(self.cell_len[layer].max()) == 0:
             pos = torch.full((self.batch, self.kv_heads, s), -1, dtype=torch.int64, device=self.device)
         else:
-            _, _, pos = self._gather_layer(layer, int(self.cell_len[layer].max()))
+            n_blocks = self.blocks_for(int(self.cell_len[layer].max()), self.block_size)
+            idx = self._table(layer)[..., :n_blocks].reshape(-1)
+            pos = self.pos_pool.index_select(0, idx).view(self.batch, self.kv_heads, -1)[:, :, : int(self.cell_len[layer].max())]
             pos = torch.cat([pos, torch.full((self.batch, self.kv_heads, q), -1, dtype=torch.int64, device=self.device)], -1)
         # New entries land right after each cell's live entries.
         cols = start[..., None] + torch.arange(q, device=self.device)
@@ -188,7 +210,8 @@ class PagedKVStore(KVStore):
         self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self.append(layer, keys, values, positions)
-        k, v, _ = self.gather(layer)
+        # The model consumes this layer's K/V before the next layer's update: reuse scratch.
+        k, v, _ = self.gather_view(layer)
         return k, v
 
     # -- eviction ----------------------------------------------------------------------
