@@ -106,6 +106,8 @@ class ByteReport:
     - ``bytes_allocated``: bytes of the K/V buffers the store owns (pool capacity,
       including free pages or unused buffer capacity).
     - ``bytes_index``: block tables, lengths, per-slot positions and masks (overhead).
+    - ``bytes_transient``: reusable working buffers (the paged store's gather scratch, one
+      layer's padded K/V); not cache contents, reported so nothing held is hidden.
     """
 
     kind: str
@@ -115,3 +117,4 @@ class ByteReport:
     bytes_in_use: int
     bytes_allocated: int
     bytes_index: int
+    bytes_transient: int = 0

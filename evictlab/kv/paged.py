@@ -305,4 +305,5 @@ class PagedKVStore(KVStore):
             bytes_in_use=self.blocks_in_use * self.block_size * per_entry,
             bytes_allocated=int(self.kv_pool.numel()) * size,  # capacity + the null block
             bytes_index=int(index),
+            bytes_transient=int(self._scratch.numel()) * size,
         )
