@@ -18,6 +18,7 @@ One row per (method, mode, budget) with:
 - ``bytes_allocated``: peak bytes of the store's K/V buffers (paged pool capacity incl.
   free pages and headroom; masked buffers incl. unused capacity);
 - ``bytes_index``: index overhead (block tables, positions, masks), peak;
+- ``bytes_transient``: the paged store's reusable gather buffer (one layer), peak;
 - ``bytes_full_cache``: the full cache of the longest sequence (context+question+answer);
 - ``freed_fraction``: share of appended K/V entries no longer held, at the last compression
   (``1 - held / appended``); exactly 0 for masked (masking frees nothing);
@@ -122,7 +123,7 @@ def run_audit(
         "method": "full", "scorer": "none", "allocator": "none", "mode": "full",
         "budget_tokens": None, "budget_per_cell": None, "bytes_budget": None,
         "bytes_live": full_bytes, "bytes_live_peak": full_bytes, "bytes_allocated": full_bytes,
-        "bytes_index": 0, "bytes_full_cache": full_bytes, "freed_fraction": 0.0,
+        "bytes_index": 0, "bytes_transient": 0, "bytes_full_cache": full_bytes, "freed_fraction": 0.0,
         "peak_rss": max(f.peak_rss for f in fulls), "peak_rss_delta": None,
         "exact_match": sum(_metrics(f, f, tensors(ex)[2])["exact_match"] for f, ex in zip(fulls, examples)) / len(fulls),
         "kl": 0.0, "top1_agreement": 1.0,
@@ -154,6 +155,7 @@ def run_audit(
                     "bytes_live_peak": max(o.peak("bytes_live") for o, _ in outs),
                     "bytes_allocated": max(o.peak("bytes_allocated") for o, _ in outs),
                     "bytes_index": max(o.peak("bytes_index") for o, _ in outs),
+                    "bytes_transient": max(o.peak("bytes_transient") for o, _ in outs),
                     "bytes_full_cache": full_bytes,
                     "freed_fraction": min(_freed_fraction(o, n_layers * hk) for o, _ in outs),
                     "peak_rss": max(o.peak_rss for o, _ in outs),
