@@ -15,9 +15,11 @@ from evictlab.stats.planted import planted_results
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("run")
-    df = pl.concat([planted_results(400, seed=1, certify=True),
-                    planted_results(300, seed=2, model="planted-b", a=-1.0, b=3.0, certify=True)])
-    analyse(df, out, AnalysisConfig(n_boot=50, n_boot_cells=20, hardness_trials=4, hardness_size=6), log=lambda m: None)
+    df = pl.concat([planted_results(400, seed=1),
+                    planted_results(300, seed=2, model="planted-b", a=-1.0, b=3.0)])
+    cert = planted_results(200, budgets=(4, 8), seed=3, certify=True)
+    analyse(df, out, AnalysisConfig(n_boot=50, n_boot_cells=20, hardness_trials=4, hardness_size=6),
+            log=lambda m: None, cert_results=cert)
     return out
 
 
@@ -25,7 +27,8 @@ def test_report_written_with_claims_and_definitions(run_dir: Path) -> None:
     text = (run_dir / "report.md").read_text()
     for needle in ("Claims of \"Trust the Mass\"", "| claim | paper value |", "0.021-0.047", "AUC 0.76-0.89",
                    "NP-complete", "(ours)", "Q4", "Budgets s = 4, 8, 16, 32", "Cross-model transfer",
-                   "e(T_s)=0", "Eviction: none performed"):
+                   "e(T_s)=0", "Eviction: none performed",
+                   "Certified optimum ES(s) vs pool optimum ES_hat(s) (certification pass"):
         assert needle in text, needle
     # every figure the report links exists and is non-empty, as PNG and PDF
     links = [line.split("](")[1].split(")")[0] for line in text.splitlines() if line.startswith("![")]
@@ -50,7 +53,10 @@ def test_tables_one_row_per_observation(run_dir: Path) -> None:
     tr = pl.read_parquet(run_dir / "tables" / "auc_transfer.parquet")
     assert set(tr["trained_on"].to_list()) == {"planted", "planted-b"}
     claims = pl.read_parquet(run_dir / "tables" / "claims.parquet")
-    assert {"ceiling", "penalty", "penalty-trend", "auc", "np-hardness"} <= set(claims["claim_id"].to_list())
+    assert {"ceiling", "penalty", "penalty-trend", "auc", "np-hardness", "certified"} <= set(claims["claim_id"].to_list())
+    cs = pl.read_parquet(run_dir / "tables" / "certified_summary.parquet")
+    assert cs["s"].to_list() == [4, 8] and (cs["rows_certified"] == 200).all()
+    assert (0.02 < cs["cert_beats_pool_frac"]).all() and (cs["cert_beats_pool_frac"] < 0.25).all()
     hard = claims.filter(pl.col("claim_id") == "np-hardness").row(0, named=True)
     assert hard["verdict"].startswith("consistent")
     assert len(list((run_dir / "predictors").glob("*.json"))) == 4
