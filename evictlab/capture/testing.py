@@ -88,3 +88,52 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i != self.bos_token_id).decode("utf-8", errors="replace")
+
+
+def check_against_eager(model: Any, tokens: list[int], store: Any, layers: list[int]) -> tuple[float, float]:
+    """Errors of a captured dataset against the model's own eager attention, independently.
+
+    Runs ``model`` on ``tokens`` with ``output_attentions=True`` and its own o_proj
+    pre-hooks (not :class:`~evictlab.capture.hooks.AttentionCapture`), then for every row of
+    ``store`` (a :class:`~evictlab.rows.store.RowStore` of that prompt) on ``layers``
+    returns ``(max |p - attentions|, max |mu - o_proj input| / max(1, max|v|))``. Keys
+    outside a row's range count too (their eager weight must be 0). mu's error is
+    relative to the largest value magnitude: float32 rounding of the model's own
+    ``p @ V`` grows with |v| (Gemma 3's first layer has |v| up to ~100).
+    """
+    import numpy as np
+    import polars as pl
+    import torch
+
+    from evictlab.capture.hooks import find_attention_sites
+
+    head_out: dict[int, torch.Tensor] = {}
+    handles = []
+    for site in find_attention_sites(model):
+        def pre(mod: Any, args: tuple[Any, ...], layer: int = site.layer, h: int = site.n_q_heads,
+                d: int = site.head_dim) -> None:
+            x = args[0]
+            head_out[layer] = x.view(x.shape[0], x.shape[1], h, d)[0].transpose(0, 1).double()
+        handles.append(site.o_proj.register_forward_pre_hook(pre))
+    try:
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([tokens], device=model.device), output_attentions=True,
+                        use_cache=False)
+    finally:
+        for hd in handles:
+            hd.remove()
+    worst_p = worst_mu = 0.0
+    for batch in store.iter_batches(max_rows=2048, filter=pl.col("layer").is_in(layers)):
+        m = batch.meta
+        for i in range(batch.n_rows):
+            layer, h, t = (int(m[c][i]) for c in ("layer", "q_head", "position"))
+            p, V = batch.row(i)
+            keys = batch.key_index[batch.p_off[i]:batch.p_off[i + 1]]
+            ref = out.attentions[layer][0, h, t].double().cpu().numpy()
+            worst_p = max(worst_p, float(np.abs(p - ref[keys]).max()))
+            rest = np.delete(ref, keys)
+            worst_p = max(worst_p, float(rest.max()) if rest.size else 0.0)
+            scale = max(1.0, float(np.abs(V).max()))
+            mu_ref = head_out[layer][h, t].cpu().numpy()
+            worst_mu = max(worst_mu, float(np.abs(p @ V - mu_ref).max()) / scale)
+    return worst_p, worst_mu
