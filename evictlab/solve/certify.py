@@ -48,30 +48,45 @@ def _suffix_tables(Y: np.ndarray, pw: np.ndarray, kmax: int) -> tuple[np.ndarray
     """Suffix tables for the bound: ``lo, hi`` ``(n+1, kmax+1, r)`` and ``pk`` ``(n+1, kmax+1)``.
 
     ``lo[j, k, t]`` (``hi``) is the sum of the k smallest (largest) ``Y[i, t]``, ``i >= j``;
-    ``pk[j, k]`` the sum of the k largest masses ``pw[i]``, ``i >= j``. Entries with
-    ``k > n - j`` are unused (set to 0).
+    ``pk[j, k]`` the sum of the k largest masses ``pw[i]``, ``i >= j`` (``pw`` is sorted
+    descending, so that is ``pw[j] + ... + pw[j+k-1]``). Entries with ``k > n - j`` are
+    unused (0). Each column is sorted once; a suffix walks the sorted order skipping
+    indices below j (no allocation per suffix).
     """
     n, r = Y.shape
     lo = np.zeros((n + 1, kmax + 1, r))
     hi = np.zeros((n + 1, kmax + 1, r))
     pk = np.zeros((n + 1, kmax + 1))
     for j in range(n):
-        m = n - j
-        kk = min(kmax, m)
-        ps = np.sort(pw[j:].copy())
+        kk = min(kmax, n - j)
         acc = 0.0
         for k in range(1, kk + 1):
-            acc += ps[m - k]
+            acc += pw[j + k - 1]
             pk[j, k] = acc
-        for t in range(r):
-            col = np.sort(Y[j:, t].copy())
+    for t in range(r):
+        order = np.argsort(Y[:, t])
+        for j in range(n):
+            kk = min(kmax, n - j)
+            k = 0
             a = 0.0
+            for q in range(n):
+                i = order[q]
+                if i >= j:
+                    k += 1
+                    a += Y[i, t]
+                    lo[j, k, t] = a
+                    if k == kk:
+                        break
+            k = 0
             b = 0.0
-            for k in range(1, kk + 1):
-                a += col[k - 1]
-                b += col[m - k]
-                lo[j, k, t] = a
-                hi[j, k, t] = b
+            for q in range(n - 1, -1, -1):
+                i = order[q]
+                if i >= j:
+                    k += 1
+                    b += Y[i, t]
+                    hi[j, k, t] = b
+                    if k == kk:
+                        break
     return lo, hi, pk
 
 
