@@ -173,3 +173,21 @@ def test_free_weight_errors_match_core_reference(inst, s) -> None:
     for kept, ef in ((out[4][0, 0, :s], out[11][0, 0]), (out[5][0, 0, :s], out[12][0, 0])):
         assert ef == pytest.approx(free_weight_error(p, V, kept)[0], rel=1e-7, abs=1e-9 * scale)
         assert ef <= sref.forced_error(p, V, kept) + 1e-12 * scale
+
+
+@given(inst=instances, s=st.integers(1, 14), r_m=st.integers(0, 4), r_e=st.integers(0, 4))
+def test_candidate_pool_row_equals_core_reference(inst, s, r_m, r_e) -> None:
+    from evictlab.solve.kernels import candidate_pool_row, top_desc
+
+    p, V = inst
+    n = p.shape[0]
+    s = min(s, n)
+    pn = p / p.sum()
+    err = np.linalg.norm(V - (pn @ V)[None, :], axis=1)
+    # same formula as core.reference.single_key_errors, so exact error ties (duplicate
+    # values) are ties here too and the tie rule is exercised
+    order_p = top_desc(p, min(n, s + r_m))
+    order_err = top_desc(err, min(n, s + r_m + r_e))
+    pool = candidate_pool_row(order_p, order_err, n, s, r_m, r_e)
+    ref_pool = sref.candidate_pool(p, V, s, r_m, r_e)
+    assert pool.tolist() == ref_pool.tolist()
