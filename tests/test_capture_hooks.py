@@ -171,3 +171,23 @@ def test_verification_catches_a_wrong_model() -> None:
     c = cap.captures[0]
     c.scaling *= 2.0  # as if the model used a different logit scale than recorded
     assert verify_layer(c) > 1e-3
+
+
+def test_capture_leaves_model_config_and_globals_untouched() -> None:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    model, _ = tiny_model("olmo2", seed=1)
+    cfg_before = model.config.to_dict()
+    attn_before = dict(ALL_ATTENTION_FUNCTIONS.items())
+    fwd_before = {n: type(m).forward for n, m in model.named_modules()}
+    x = torch.arange(1, 13)[None]
+    with torch.no_grad():
+        ref = model(input_ids=x).logits
+        with AttentionCapture(model, [5, 11]):
+            inside = model(input_ids=x, use_cache=False).logits
+        after = model(input_ids=x).logits
+    assert torch.equal(ref, inside) and torch.equal(ref, after)  # hooks only observe
+    assert model.config.to_dict() == cfg_before
+    assert dict(ALL_ATTENTION_FUNCTIONS.items()) == attn_before
+    assert {n: type(m).forward for n, m in model.named_modules()} == fwd_before
+    assert all("forward" not in vars(m) for m in model.modules())  # no instance patches
