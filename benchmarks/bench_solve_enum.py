@@ -19,7 +19,6 @@ minima are checked to agree.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from math import comb
 
