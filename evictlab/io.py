@@ -32,10 +32,19 @@ def atomic_path(dest: str | os.PathLike[str], suffix: str = "") -> Iterator[Path
         yield tmp_path
         with open(tmp_path, "rb+") as fh:
             os.fsync(fh.fileno())
+        # mkstemp creates 0600 files; give the result the mode a plain open() would have.
+        os.chmod(tmp_path, 0o666 & ~_umask())
         os.replace(tmp_path, dest)
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
+
+
+def _umask() -> int:
+    """The process umask (os.umask can only be read by setting it, so set it back at once)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_bytes(dest: str | os.PathLike[str], data: bytes) -> None:
