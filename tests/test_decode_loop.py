@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from evictlab.capture.testing import tiny_model
-from evictlab.decode.loop import DecodeConfig, _clip_sizes, run_sequence
+from evictlab.decode.loop import DecodeConfig, run_sequence
 from evictlab.errors import BudgetExceededError, InputError
 from evictlab.kv.budget import Budget, kv_bytes
 from evictlab.kv.paged import PagedKVStore
@@ -112,10 +111,3 @@ def test_pool_exhaustion_raises_instead_of_growing() -> None:
     with pytest.raises(BudgetExceededError):
         store.append_gather(0, torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4), torch.tensor([4]))
 
-
-def test_clip_sizes_redistributes_surplus() -> None:
-    sizes = np.array([[10, 2], [3, 3]])
-    lengths = np.array([[4, 9], [5, 3]])
-    out = _clip_sizes(sizes, lengths, 18)
-    assert out.sum() == 18 and (out <= lengths).all()
-    assert _clip_sizes(sizes, lengths, 100).sum() == lengths.sum()

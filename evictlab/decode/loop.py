@@ -5,7 +5,9 @@ Protocol (query-agnostic by default, SPEC section 6):
 
 1. The **context** is fed in chunks of ``chunk_size`` tokens. After each chunk, if the
    cache holds more than the budget, it is compressed to the budget: every cell is scored
-   (the scorer sees the cell's keys and the last ``window`` queries of the context), an
+   (the scorer sees the cell's keys and the context's queries: the last ``window`` of
+   them, or, for scorers with ``uses_all_queries`` (H2O, Compactor, ExpectedAttention),
+   every query processed since the previous compression), an
    allocator turns the budget into per-cell sizes, :func:`select_keep` picks the kept
    entries, and the store evicts the rest. So the cache never holds more than
    ``budget + chunk_size`` entries per cell (peak KV memory bounded).
@@ -20,12 +22,13 @@ The budget counts kept entries after a compression; between compressions a cell 
 up to ``chunk_size`` (prefill) or ``question + compress_every`` (decoding) more. The paged
 pool is sized to exactly that and raises :class:`BudgetExceededError` rather than grow.
 
-Scoring is done per (batch item, KV head) cell, because after ragged eviction cells hold
-different keys at different positions (``ScoreInputs.positions`` is one vector). The
-scorer state (``ScoreInputs.state``) is one dict per (layer, batch item, KV head).
-Allocators receive per-layer scores ``(batch, kv_heads, S_l)`` padded with the float32
-minimum past a shorter head's length; a size above a head's length is clipped to it and the
-surplus is handed to cells with room (documented in docs/kv.md).
+Scorers are built with :func:`evictlab.methods.make_scorer` from the model's config (so
+the RoPE-undoing scorers use the model's RoPE base). Scoring is done per (batch item, KV
+head) cell, because after ragged eviction cells hold different keys at different positions
+(``ScoreInputs.positions`` is one vector). The scorer state (``ScoreInputs.state``) is one
+dict per (layer, batch item, KV head). Allocators receive per-layer scores
+``(batch, kv_heads, S_l)`` padded with the float32 minimum past a shorter head's length,
+plus ``lengths=`` (each cell's real length), so padding never counts as available keys.
 """
 
 from __future__ import annotations
@@ -47,10 +50,6 @@ from evictlab.kv.masked import MaskedKVStore
 from evictlab.kv.paged import PagedKVStore
 
 Mode = Literal["physical", "masked", "full"]
-
-_RECON_PROMPT_ALLOWANCE = 64
-"""Tokens per cell reserved for a reconstruction pass's prompt (KVzip's is about 8)."""
-
 
 @dataclass
 class DecodeConfig:
@@ -141,12 +140,15 @@ def _rss() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
-def _scorer(cfg: DecodeConfig) -> Any:
-    from evictlab.methods import REGISTRY
+def _scorer(cfg: DecodeConfig, model: torch.nn.Module) -> Any:
+    """The scorer of ``cfg``, built by ``make_scorer`` from the model's (text) config, so
+    scorers that undo RoPE get the model's RoPE base (scaled RoPE types are refused)."""
+    from evictlab.methods import REGISTRY, make_scorer
 
     if cfg.scorer not in REGISTRY:
         raise InputError("--method", f"unknown scorer {cfg.scorer!r}", f"use one of {sorted(REGISTRY)}")
-    return REGISTRY[cfg.scorer](**cfg.scorer_params)
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return make_scorer(cfg.scorer, config, **dict(cfg.scorer_params))
 
 
 def _allocator(cfg: DecodeConfig) -> Callable[..., np.ndarray]:
@@ -157,33 +159,11 @@ def _allocator(cfg: DecodeConfig) -> Callable[..., np.ndarray]:
     return ALLOCATORS[cfg.allocator]
 
 
-def _clip_sizes(sizes: np.ndarray, lengths: np.ndarray, budget: int) -> np.ndarray:
-    """Clip per-cell sizes to cell lengths and hand the surplus to cells with room.
-
-    Surplus goes to the cells with the most room first (ties: lower flat index), one
-    token at a time in rounds, so the total stays ``min(budget, lengths.sum())``.
-    """
-    s = np.minimum(sizes.astype(np.int64), lengths)
-    left = int(min(budget, int(lengths.sum())) - s.sum())
-    while left > 0:
-        room = (lengths - s).ravel()
-        order = np.lexsort((np.arange(room.size), -room))
-        order = order[room[order] > 0]
-        if order.size == 0:
-            break
-        take = order[:left]
-        flat = s.ravel()
-        flat[take] += 1
-        s = flat.reshape(s.shape)
-        left -= take.size
-    return s
-
-
 class EvictionRunner:
     """Owns one store + cache for one batch of sequences and runs the protocol on it."""
 
     def __init__(self, model: torch.nn.Module, cfg: DecodeConfig, batch: int, *, capacity_tokens_per_cell: int,
-                 total_tokens: int) -> None:
+                 total_tokens: int, scorer: Any = None) -> None:
         self.model = model
         self.cfg = cfg
         self.batch = batch
@@ -215,9 +195,12 @@ class EvictionRunner:
         else:
             raise InputError("mode", f"unknown mode {cfg.mode!r}", "use physical, masked or full")
         self.store = store
+        self.scorer = scorer if scorer is not None else _scorer(cfg, model)
+        #: True: the scorer gets every query since its previous call (consumed by each
+        #: compression); False: the last ``cfg.window`` queries (a sliding window).
+        self.all_queries = bool(getattr(self.scorer, "uses_all_queries", False))
         self.cache = EvictionCache(store)
-        self.cache.query_window = cfg.window
-        self.scorer = _scorer(cfg)
+        self.cache.query_window = None if self.all_queries else cfg.window
         self.allocate = _allocator(cfg)
         self.states: dict[tuple[int, int, int], dict[str, Any]] = {}
         self.extra_queries: dict[int, torch.Tensor] | None = None
@@ -244,7 +227,7 @@ class EvictionRunner:
             if not bool((lens == lens[0:1]).all()):
                 raise RuntimeError("cells of one KV head differ in length across the batch")
             lengths[l] = lens[0].numpy()
-            rec = self.cache.take_queries(l)
+            rec = self.cache.take_queries(l, consume=self.all_queries)
             if rec is None:
                 raise RuntimeError(f"no queries recorded for layer {l}; run a forward inside attach() first")
             q, qpos = rec
@@ -266,9 +249,11 @@ class EvictionRunner:
             layer_scores.append(sc)
             cell_pos.append(pos)
         floor = self.cfg.sinks + self.cfg.recent
-        sizes = self.allocate(layer_scores, self.budget_tokens, self.n_layers, self.kv_heads, floor=floor,
-                              **self.cfg.allocator_params)
-        sizes = _clip_sizes(np.asarray(sizes), lengths, self.budget_tokens)
+        sizes = np.asarray(self.allocate(layer_scores, self.budget_tokens, self.n_layers, self.kv_heads, floor=floor,
+                                         lengths=lengths, **self.cfg.allocator_params), dtype=np.int64)
+        if sizes.shape != lengths.shape or (sizes > lengths).any() or int(sizes.sum()) != self.budget_tokens:
+            raise RuntimeError(f"allocator {self.cfg.allocator!r} returned sizes (sum {int(sizes.sum())}) that do not "
+                               f"sum to the budget {self.budget_tokens} within the cells' lengths")
         for l in range(self.n_layers):
             keep: list[list[torch.Tensor]] = []
             for b in range(self.batch):
@@ -291,12 +276,13 @@ class EvictionRunner:
         return out.logits
 
     def reconstruction_queries(self, ids: torch.Tensor) -> dict[int, torch.Tensor]:
-        """KVzip-style: re-feed ``ids`` after the cache, record its queries, then drop its entries.
+        """KVzip-style: feed ``ids`` after the cache, record its queries, then drop its entries.
 
-        The chunk is appended a second time (positions after every held key), its post-RoPE
-        queries are returned per layer ``(batch, q_heads, q_len, d)``, and the appended
-        entries are removed again (:meth:`keep` on the physical store frees their blocks).
-        No instruction prefix is used (ours; KVzip prefixes a "repeat" prompt).
+        ``ids`` is a reconstruction pass (KVzip: its "repeat" prompt, then context tokens
+        again; see :func:`_recon_ids`), appended at positions after every held key; its
+        post-RoPE queries are returned per layer ``(batch, q_heads, q_len, d)``, and the
+        appended entries are removed again (:meth:`keep` on the physical store frees their
+        blocks), so the pass leaves the cache and the position counter as they were.
         """
         saved_window = self.cache.query_window
         saved = dict(self.cache.queries)
@@ -349,7 +335,8 @@ def run_sequence(
     answer (``T = a``); otherwise it is greedy for ``max_new_tokens`` steps. ``progress`` is
     called with the number of tokens processed after each forward. ``tokenizer`` is used
     only by scorers with a ``reconstruction_ids(chunk, tokenizer)`` method (KVzip: its
-    "repeat the context" prompt before the chunk); without one the chunk alone is re-fed.
+    "repeat the context" prompt before the chunk); ``None`` means the byte vocabulary of the
+    tiny test models (ids = UTF-8 bytes), as in :func:`evictlab.decode.tasks.encode_text`.
     """
     t0 = time.perf_counter()
     rss0 = _rss()
@@ -392,14 +379,19 @@ def run_sequence(
         return DecodeOutput(torch.stack(logits_out, 1), torch.stack(tokens_out, 1), trace, None, bytes_full,
                             peak, time.perf_counter() - t0, 0, time.perf_counter() - t_dec)
 
-    scorer = _scorer(cfg)
+    scorer = _scorer(cfg, model)
     recon = "reconstruction" in getattr(scorer, "needs", frozenset())
     future = "future" in getattr(scorer, "needs", frozenset())
-    # Headroom per cell between compressions: a prefill chunk (twice for a reconstruction
-    # pass), or the question plus the decode steps before the next compression.
-    recon_head = cfg.chunk_size + _RECON_PROMPT_ALLOWANCE if recon else 0
+    prompt_len = 0
+    if recon:
+        _check_recon_tokenizer(model, scorer, tokenizer)
+        prompt_len = _recon_ids(scorer, context_ids[:, :0], tokenizer).shape[1]
+    # Headroom per cell between compressions: a prefill chunk (plus, during a reconstruction
+    # pass, its prompt and a chunk again), or the question plus the decode steps before the
+    # next compression.
+    recon_head = cfg.chunk_size + prompt_len if recon else 0
     head = max(cfg.chunk_size + recon_head, m + cfg.compress_every + (cfg.chunk_size if cfg.query_aware else 0))
-    runner = EvictionRunner(model, cfg, b, capacity_tokens_per_cell=head, total_tokens=total)
+    runner = EvictionRunner(model, cfg, b, capacity_tokens_per_cell=head, total_tokens=total, scorer=scorer)
     if future:
         if answer_ids is None:
             raise InputError("--method", "the oracle needs the true future tokens", "run it teacher-forced (with an answer)")
@@ -416,12 +408,19 @@ def run_sequence(
     with torch.no_grad(), attach(model, runner.cache):
         # 1. Context, chunk by chunk, compressing as it goes.
         ctx = context_ids if not cfg.query_aware else torch.cat([context_ids, question_ids], 1)
+        pending: list[torch.Tensor] = []  # chunks not yet reconstructed (KVzip)
         for start in range(0, ctx.shape[1], cfg.chunk_size):
             chunk = ctx[:, start:start + cfg.chunk_size]
             last = runner.forward(chunk)[:, -1]
             note("prefill")
             if recon:
-                runner.extra_queries = runner.reconstruction_queries(_recon_ids(scorer, chunk, tokenizer))
+                pending.append(chunk)
+                if runner.live_per_sequence() > runner.budget_tokens:
+                    # A compression follows: reconstruct every chunk fed since the last one,
+                    # one pass (prompt + chunk) per chunk, as KVzip chunks long contexts.
+                    passes = [runner.reconstruction_queries(_recon_ids(scorer, c, tokenizer)) for c in pending]
+                    runner.extra_queries = {l: torch.cat([p[l] for p in passes], 2) for l in range(runner.n_layers)}
+                    pending = []
             runner.compress()
             note("compress")
             tick(chunk.shape[1])
@@ -430,8 +429,8 @@ def run_sequence(
             # page per cell) plus the decode headroom.
             cells = runner.n_layers * runner.kv_heads * b
             dec_head = (0 if cfg.query_aware else m) + cfg.compress_every
-            if recon:  # a decode-time reconstruction pass re-feeds the last `window` tokens
-                dec_head += cfg.window + _RECON_PROMPT_ALLOWANCE
+            if recon:  # a decode-time reconstruction pass: prompt + the last `window` tokens
+                dec_head += cfg.window + prompt_len
             budget_blocks = math.ceil(runner.budget_tokens * b / cfg.block_size) + cells
             runner.store.resize(max(runner.store.blocks_in_use, budget_blocks) + cells * math.ceil(dec_head / cfg.block_size))
             note("resize")
@@ -467,9 +466,39 @@ def tokens_out_tensor(tokens: list[torch.Tensor], window: int) -> torch.Tensor:
     return torch.stack(tokens[-window:], 1)
 
 
+class _PromptEncoder:
+    """``encode(text, add_special_tokens=...)`` over any tokenizer the loop accepts: a Hugging
+    Face tokenizer, a callable stand-in (``ByteTokenizer``), or ``None`` (byte vocabulary)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        from evictlab.decode.tasks import encode_text
+
+        return encode_text(self.tokenizer, text, special=add_special_tokens)
+
+
+def _check_recon_tokenizer(model: torch.nn.Module, scorer: Any, tokenizer: Any) -> None:
+    """Without a tokenizer the reconstruction prompt is UTF-8 bytes: only right for a byte vocab."""
+    if tokenizer is not None or getattr(scorer, "reconstruction_ids", None) is None:
+        return
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(cfg, "vocab_size", None) != 256:
+        raise InputError("tokenizer", f"{getattr(scorer, 'name', 'the scorer')}'s reconstruction prompt needs the "
+                         f"model's tokenizer (None means the 256-token byte vocabulary of the tiny test models, "
+                         f"this model has {getattr(cfg, 'vocab_size', '?')} tokens)",
+                         "pass tokenizer=... to run_sequence / run_audit")
+
+
 def _recon_ids(scorer: Any, chunk: torch.Tensor, tokenizer: Any) -> torch.Tensor:
-    """Token ids of a reconstruction pass over ``chunk`` ``(batch, n)``."""
+    """Token ids ``(batch, p + n)`` of a reconstruction pass over ``chunk`` ``(batch, n)``.
+
+    A scorer with ``reconstruction_ids(chunk, tokenizer)`` (KVzip: its "repeat the previous
+    context" prompt, then the chunk) builds them, with the prompt tokenised by ``tokenizer``
+    (``None``: UTF-8 bytes, the tiny models' vocabulary); otherwise the chunk alone is re-fed.
+    """
     build = getattr(scorer, "reconstruction_ids", None)
-    if build is not None and tokenizer is not None:
-        return build(chunk, tokenizer)
-    return chunk
+    if build is None:
+        return chunk
+    return build(chunk, _PromptEncoder(tokenizer))

@@ -87,9 +87,12 @@ class EvictionCache(Cache):
         self.store = store
         super().__init__(layers=[_StoreLayer(store, l) for l in range(store.n_layers)])
         #: per layer: post-RoPE queries ``(batch, q_heads, m, d)`` and their positions ``(m,)``
-        #: recorded since the last :meth:`take_queries`, trimmed to ``query_window``.
+        #: recorded so far (since the last consuming :meth:`take_queries`), trimmed to the
+        #: last ``query_window`` queries.
         self.queries: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.query_window = 0
+        #: how many recent queries to keep per layer: ``0`` records none, ``None`` keeps all
+        #: (until consumed by ``take_queries(layer, consume=True)``).
+        self.query_window: int | None = 0
         self._pe: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
@@ -99,17 +102,30 @@ class EvictionCache(Cache):
 
     def record_queries(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> None:
         """Append ``q`` ``(batch, q_heads, q_len, d)`` to the layer's query window."""
-        if self.query_window <= 0:
+        if not self.recording:
             return
         if layer in self.queries:
             old_q, old_p = self.queries[layer]
             q, positions = torch.cat([old_q, q], 2), torch.cat([old_p, positions])
         w = self.query_window
-        self.queries[layer] = (q[:, :, -w:].detach(), positions[-w:])
+        if w is None:
+            self.queries[layer] = (q.detach(), positions)
+        else:
+            self.queries[layer] = (q[:, :, -w:].detach(), positions[-w:])
 
-    def take_queries(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The recorded queries of ``layer`` (kept for the next compression)."""
-        return self.queries.get(layer)
+    @property
+    def recording(self) -> bool:
+        """Whether forwards record queries (``query_window`` is ``None`` or positive)."""
+        return self.query_window is None or self.query_window > 0
+
+    def take_queries(self, layer: int, *, consume: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The recorded queries of ``layer``.
+
+        ``consume=False`` leaves them recorded (a sliding observation window may span two
+        compressions); ``consume=True`` removes them, so the next call returns only queries
+        recorded after this one (for scorers that must see every query exactly once).
+        """
+        return self.queries.pop(layer, None) if consume else self.queries.get(layer)
 
 
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -144,7 +160,7 @@ def attach(model: torch.nn.Module, cache: EvictionCache) -> Iterator[EvictionCac
         rope = getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb", None)
 
         def q_hook(_sub: torch.nn.Module, _inp: Any, out: torch.Tensor) -> None:
-            if cache.query_window <= 0:
+            if not cache.recording:
                 return
             layer = module.layer_idx
             b, q_len = out.shape[0], out.shape[1]

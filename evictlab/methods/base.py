@@ -80,6 +80,12 @@ class Scorer(Protocol):
     ``needs`` names the extra inputs the decode loop must provide: ``"reconstruction"``
     (KVzip: run a context-reconstruction pass and pass its queries as ``extra_queries``) or
     ``"future"`` (oracle: pass the true future queries). Empty for query-agnostic methods.
+
+    Optional class attribute ``uses_all_queries: ClassVar[bool]`` (absent = False): when
+    True the decode loop passes as ``queries`` every query processed since this scorer's
+    previous call for the layer (H2O accumulates them; Compactor and ExpectedAttention use
+    the whole chunk); otherwise only the last ``DecodeConfig.window`` queries (SnapKV's
+    observation window).
     """
 
     name: str

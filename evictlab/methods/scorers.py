@@ -11,7 +11,7 @@ scores say, so no scorer pads them itself. Formulas, sources and what is ours:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -113,6 +113,8 @@ class H2O:
 
     name: str = "h2o"
     needs: frozenset[str] = field(default_factory=frozenset)
+    #: the decode loop passes every query processed since the previous call (not a window)
+    uses_all_queries: ClassVar[bool] = True
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         keys, pos = inputs.keys, inputs.positions.to(inputs.keys.device)
@@ -209,6 +211,8 @@ class ExpectedAttention:
     rope_theta: float = 10000.0
     name: str = "expected_attention"
     needs: frozenset[str] = field(default_factory=frozenset)
+    #: the decode loop passes every query of the chunk (all since the previous call)
+    uses_all_queries: ClassVar[bool] = True
 
     def query_statistics(self, inputs: ScoreInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """Future-rotated mean ``(b, hq, d)`` and covariance ``(b, hq, d, d)``, float64."""
@@ -313,6 +317,8 @@ class Compactor:
     rope_theta: float = 10000.0
     name: str = "compactor"
     needs: frozenset[str] = field(default_factory=frozenset)
+    #: the decode loop passes every query of the chunk (all since the previous call)
+    uses_all_queries: ClassVar[bool] = True
 
     def leverage(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``(b, hk, s)`` float64 leverage of each key within its head's key matrix."""
