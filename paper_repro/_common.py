@@ -2,13 +2,15 @@
 
 Every script appends (or replaces) its own rows, keyed by claim id and model, in
 ``<out>/claims.json`` and re-renders ``<out>/claims.md`` (claim, paper value, our value with
-CI, model, rows, budgets, definitions). Figures go to ``<out>/figures/``.
+CI, model, rows, budgets, definitions). Figures go to the repository's ``figures/`` folder
+(``--figures`` changes it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -34,6 +36,7 @@ def parser(description: str, needs_results: bool = True) -> argparse.ArgumentPar
                        help="how the model weights were stored (printed next to every number)")
     p.add_argument("--seed", type=int, default=0, help="bootstrap / instance seed (default 0)")
     p.add_argument("--out", type=Path, default=Path("runs/paper_repro"), help="output folder (default runs/paper_repro)")
+    p.add_argument("--figures", type=Path, default=Path("figures"), help="figures folder (default figures/)")
     return p
 
 
@@ -57,7 +60,7 @@ def results(args: argparse.Namespace) -> pl.DataFrame:
 
 
 def figures_dir(args: argparse.Namespace) -> Path:
-    d = args.out / "figures"
+    d = args.figures
     d.mkdir(parents=True, exist_ok=True)
     return d
 
@@ -72,13 +75,14 @@ def publish(args: argparse.Namespace, script: str, rows: Iterable[Any], figures:
     atomic_write_json(store, existing)
     order = ["claim_selection_ceiling.py", "claim_penalty_trend.py", "claim_auc_range.py", "claim_np_hardness.py"]
     existing.sort(key=lambda r: order.index(r["script"]) if r["script"] in order else 99)
-    figs = sorted((args.out / "figures").glob("*.png"))
+    figs = sorted(args.figures.glob("*.png"))
     text = ["# \"Trust the Mass\" (arXiv 2608.25230): claims reproduced with evictlab\n",
             "Each row: one claim, the paper's value, ours with a 95% percentile-bootstrap CI, and the definitions used "
             "(those marked (ours) are our reconstruction; the paper's full text was not available). Regenerate with "
             "the scripts in `paper_repro/` (see docs/reproduction.md).\n",
             md.claims_table(existing), "## Figures\n"]
-    text += [f"![{f.stem}](figures/{f.name})\n" for f in figs]
+    # Links relative to claims.md, wherever --out and --figures point.
+    text += [f"![{f.stem}]({os.path.relpath(f.resolve(), args.out.resolve())})\n" for f in figs]
     out = md.write(args.out / "claims.md", text)
     record.write(args.out / f"{Path(script).stem}.run_record.json",
                  figures=[str(f.png) for f in figures], claims=len(new))
