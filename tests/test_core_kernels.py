@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from evictlab.core import kernels as K
@@ -68,6 +68,13 @@ batches = st.builds(
 
 def tol(values: np.ndarray) -> float:
     return 1e-12 * (1.0 + float(np.abs(values).max()))
+
+
+def _mu(p: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Dense output of one row by the kernels' own helper (what the batch kernel passes)."""
+    mu = np.empty(v.shape[1])
+    K.row_dense_output(np.ascontiguousarray(p), np.ascontiguousarray(v), mu)
+    return mu
 
 
 def random_kept(b: RaggedBatch, seed: int, width: int) -> np.ndarray:
@@ -137,7 +144,7 @@ def test_row_free_weight_weights_are_kkt_optimal(b, kseed, width):
     kept = random_kept(b, kseed, width)
     for i in range(b.n.shape[0]):
         p, v = b.row(i)
-        e, w = K.row_free_weight(p, v, kept[i])
+        e, w, _ = K.row_free_weight(v, _mu(p, v), kept[i])
         assert np.all(w[kept[i] < 0] == 0.0) and np.all(w >= 0.0) and abs(w.sum() - 1.0) <= 1e-12
         a = kept[i] >= 0
         lb, ub = R.free_weight_gap(p, v, kept[i][a], w[a])
@@ -193,7 +200,7 @@ def test_free_weight_kernel_on_larger_degenerate_rows(seed):
     if seed % 2:
         v = np.round(v)
     kept = R.top_mass_set(p, k)
-    e, w = K.row_free_weight(p, v, kept)
+    e, w, _ = K.row_free_weight(v, _mu(p, v), kept)
     e_ref, _ = R.free_weight_error(p, v, kept)
     assert abs(e - e_ref) <= tol(v)
     lb, ub = R.free_weight_gap(p, v, kept, w)
@@ -210,3 +217,42 @@ def test_top_k_desc_is_a_prefix_of_the_full_ranking(scores, k):
     expect = [i for _, i in sorted(((float(score[i]), i) for i in range(score.shape[0])), reverse=True)]
     assert K.rank_desc(score).tolist() == expect
     assert K.top_k_desc(score, k).tolist() == expect[:k]
+
+
+# Row solver on small cases with many degenerate hulls (duplicates, collinear values, integer
+# lattices), including kept sets of one key and mu inside the hull.
+
+
+def _fw_case(seed: int, n: int, d: int, k: int, mode: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    p = rng.dirichlet(np.full(n, 0.5))
+    v = rng.normal(size=(n, d))
+    if mode == "dup" and n >= 2:
+        v[1] = v[0]
+    elif mode == "line":  # all values on a line: affinely dependent kept sets
+        v = rng.normal(size=(n, 1)) * np.ones((1, d))
+    elif mode == "int":
+        v = rng.integers(-2, 3, size=(n, d)).astype(float)
+    kept = rng.choice(n, size=min(k, n), replace=False).astype(np.int64)
+    return p, v, kept
+
+
+fw_cases = st.builds(_fw_case, seed=st.integers(0, 5000), n=st.integers(1, 20), d=st.integers(1, 8),
+                     k=st.integers(1, 20), mode=st.sampled_from(["plain", "dup", "line", "int"]))
+
+
+@given(case=fw_cases)
+@settings(max_examples=120)
+def test_row_free_weight_matches_reference_on_degenerate_hulls(case) -> None:
+    p, v, kept = case
+    val, _, _ = K.row_free_weight(v, _mu(p, v), kept)
+    ref, _ = R.free_weight_error(p, v, kept)
+    scale = float(np.abs(v).max()) + 1e-300
+    assert val == pytest.approx(ref, rel=1e-8, abs=1e-11 * scale)
+
+
+def test_row_free_weight_mu_inside_hull_gives_zero_without_exact_phase() -> None:
+    v = np.array([[1.0, 0.0], [-1.0, 0.0], [0.0, 1.0], [0.0, -1.0]])
+    p = np.full(4, 0.25)
+    val, _, used_exact = K.row_free_weight(v, _mu(p, v), np.arange(4, dtype=np.int64))
+    assert val <= 1e-15 and not used_exact

@@ -40,8 +40,18 @@ from evictlab.core.validate import (
 )
 from evictlab.errors import InputError
 
-#: Wolfe stopping tolerance (same meaning as in the reference).
+#: Wolfe stopping tolerance of the exact (coordinate) phase, relative to max_i ||x_i||^2
+#: (same meaning as in the reference).
 WOLFE_TOL = 1e-14
+#: Wolfe stopping tolerance of the fast Gram phase (tighter, so that its answer usually passes
+#: the certificate below without the exact phase).
+GRAM_TOL = 1e-15
+#: The Gram-phase answer of the free-weight solver is accepted when its coordinate duality gap
+#: ``UB - LB`` is at most this fraction of ``UB`` (SPEC 3 asks for < 1e-9) ...
+FREE_REL_GAP = 1e-10
+#: ... and ``UB (UB - LB)`` is at most this fraction of ``max_i ||x_i||^2`` (the exact phase's
+#: own stopping test, with room for the rounding of the coordinate recomputation).
+FREE_ABS_GAP = 1e-12
 #: Weights at or below this are treated as zero when leaving a face.
 WEIGHT_TOL = 1e-13
 #: Below this many multiply-adds a batch runs on one thread: forking the thread pool costs
@@ -62,6 +72,7 @@ __all__ = [
     "row_dense_output",
     "row_forced_error",
     "row_free_weight",
+    "single_blas_thread",
 ]
 
 
@@ -373,12 +384,16 @@ def _gram_affine_min(g: np.ndarray, active: np.ndarray, na: int, shift: float) -
 
 
 @njit(cache=True)
-def _wolfe_gram(g: np.ndarray, scale: float, w: np.ndarray, active: np.ndarray, member: np.ndarray, na: int) -> int:
+def _wolfe_gram(
+    g: np.ndarray, scale: float, w: np.ndarray, active: np.ndarray, member: np.ndarray, na: int
+) -> tuple[int, bool]:
     """Fast phase: Wolfe's algorithm on the Gram matrix ``g = X X^T`` (no ``d`` in the loop).
 
-    Updates ``w``, ``active``, ``member`` in place and returns the active-set size. Gram
-    arithmetic squares the conditioning, so this phase only provides a warm start; the
-    exact phase (:func:`_wolfe_direct`) re-checks and finishes on the coordinates.
+    Updates ``w``, ``active``, ``member`` in place and returns ``(active size, ok)``;
+    ``ok = False`` when a Cholesky solve breaks down (near affine dependence) or the
+    iteration limit is hit. ``w`` is always a convex combination of the active points, so
+    the exact phase (:func:`_wolfe_direct`) can warm-start from it. Gram arithmetic squares
+    the conditioning, so the caller certifies the answer on the coordinates.
     """
     k = g.shape[0]
     dots = np.empty(k)
@@ -392,23 +407,23 @@ def _wolfe_gram(g: np.ndarray, scale: float, w: np.ndarray, active: np.ndarray, 
         for t in range(na):
             yy += w[active[t]] * dots[active[t]]
         jn = int(np.argmin(dots))
-        if yy - dots[jn] <= WOLFE_TOL * scale or member[jn]:
-            break
+        if yy - dots[jn] <= GRAM_TOL * scale or member[jn]:
+            return na, True
         active[na] = jn
         member[jn] = True
         na += 1
         while True:  # minor cycle
             alpha, ok = _gram_affine_min(g, active, na, scale)
             if not ok:
-                return na  # w is still a convex combination of the active points
+                return na, False
             if alpha.min() > WEIGHT_TOL:
                 for t in range(na):
                     w[active[t]] = alpha[t]
                 break
             na = _ratio_step(w, active, member, na, alpha)
         if not member[jn]:
-            break
-    return na
+            return na, True  # the new point left at once (rounding): let the certificate decide
+    return na, False
 
 
 @njit(cache=True)
@@ -467,13 +482,19 @@ def _wolfe_direct(x: np.ndarray, scale: float, w: np.ndarray, active: np.ndarray
 
 
 @njit(cache=True)
-def _wolfe(x: np.ndarray) -> np.ndarray:
-    """Wolfe min-norm-point weights ``(k,)`` for the convex hull of the rows of ``x`` ``(k, d)``.
+def _min_norm_weights(x: np.ndarray) -> tuple[np.ndarray, bool]:
+    """Min-norm point of ``conv`` of the rows of ``x`` ``(k, d)``: ``(weights (k,), used_exact)``.
 
-    Two phases: a fast one on the Gram matrix (Cholesky solves of size |active|), then the
-    exact one on the coordinates with the same SVD least squares and stopping test as
-    ``reference._wolfe_min_norm_point``; the exact phase usually confirms the warm start in
-    one minor and one major cycle.
+    1. Wolfe's algorithm on the Gram matrix ``X X^T`` (:func:`_wolfe_gram`, Cholesky solves
+       of size |active|, no ``d`` in the loop).
+    2. Certificate on the coordinates: with ``y = sum w_i x_i``, ``UB = ||y||`` is attained
+       and ``LB = max(0, min_i <y, x_i>) / ||y||`` is a valid lower bound (the hyperplane
+       normal to ``y`` through the nearest vertex separates the hull from 0). The Gram answer
+       is accepted when ``UB - LB <= FREE_REL_GAP * UB`` and ``UB (UB - LB) <= FREE_ABS_GAP *
+       max_i ||x_i||^2``, or when ``UB`` is at the rounding level of the values.
+    3. Otherwise the exact phase (:func:`_wolfe_direct`: Wolfe on the coordinates with the
+       SVD least squares and stopping test of ``reference._wolfe_min_norm_point``),
+       warm-started from the Gram phase's active set.
     """
     k, d = x.shape
     g = x @ x.T
@@ -485,28 +506,52 @@ def _wolfe(x: np.ndarray) -> np.ndarray:
     j0 = int(np.argmin(sq))
     w[j0] = 1.0
     if scale == 0.0:
-        return w
+        return w, False
     active = np.empty(k, dtype=np.int64)
     member = np.zeros(k, dtype=np.bool_)
     active[0] = j0
     member[j0] = True
-    na = _wolfe_gram(g, scale, w, active, member, 1)
+    na, ok = _wolfe_gram(g, scale, w, active, member, 1)
+    if ok:
+        y = np.zeros(d)
+        for t in range(na):
+            a = active[t]
+            for j in range(d):
+                y[j] += w[a] * x[a, j]
+        yy = 0.0
+        for j in range(d):
+            yy += y[j] * y[j]
+        ub = np.sqrt(yy)
+        if ub <= 1e-13 * np.sqrt(scale):
+            return w, False  # mu lies in the hull up to rounding of the values
+        dmin = np.inf
+        for i in range(k):
+            acc = 0.0
+            for j in range(d):
+                acc += y[j] * x[i, j]
+            dmin = min(dmin, acc)
+        gap = ub - max(0.0, dmin) / ub
+        if gap <= FREE_REL_GAP * ub and ub * gap <= FREE_ABS_GAP * scale:
+            return w, False
     _wolfe_direct(x, scale, w, active, member, na)
-    return w
+    return w, True
 
 
 @njit(cache=True)
-def row_free_weight(p_row: np.ndarray, v_row: np.ndarray, kept: np.ndarray) -> tuple[float, np.ndarray]:
-    """Free-weight error of one row and its weights ``(k,)`` (aligned with ``kept``; 0 on padding).
+def row_free_weight(v_row: np.ndarray, mu: np.ndarray, kept: np.ndarray) -> tuple[float, np.ndarray, bool]:
+    """Free-weight error (ours) of one row: ``(e_free, w, used_exact)``.
 
-    Distance from ``mu`` to ``conv{v_i : i in kept}``, by Wolfe's min-norm-point algorithm on
-    ``x_i = v_i - mu``. ``p_row`` ``(n,)``, ``v_row`` ``(n, d)``, ``kept`` int64 ``(k,)`` with
-    at least one entry ``>= 0`` (not checked here). The error is recomputed from the final
-    weights as ``||sum_i w_i x_i||``, not carried through the iterations.
+    ``e_free(A) = min_{w in simplex} ||sum_{i in A} w_i (v_i - mu)||``, the distance from
+    ``mu`` to ``conv{v_i : i in A}`` (SPEC 3). ``v_row`` ``(n, d)``; ``mu`` ``(d,)`` the dense
+    output (:func:`row_dense_output`; the caller usually has it already); ``kept`` int64
+    ``(k,)`` local indices with at least one entry ``>= 0``, ``-1`` skipped (not checked
+    here). ``w`` ``(k,)`` is aligned with ``kept`` (0 on padding). ``used_exact`` says the
+    Gram phase's certificate failed and the exact coordinate phase ran (see
+    :func:`_min_norm_weights`); either way the duality gap is certified. The error is
+    recomputed from the final weights as ``||sum_i w_i x_i||``, not carried through the
+    iterations.
     """
-    n, d = v_row.shape
-    mu = np.empty(d)
-    row_dense_output(p_row, v_row, mu)
+    d = v_row.shape[1]
     k = 0
     for t in range(kept.shape[0]):
         if kept[t] >= 0:
@@ -520,7 +565,7 @@ def row_free_weight(p_row: np.ndarray, v_row: np.ndarray, kept: np.ndarray) -> t
                 x[c, j] = v_row[kept[t], j] - mu[j]
             pos[c] = t
             c += 1
-    wk = _wolfe(x)
+    wk, used_exact = _min_norm_weights(x)
     w = np.zeros(kept.shape[0])
     acc = 0.0
     for j in range(d):
@@ -530,7 +575,7 @@ def row_free_weight(p_row: np.ndarray, v_row: np.ndarray, kept: np.ndarray) -> t
         acc += yj * yj
     for c in range(k):
         w[pos[c]] = wk[c]
-    return np.sqrt(acc), w
+    return np.sqrt(acc), w, used_exact
 
 
 # ---------------------------------------------------------------------------------------
@@ -624,9 +669,13 @@ def _k_dropped_mass(p, p_off, kept):
 def _k_free_weight_error(p, p_off, values, v_start, kept):
     n_rows = p_off.shape[0] - 1
     out = np.empty(n_rows)
+    d = values.shape[1]
     for r in prange(n_rows):
         lo, hi = p_off[r], p_off[r + 1]
-        out[r] = row_free_weight(p[lo:hi], values[v_start[r] : v_start[r] + hi - lo], kept[r])[0]
+        v_row = values[v_start[r] : v_start[r] + hi - lo]
+        mu = np.empty(d)
+        row_dense_output(p[lo:hi], v_row, mu)
+        out[r] = row_free_weight(v_row, mu, kept[r])[0]
     return out
 
 
@@ -668,10 +717,31 @@ def _k_entropy(p, p_off):
 # ---------------------------------------------------------------------------------------
 
 
-def _call(kernel, work: float, *args):
-    """Run a parallel kernel, on one thread when ``work`` (multiply-adds) is small."""
+def single_blas_thread():
+    """Context manager limiting BLAS / LAPACK (OpenBLAS, MKL) to one thread.
+
+    Use it around Numba kernels that call LAPACK inside ``prange`` (the SVD least squares of
+    the exact free-weight phase, the SVD of the solve certificate): otherwise every Numba
+    thread starts its own BLAS thread pool, the cores are oversubscribed and spin-waiting
+    BLAS threads cost more than the work (measured 15x slower). Shared by
+    :mod:`evictlab.core` and :mod:`evictlab.solve`.
+    """
+    from threadpoolctl import threadpool_limits
+
+    return threadpool_limits(limits=1)
+
+
+def _call(kernel, work: float, *args, lapack: bool = False):
+    """Run a parallel kernel, on one thread when ``work`` (multiply-adds) is small.
+
+    ``lapack=True``: the kernel calls LAPACK inside its parallel loop, so BLAS is limited to
+    one thread while it runs multi-threaded (:func:`single_blas_thread`).
+    """
     threads = numba.get_num_threads()
     if work >= PARALLEL_MIN_WORK or threads == 1:
+        if lapack and threads > 1:
+            with single_blas_thread():
+                return kernel(*args)
         return kernel(*args)
     numba.set_num_threads(1)
     try:
@@ -787,13 +857,16 @@ def batch_free_weight_error(
 ) -> np.ndarray:
     """Free-weight errors (ours) ``e_free(A_i)`` of every row: float64 ``(N,)``.
 
-    Exact distance from ``mu_i`` to the convex hull of the kept values (Wolfe's
-    min-norm-point algorithm; certificate in ``reference.free_weight_error``).
+    Exact distance from ``mu_i`` to the convex hull of the kept values, with a certified
+    duality gap (:func:`row_free_weight`; the same certificate as
+    ``reference.free_weight_error``).
     """
     b = _batch(p, p_off, values, v_start, validate)
     k = _kept(kept, b[1], validate)
-    # Wolfe: Gram matrix k^2 d per row plus a few least-squares solves of similar cost.
-    return _call(_k_free_weight_error, 4.0 * k.shape[0] * k.shape[1] ** 2 * b[2].shape[1], *b, k)
+    # Wolfe: Gram matrix k^2 d per row plus a few least-squares solves of similar cost; the
+    # exact phase's LAPACK calls run inside the parallel loop (one BLAS thread).
+    work = 4.0 * k.shape[0] * k.shape[1] ** 2 * b[2].shape[1]
+    return _call(_k_free_weight_error, work, *b, k, lapack=True)
 
 
 def batch_single_key_errors(

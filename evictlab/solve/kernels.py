@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from evictlab.solve.freeweight import free_weight_row
+from evictlab.core.kernels import row_free_weight
 from evictlab.solve.revolving import rd_init, rd_next
 
 #: Steps between exact recomputations of the running sums during enumeration (drift guard).
@@ -452,7 +452,7 @@ def batch_solve(
         kept_bal ``(N, B, smax)``, pool_size ``(N, B)``, n_subsets ``(N, B)``,
         n_swaps ``(N, B)``, entropy ``(N,)`` in nats, e_free_top ``(N, B)`` and
         e_free_opt ``(N, B)`` (free-weight errors of T_s and of the argmin, min-norm point
-        with a certified duality gap, :mod:`evictlab.solve.freeweight`; reused when the
+        with a certified duality gap, ``evictlab.core.kernels.row_free_weight``; reused when the
         sets coincide),
         scale ``(N,)`` = ``max(max_i ||v_i - mu||, ||mu||)`` (the row's error scale, for zero tests).
 
@@ -544,12 +544,12 @@ def batch_solve(
             if eo > eb:
                 eo = eb
                 opt = bal
-            ef_top[r, b] = free_weight_row(pr, V, mu, top)[0]
+            ef_top[r, b] = row_free_weight(V, mu, top)[0]
             same = True
             for a in range(s):
                 if opt[a] != top[a]:
                     same = False
-            ef_opt[r, b] = ef_top[r, b] if same else free_weight_row(pr, V, mu, opt)[0]
+            ef_opt[r, b] = ef_top[r, b] if same else row_free_weight(V, mu, opt)[0]
             e_top[r, b] = et
             e_bal[r, b] = eb
             es_hat[r, b] = eo

@@ -141,8 +141,7 @@ def solve_batch(batch: Any, cfg: SolveConfig, model: str | None = None) -> pl.Da
     ``cfg`` must already be checked (:func:`check_config`). Rows are sorted by
     ``(row_id, s)``. Columns: :data:`RESULT_COLUMNS` (+ :data:`CERT_COLUMNS` with certify).
     """
-    from threadpoolctl import threadpool_limits
-
+    from evictlab.core.kernels import single_blas_thread
     from evictlab.solve.certify import STATUS_NAMES, batch_certify
     from evictlab.solve.kernels import batch_solve
 
@@ -156,10 +155,9 @@ def solve_batch(batch: Any, cfg: SolveConfig, model: str | None = None) -> pl.Da
         i = int(np.argmin(n))
         raise InputError("--budgets", f"budget s = {int(bud.max())} exceeds n = {int(n[i])} of row_id "
                          f"{int(batch.meta['row_id'][i])}", "use budgets <= the smallest n")
-    # LAPACK calls inside the Numba threads (SVD in the certificate, the fallback free-weight
-    # solver) must not start their own BLAS thread pools: with both, the cores are
-    # oversubscribed and spin-waiting BLAS threads cost more than the work (measured 15x).
-    with threadpool_limits(limits=1):
+    # LAPACK calls inside the Numba threads (SVD in the certificate, the exact free-weight
+    # phase) must not start their own BLAS thread pools (single_blas_thread).
+    with single_blas_thread():
         (e_top, es_hat, e_bal, dropped, kept_top, kept_opt, kept_bal, pool_size, n_sub, n_sw, ent,
          ef_top, ef_opt, scale) = batch_solve(p, off, vals, vs, bud, cfg.r_m, cfg.r_e, cfg.max_swaps)
         if cfg.certify:
