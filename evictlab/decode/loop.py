@@ -29,12 +29,24 @@ head) cell, because after ragged eviction cells hold different keys at different
 dict per (layer, batch item, KV head). Allocators receive per-layer scores
 ``(batch, kv_heads, S_l)`` padded with the float32 minimum past a shorter head's length,
 plus ``lengths=`` (each cell's real length), so padding never counts as available keys.
+
+Sliding-window layers (Gemma 3's ``"sliding_attention"`` layers, see :func:`layer_windows`):
+a query at position ``t`` attends only keys with ``t - pos < window``. :func:`attach_model`
+adds that bound to the mask of those layers (so a multi-token chunk is exact), and every
+compression first drops, from the cells of those layers, the entries no later query can
+attend (``pos <= next - window``: physically freed in the paged store, masked in the masked
+one), so a sliding cell holds at most ``window - 1`` entries after a compression. The budget
+is then spread by the allocator over the cells' real lengths: a sliding cell keeps
+``min(window - 1, its size)`` and what it cannot hold goes to the other cells.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections.abc import Iterator
+from types import SimpleNamespace
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -122,16 +134,95 @@ class DecodeOutput:
         return max((getattr(t.report, attr) for t in self.trace if t.phase == "compress"), default=0)
 
 
+def _text_config(model: torch.nn.Module) -> Any:
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
 def model_geometry(model: torch.nn.Module) -> tuple[int, int, int, int, torch.dtype]:
-    """``(n_layers, q_heads, kv_heads, head_dim, dtype)`` from a transformers model config."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    """``(n_layers, q_heads, kv_heads, head_dim, dtype)`` from a transformers model config.
+
+    Raises :class:`InputError` for attention kinds the loop cannot make exact (see
+    :func:`layer_windows`)."""
+    cfg = _text_config(model)
     hq = cfg.num_attention_heads
     hk = getattr(cfg, "num_key_value_heads", None) or hq
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
-    if getattr(cfg, "sliding_window", None) and any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
-        raise InputError("model", "sliding-window layers are not supported by the eviction loop yet",
-                         "use a full-attention model (Llama, Qwen2, OLMo2)")
+    layer_windows(model)  # validates the layer types
     return cfg.num_hidden_layers, hq, hk, d, next(model.parameters()).dtype
+
+
+def layer_windows(model: torch.nn.Module) -> list[int | None]:
+    """Per layer, the sliding window ``w`` of a sliding-attention layer (a query at position
+    ``t`` attends keys with ``t - pos < w``, transformers' ``sliding_window_overlay``), or
+    ``None`` for a full-attention layer.
+
+    Read from the config's ``layer_types`` (Gemma 3, Qwen2: ``"sliding_attention"`` /
+    ``"full_attention"``); a config without ``layer_types`` but with a ``sliding_window``
+    (Mistral) slides on every layer. Other layer types (chunked, linear attention) and
+    bidirectional attention are an :class:`InputError`.
+    """
+    cfg = _text_config(model)
+    n = cfg.num_hidden_layers
+    window = getattr(cfg, "sliding_window", None)
+    types = list(getattr(cfg, "layer_types", None) or [])
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise InputError("model", "bidirectional attention is not causal decoding", "use a causal decoder model")
+    if not types:
+        slides = bool(window) and getattr(cfg, "use_sliding_window", True) is not False
+        return [int(window) if slides else None] * n
+    bad = sorted({t for t in types[:n] if t not in ("full_attention", "sliding_attention")})
+    if bad or len(types) < n:
+        raise InputError("model", f"layer types {bad or types} are not supported by the eviction loop",
+                         "use a model whose layers are full_attention or sliding_attention")
+    if "sliding_attention" in types[:n] and not window:
+        raise InputError("model", "sliding_attention layers without a sliding_window in the config",
+                         "set config.sliding_window")
+    return [int(window) if t == "sliding_attention" else None for t in types[:n]]
+
+
+@contextlib.contextmanager
+def attach_model(model: torch.nn.Module, cache: EvictionCache,
+                 windows: list[int | None] | None = None) -> Iterator[EvictionCache]:
+    """:func:`evictlab.kv.cache.attach` plus the sliding window on sliding layers.
+
+    ``attach``'s pre-hook replaces each layer's mask by a causal mask over the store's slot
+    positions; on a layer with window ``w`` (``windows``, default :func:`layer_windows`) a
+    second pre-hook, registered after it so it runs after it, also masks every slot with
+    ``q_pos - slot_pos >= w``: the bound the model's own sliding mask applies, per query,
+    which a chunk of several queries needs even after out-of-window entries were dropped.
+    Hooks are removed on exit.
+    """
+    from evictlab.kv.cache import _attention_modules
+
+    windows = layer_windows(model) if windows is None else windows
+    with attach(model, cache):
+        handles: list[Any] = []
+
+        def window_hook(module: torch.nn.Module, args: tuple[Any, ...],
+                        kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            layer = module.layer_idx
+            w = windows[layer]
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            seen = cache.layers[layer].seen
+            q_pos = torch.arange(seen, seen + hidden.shape[1], device=hidden.device)
+            slot_pos = cache.store.layout_positions(layer, q_pos).to(hidden.device)
+            mask = kwargs.get("attention_mask")
+            if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[-1] != slot_pos.shape[-1]:
+                raise RuntimeError(f"layer {layer}: expected attach()'s (batch, q_heads, q_len, {slot_pos.shape[-1]}) "
+                                   f"mask to add the sliding window to, got {type(mask).__name__}")
+            far = slot_pos[:, :, None, :] <= (q_pos - w)[None, None, :, None]  # q_pos - slot_pos >= w
+            far = far.repeat_interleave(mask.shape[1] // far.shape[1], dim=1)
+            kwargs["attention_mask"] = mask.masked_fill(far, torch.finfo(mask.dtype).min)
+            return args, kwargs
+
+        try:
+            for m in _attention_modules(model):
+                if windows[m.layer_idx] is not None:
+                    handles.append(m.register_forward_pre_hook(window_hook, with_kwargs=True))
+            yield cache
+        finally:
+            for h in handles:
+                h.remove()
 
 
 def _rss() -> int:
@@ -143,12 +234,30 @@ def _rss() -> int:
 def _scorer(cfg: DecodeConfig, model: torch.nn.Module) -> Any:
     """The scorer of ``cfg``, built by ``make_scorer`` from the model's (text) config, so
     scorers that undo RoPE get the model's RoPE base (scaled RoPE types are refused)."""
+    return _layer_scorers(cfg, model)[0]
+
+
+def _layer_scorers(cfg: DecodeConfig, model: torch.nn.Module) -> list[Any]:
+    """One scorer per layer, built by ``make_scorer`` from the model's (text) config.
+
+    Usually the same object for every layer. A config whose ``rope_parameters`` are given
+    per layer type (Gemma 3: base 10000 on sliding layers, 1e6 on full ones) gets one scorer
+    per layer type, each with its type's RoPE base (an explicit ``rope_theta`` wins).
+    """
     from evictlab.methods import REGISTRY, make_scorer
 
     if cfg.scorer not in REGISTRY:
         raise InputError("--method", f"unknown scorer {cfg.scorer!r}", f"use one of {sorted(REGISTRY)}")
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return make_scorer(cfg.scorer, config, **dict(cfg.scorer_params))
+    config = _text_config(model)
+    n = config.num_hidden_layers
+    rp = getattr(config, "rope_parameters", None)
+    types = list(getattr(config, "layer_types", None) or [])[:n]
+    if (isinstance(rp, dict) and len(types) == n and "rope_theta" not in rp
+            and all(isinstance(rp.get(t), dict) for t in types)):
+        by_type = {t: make_scorer(cfg.scorer, SimpleNamespace(rope_parameters=rp[t]), **dict(cfg.scorer_params))
+                   for t in dict.fromkeys(types)}
+        return [by_type[t] for t in types]
+    return [make_scorer(cfg.scorer, config, **dict(cfg.scorer_params))] * n
 
 
 def _allocator(cfg: DecodeConfig) -> Callable[..., np.ndarray]:
@@ -163,11 +272,13 @@ class EvictionRunner:
     """Owns one store + cache for one batch of sequences and runs the protocol on it."""
 
     def __init__(self, model: torch.nn.Module, cfg: DecodeConfig, batch: int, *, capacity_tokens_per_cell: int,
-                 total_tokens: int, scorer: Any = None) -> None:
+                 total_tokens: int, scorer: Any = None, layer_scorers: list[Any] | None = None) -> None:
         self.model = model
         self.cfg = cfg
         self.batch = batch
         self.n_layers, self.q_heads, self.kv_heads, self.head_dim, self.dtype = model_geometry(model)
+        #: per layer: the sliding window, or None (full attention)
+        self.windows = layer_windows(model)
         self.device = next(model.parameters()).device
         self.scaling = float(self.head_dim) ** -0.5
         mods = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
@@ -177,7 +288,9 @@ class EvictionRunner:
             raise InputError("--budget", "a budget is required in physical and masked modes", "pass --budget")
         self.budget_tokens = cfg.budget.total_tokens(self.n_layers, self.kv_heads, self.head_dim, self.dtype)
         cells = self.n_layers * self.kv_heads
-        floor_total = cells * min(cfg.sinks + cfg.recent, total_tokens)
+        # A sliding cell never holds more than window - 1 entries after a compression.
+        floor_total = self.kv_heads * sum(min(cfg.sinks + cfg.recent, total_tokens, w - 1 if w else total_tokens)
+                                          for w in self.windows)
         if self.budget_tokens < floor_total:
             raise InputError("--budget", f"{self.budget_tokens} kept tokens per sequence is below the "
                              f"{floor_total} always-kept sinks + recent entries ({cells} cells)",
@@ -195,7 +308,11 @@ class EvictionRunner:
         else:
             raise InputError("mode", f"unknown mode {cfg.mode!r}", "use physical, masked or full")
         self.store = store
-        self.scorer = scorer if scorer is not None else _scorer(cfg, model)
+        if layer_scorers is None:
+            layer_scorers = [scorer] * self.n_layers if scorer is not None else _layer_scorers(cfg, model)
+        #: the scorer of each layer (one object for all layers unless RoPE differs by layer type)
+        self.layer_scorers = list(layer_scorers)
+        self.scorer = self.layer_scorers[0]
         #: True: the scorer gets every query since its previous call (consumed by each
         #: compression); False: the last ``cfg.window`` queries (a sliding window).
         self.all_queries = bool(getattr(self.scorer, "uses_all_queries", False))
@@ -210,8 +327,35 @@ class EvictionRunner:
     def live_per_sequence(self) -> int:
         return self.store.total_live() // self.batch
 
+    def drop_out_of_window(self) -> int:
+        """On sliding layers, evict the entries no later query can attend; returns how many.
+
+        The next query of layer ``l`` is at position ``seen_l`` and attends keys with
+        ``pos > seen_l - window`` only, and later queries even fewer: every entry with
+        ``pos <= seen_l - window`` is dead for good. Entries are in position order, so
+        they are a prefix of each cell. Physical store: freed; masked store: masked (held).
+        """
+        dropped = 0
+        for l, w in enumerate(self.windows):
+            if w is None:
+                continue
+            limit = self.cache.layers[l].seen - w
+            if limit < 0:
+                continue
+            pos = self.store.layout_positions(l, torch.empty(0, dtype=torch.int64, device=self.device))
+            dead = ((pos >= 0) & (pos <= limit)).sum(-1).cpu()  # (batch, kv_heads)
+            if not bool((dead > 0).any()):
+                continue
+            lens = self.store.lengths(l)
+            self.store.keep(l, [[torch.arange(int(dead[b, h]), int(lens[b, h])) for h in range(self.kv_heads)]
+                                for b in range(self.batch)])
+            dropped += int(dead.sum())
+        return dropped
+
     def compress(self) -> None:
-        """Bring every sequence down to ``budget_tokens`` kept entries (no-op if under)."""
+        """Drop out-of-window entries of sliding layers (:meth:`drop_out_of_window`), then
+        bring every sequence down to ``budget_tokens`` kept entries (no-op if under)."""
+        self.drop_out_of_window()
         if self.live_per_sequence() <= self.budget_tokens:
             return
         from evictlab.methods.base import ScoreInputs, select_keep
@@ -244,7 +388,7 @@ class EvictionRunner:
                         queries=q[b:b + 1, h * rep:(h + 1) * rep], q_positions=qpos, scaling=self.scaling,
                         extra_queries=extra, state=self.states.setdefault((l, b, h), {}),
                     )
-                    out = self.scorer.score(inputs)
+                    out = self.layer_scorers[l].score(inputs)
                     sc[b, h, :n] = out.reshape(-1).float()
             layer_scores.append(sc)
             cell_pos.append(pos)
@@ -312,7 +456,7 @@ def _oracle_queries(model: torch.nn.Module, ids: torch.Tensor, n_future: int, wi
     store = MaskedKVStore(n_layers, ids.shape[0], hk, d, dtype=dtype, device=ids.device, initial_capacity=ids.shape[1])
     cache = EvictionCache(store)
     cache.query_window = n_future
-    with attach(model, cache):
+    with attach_model(model, cache):
         model(input_ids=ids, cache=cache, use_cache=True)
     return {l: cache.queries[l][0] for l in range(n_layers)}
 
@@ -350,7 +494,11 @@ def run_sequence(
     from evictlab.kv.budget import kv_bytes
 
     total = n + m + T
-    bytes_full = kv_bytes(total * n_layers * hk * b, d, dtype)
+    # What a cache without eviction holds at the end: every entry on full-attention layers,
+    # the last window - 1 on sliding ones (transformers' DynamicSlidingWindowLayer, used by
+    # mode="full", keeps exactly that).
+    held_full = sum(min(total, w - 1) if w else total for w in layer_windows(model))
+    bytes_full = kv_bytes(held_full * hk * b, d, dtype)
     trace: list[StepTrace] = []
     logits_out: list[torch.Tensor] = []
     tokens_out: list[torch.Tensor] = []
@@ -379,7 +527,8 @@ def run_sequence(
         return DecodeOutput(torch.stack(logits_out, 1), torch.stack(tokens_out, 1), trace, None, bytes_full,
                             peak, time.perf_counter() - t0, 0, time.perf_counter() - t_dec)
 
-    scorer = _scorer(cfg, model)
+    scorers = _layer_scorers(cfg, model)
+    scorer = scorers[0]
     recon = "reconstruction" in getattr(scorer, "needs", frozenset())
     future = "future" in getattr(scorer, "needs", frozenset())
     prompt_len = 0
@@ -391,7 +540,7 @@ def run_sequence(
     # next compression.
     recon_head = cfg.chunk_size + prompt_len if recon else 0
     head = max(cfg.chunk_size + recon_head, m + cfg.compress_every + (cfg.chunk_size if cfg.query_aware else 0))
-    runner = EvictionRunner(model, cfg, b, capacity_tokens_per_cell=head, total_tokens=total, scorer=scorer)
+    runner = EvictionRunner(model, cfg, b, capacity_tokens_per_cell=head, total_tokens=total, layer_scorers=scorers)
     if future:
         if answer_ids is None:
             raise InputError("--method", "the oracle needs the true future tokens", "run it teacher-forced (with an answer)")
@@ -405,7 +554,7 @@ def run_sequence(
         peak = max(peak, r)
         trace.append(StepTrace(phase, runner.cache.seen, runner.store.bytes(), r))
 
-    with torch.no_grad(), attach(model, runner.cache):
+    with torch.no_grad(), attach_model(model, runner.cache, runner.windows):
         # 1. Context, chunk by chunk, compressing as it goes.
         ctx = context_ids if not cfg.query_aware else torch.cat([context_ids, question_ids], 1)
         pending: list[torch.Tensor] = []  # chunks not yet reconstructed (KVzip)

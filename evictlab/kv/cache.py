@@ -163,8 +163,13 @@ def attach(model: torch.nn.Module, cache: EvictionCache) -> Iterator[EvictionCac
             if not cache.recording:
                 return
             layer = module.layer_idx
-            b, q_len = out.shape[0], out.shape[1]
-            q = out.reshape(b, q_len, -1, module.head_dim).transpose(1, 2)
+            if out.dim() == 4:  # a per-head q_norm: (b, heads, q_len, d) (Gemma 3) or (b, q_len, heads, d)
+                from evictlab.capture.hooks import _to_bhld
+
+                q = _to_bhld(out, _inp[0], module.config.num_attention_heads, module.head_dim)
+            else:
+                q = out.reshape(out.shape[0], out.shape[1], -1, module.head_dim).transpose(1, 2)
+            q_len = q.shape[2]
             if rope is not None and layer in cache._pe:
                 cos, sin = cache._pe[layer]
                 q, _ = rope(q, q, cos, sin)
