@@ -7,9 +7,13 @@ Three measurements, each printed as a Markdown table and written to ``--out`` as
    geometry (30 layers x 3 KV heads, head dim 64), a 4096-token context, random per-cell
    sizes summing exactly to the budget (AdaKV-like spread, seeded).
 2. ``attention``: one decode step's attention (1 query, 9 query / 3 KV heads, head dim 64)
-   over the ragged store (block gather + grouped matmul) against dense attention over the
-   same number of kept tokens held contiguously: transformers' ``eager_attention_forward``
-   (repeat_kv + matmul) and a grouped matmul on the contiguous tensor (no gather).
+   over the ragged store against dense attention over the same number of kept tokens held
+   contiguously: transformers' ``eager_attention_forward`` (repeat_kv + matmul) and a
+   grouped matmul on the contiguous tensor (no gather). Ragged: ``ragged_attention``
+   (per-cell matmuls on zero-copy pool views) with its views cached ("ragged") or rebuilt
+   on every call as after an append ("ragged_cold"), and the layer block gather +
+   grouped matmul ("gather_grouped", the previous path). "dense_plain" is the leanest dense
+   reference: grouped matmul + softmax + matmul with no mask at all.
 3. ``decode``: SmolLM2-135M on the CPU, 4096-token context, greedy decoding of ``--new``
    tokens; the full cache (stock DynamicCache) against the physical store at a 1/8 budget
    (512 kept entries per cell, SnapKV scores, uniform allocation), same process, same
@@ -104,14 +108,35 @@ def bench_attention(reps: int = 200, seed: int = 0) -> list[dict]:
         kd = torch.randn(1, HK, kept, D, generator=g)
         vd = torch.randn(1, HK, kept, D, generator=g)
         dpos = torch.arange(kept).expand(1, HK, kept)
-        t_rag, t_eager, t_group = _time_interleaved([
+        assert store.contiguous_cells() == (HK, HK)  # one append per cell: each cell is one run
+
+        def ragged_cold():
+            store._views.clear()  # as after an append: the per-cell views are rebuilt
+            return ragged_attention(store, 0, q, qpos, D ** -0.5)
+
+        def gather_path():  # the layer gather (what the model's Cache.update still returns)
+            k, v, pos = store.gather_view(0)
+            return grouped_attention(q, k, v, pos, qpos, D ** -0.5)
+
+        def dense_plain():  # the leanest dense: grouped matmul, softmax, matmul; no mask, no copy
+            qg = q.reshape(1, HK, HQ // HK, D) * D ** -0.5
+            return torch.matmul(torch.softmax(torch.matmul(qg, kd.transpose(-1, -2)), -1), vd)
+
+        t_rag, t_cold, t_gather, t_eager, t_group, t_plain = _time_interleaved([
             lambda: ragged_attention(store, 0, q, qpos, D ** -0.5),
+            ragged_cold,
+            gather_path,
             lambda: eager_attention_forward(mod, q, kd, vd, None, D ** -0.5),
             lambda: grouped_attention(q, kd, vd, dpos, qpos, D ** -0.5),
+            dense_plain,
         ], reps)
-        rows.append({"kept_per_head": kept, "ragged_us": 1e6 * t_rag, "dense_eager_us": 1e6 * t_eager,
-                     "dense_grouped_us": 1e6 * t_group, "ratio_vs_eager": t_rag / t_eager,
-                     "ratio_vs_grouped": t_rag / t_group})
+        rows.append({"kept_per_head": kept, "ragged_us": 1e6 * t_rag, "ragged_cold_us": 1e6 * t_cold,
+                     "gather_grouped_us": 1e6 * t_gather, "dense_eager_us": 1e6 * t_eager,
+                     "dense_grouped_us": 1e6 * t_group, "dense_plain_us": 1e6 * t_plain,
+                     "ragged_vs_grouped": t_rag / t_group, "ragged_vs_plain": t_rag / t_plain,
+                     "cold_vs_plain": t_cold / t_plain,
+                     "cold_vs_grouped": t_cold / t_group, "gather_vs_grouped": t_gather / t_group,
+                     "ragged_vs_eager": t_rag / t_eager})
     return rows
 
 

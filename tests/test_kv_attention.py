@@ -139,3 +139,48 @@ def test_recorded_queries_reproduce_model_attention_weights() -> None:
     logits = q @ k.transpose(-1, -2) * attn.scaling
     logits = logits.masked_fill(torch.ones(12, 12, dtype=torch.bool).triu(1), float("-inf"))
     torch.testing.assert_close(torch.softmax(logits, -1), out.attentions[1], rtol=1e-4, atol=1e-5)
+
+
+def test_cellwise_views_fragmented_contiguous_and_causal_equal_gathered_attention() -> None:
+    """ragged_attention reads cells as pool views (contiguous) or per-cell gathers
+    (fragmented); both, with a causal prefill-chunk query block, equal grouped attention
+    over the layer gather. resize() lays every cell out as one run with a gap of free
+    blocks after it, so later appends keep cells contiguous (zero-copy)."""
+    from evictlab.kv.attention import grouped_attention
+
+    g = torch.Generator().manual_seed(5)
+    bs, n_layers = 4, 2
+    store = PagedKVStore(n_layers, B, HK, D, capacity_blocks=200, block_size=bs)
+    seen = 0
+    for chunk in (5, 7, 3, 9):  # interleaved chunk appends: cells get fragmented
+        for l in range(n_layers):
+            store.append(l, torch.randn(B, HK, chunk, D, generator=g), torch.randn(B, HK, chunk, D, generator=g),
+                         torch.arange(seen, seen + chunk))
+        seen += chunk
+    rng = np.random.default_rng(0)
+    for l in range(n_layers):
+        store.keep(l, [[torch.from_numpy(np.sort(rng.choice(seen, size=int(rng.integers(1, seen)), replace=False)))
+                        for _ in range(HK)] for _ in range(B)])
+
+    def check(q_pos: torch.Tensor) -> None:
+        q = torch.randn(B, HQ, q_pos.numel(), D, generator=g)
+        for l in range(n_layers):
+            k, v, pos = store.gather(l)
+            ref = grouped_attention(q, k, v, pos, q_pos, D ** -0.5)
+            torch.testing.assert_close(ragged_attention(store, l, q, q_pos, D ** -0.5), ref, rtol=1e-5, atol=1e-6)
+
+    assert store.contiguous_cells()[0] < store.contiguous_cells()[1]
+    assert any(cv.copied for row in store.cell_views(0) + store.cell_views(1) for cv in row)
+    check(torch.arange(seen - 6, seen))  # some keys lie in some queries' future
+    check(torch.tensor([seen]))
+    store.resize(store.blocks_in_use + B * HK * n_layers * 3)
+    assert store.contiguous_cells() == (n_layers * B * HK, n_layers * B * HK)
+    check(torch.arange(seen - 6, seen))
+    for t in range(2 * bs):  # decode appends take the adjacent free block
+        for l in range(n_layers):
+            store.append(l, torch.randn(B, HK, 1, D, generator=g), torch.randn(B, HK, 1, D, generator=g),
+                         torch.tensor([seen]))
+        seen += 1
+    assert store.contiguous_cells() == (n_layers * B * HK, n_layers * B * HK)
+    assert not any(cv.copied for row in store.cell_views(0) for cv in row)
+    check(torch.tensor([seen - 1]))

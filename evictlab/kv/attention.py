@@ -60,14 +60,41 @@ def ragged_attention(
 ) -> torch.Tensor:
     """Attention of ``query`` ``(batch, q_heads, q_len, d)`` over the live entries of ``layer``.
 
-    Reads each cell's own entries (ragged lengths) through one block-wise gather, then
-    :func:`grouped_attention`. Equals dense attention restricted to the kept entries with
-    renormalised (forced) weights.
+    Equals dense attention restricted to the kept entries with renormalised (forced)
+    weights. A store with ``cell_views`` (the paged store) is read cell by cell: each
+    GQA group's query heads, folded into one ``(n_rep * q_len, d)`` matrix, attend to
+    their cell's own ``n`` entries, which are zero-copy views of the pool when the cell's
+    blocks are contiguous (:meth:`PagedKVStore.cell_views`); no padding, no layer gather.
+    Other stores go through one gather and :func:`grouped_attention`.
     """
-    # The paged store can gather into its reusable scratch buffer (consumed right here).
-    gather = getattr(store, "gather_view", store.gather)
-    k, v, pos = gather(layer)
-    return grouped_attention(query, k, v, pos, q_pos, scaling)
+    views_fn = getattr(store, "cell_views", None)
+    if views_fn is None:
+        k, v, pos = store.gather(layer)
+        return grouped_attention(query, k, v, pos, q_pos, scaling)
+    return _cellwise_attention(views_fn(layer), query, q_pos, scaling)
+
+
+def _cellwise_attention(views, query: torch.Tensor, q_pos: torch.Tensor, scaling: float) -> torch.Tensor:
+    b, hq, q, d = query.shape
+    hk = len(views[0])
+    rep = hq // hk
+    # One (n_rep * q_len, d) query matrix per cell, pre-scaled (views of one tensor).
+    qcells = (query.reshape(b * hk, rep * q, d).float() * scaling).unbind(0)
+    q_min = int(q_pos.min()) if q_pos.numel() else 0
+    qp = None
+    outs = []
+    for i, cv in enumerate(c for row in views for c in row):
+        if cv.k.shape[0] == 0:  # softmax over an empty set (NaN, as grouped_attention)
+            outs.append(torch.full((rep * q, d), float("nan"), device=query.device))
+            continue
+        k, v = (cv.k, cv.v) if cv.k.dtype == torch.float32 else (cv.k.float(), cv.v.float())
+        logits = torch.nn.functional.linear(qcells[i], k)  # (n_rep * q_len, n)
+        if cv.last > q_min:  # some key lies in some query's future: causal mask needed
+            if qp is None:
+                qp = q_pos.to(query.device).repeat(rep)
+            logits = logits.masked_fill(cv.pos[None, :] > qp[:, None], float("-inf"))
+        outs.append(torch.mm(torch.softmax(logits, dim=-1), v))
+    return torch.stack(outs).reshape(b, hq, q, d).to(query.dtype)
 
 
 def forced_attention_reference(

@@ -27,12 +27,16 @@ an append that needs a block when none is free raises :class:`BudgetExceededErro
 :meth:`PagedKVStore.keep` compacts a cell in place (its kept entries move to the front of
 its own blocks; the transient copy is one layer's kept entries) and returns emptied blocks
 to the free list. :meth:`PagedKVStore.resize` reallocates the pool to a new capacity,
-copying only blocks in use (used after prefill to drop the prefill headroom).
+copying only blocks in use (used after prefill to drop the prefill headroom); it lays each
+cell out as one contiguous run of blocks with a gap of free blocks after it, and appends
+take the adjacent free block when they can, so :meth:`PagedKVStore.cell_views` can hand
+attention zero-copy per-cell views (fragmented cells fall back to a per-cell gather).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -40,6 +44,16 @@ import torch
 from evictlab.errors import BudgetExceededError, InputError
 from evictlab.kv.base import KVStore
 from evictlab.kv.budget import ByteReport, dtype_size
+
+
+class CellView(NamedTuple):
+    """One cell's live entries as read by :meth:`PagedKVStore.cell_views`."""
+
+    k: torch.Tensor  #: ``(n, head_dim)``
+    v: torch.Tensor  #: ``(n, head_dim)``
+    pos: torch.Tensor  #: int64 ``(n,)``, ascending
+    last: int  #: position of the last entry (``-1`` for an empty cell)
+    copied: bool  #: True when the cell was fragmented and had to be gathered (a copy)
 
 
 class PagedKVStore(KVStore):
@@ -75,6 +89,10 @@ class PagedKVStore(KVStore):
         # Free blocks as a stack; popping from the end hands out low block ids first.
         self._free: list[int] = list(range(capacity_blocks - 1, -1, -1))
         self._table_dev: dict[int, torch.Tensor] = {}
+        self._views: dict[int, list[list[CellView]]] = {}
+        self._layout: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        #: position of each cell's last live entry (its largest), -1 when empty
+        self.cell_last = np.full((n_layers, batch, kv_heads), -1, dtype=np.int64)
 
     def _alloc_pools(self, capacity_blocks: int) -> None:
         self.kv_pool = torch.zeros(2, capacity_blocks + 1, self.block_size, self.head_dim, dtype=self.dtype,
@@ -101,6 +119,7 @@ class PagedKVStore(KVStore):
             pad = np.full((*self.block_table.shape[:-1], n_cols - cur), -1, dtype=np.int64)
             self.block_table = np.concatenate([self.block_table, pad], axis=-1)
             self._table_dev.clear()
+            self._layout.clear()
 
     def _table(self, layer: int) -> torch.Tensor:
         """Device copy of ``block_table[layer]`` with -1 replaced by the null block."""
@@ -111,13 +130,21 @@ class PagedKVStore(KVStore):
             self._table_dev[layer] = t
         return t
 
-    def _alloc_block(self) -> int:
+    def _alloc_block(self, after: int = -1) -> int:
+        """Take a free block: ``after + 1`` if it is free (keeps the cell's run contiguous),
+        else the lowest free block."""
         if not self._free:
             raise BudgetExceededError(
                 f"paged KV pool is full ({self.capacity_blocks} blocks of {self.block_size} "
                 "entries): appending would exceed the budget plus its headroom; compress "
                 "more often or raise the budget"
             )
+        if after >= 0 and self._free[-1] != after + 1:
+            try:
+                self._free.remove(after + 1)
+                return after + 1
+            except ValueError:
+                pass
         return self._free.pop()
 
     # -- append / gather ---------------------------------------------------------------
@@ -148,14 +175,19 @@ class PagedKVStore(KVStore):
         for bi in range(b):
             for hi in range(h):
                 for col in range(int(have[bi, hi]), int(need[bi, hi])):
-                    self.block_table[layer, bi, hi, col] = self._alloc_block()
+                    prev = int(self.block_table[layer, bi, hi, col - 1]) if col else -1
+                    self.block_table[layer, bi, hi, col] = self._alloc_block(prev)
         if extra:
             self._table_dev.pop(layer, None)
+            self._layout.pop(layer, None)
         flat = torch.from_numpy(self._flat_slots(layer, start, q).reshape(-1)).to(self.device)
         self.k_pool.view(-1, d).index_copy_(0, flat, keys.reshape(-1, d).to(self.dtype))
         self.v_pool.view(-1, d).index_copy_(0, flat, values.reshape(-1, d).to(self.dtype))
         self.pos_pool.view(-1).index_copy_(0, flat, positions.to(self.device).expand(b, h, q).reshape(-1))
         self.cell_len[layer] = start + q
+        if q:
+            self.cell_last[layer] = int(positions.max())
+        self._views.pop(layer, None)
 
     def _gather_layer(self, layer: int, s: int, *, scratch: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Block-wise gather of the first ``s`` slots of every cell (one index_select per pool).
@@ -190,6 +222,71 @@ class PagedKVStore(KVStore):
         until the next ``gather_view``/``append_gather`` (one layer's attention call)."""
         s = int(self.cell_len[layer].max())
         return self._gather_layer(layer, s, scratch=True)
+
+    def cell_views(self, layer: int) -> list[list[CellView]]:
+        """Each cell's live K, V ``(n, d)`` and positions ``(n,)``, without a layer gather.
+
+        Returns ``views[b][h]``, a :class:`CellView`. When the cell's blocks form one
+        contiguous run of the pool (the layout :meth:`resize` produces and that compaction
+        preserves), ``k``/``v``/``pos`` are zero-copy views of the pool and ``copied`` is
+        False. A fragmented cell falls back to a gather of that cell's blocks only (a
+        transient copy of one cell, ``copied`` True, freed once the caller drops it). A layer
+        whose cells are all views is cached until the next append/keep/resize of the store;
+        a layer with copies is not cached (so no copy outlives the caller).
+        """
+        cached = self._views.get(layer)
+        if cached is not None:
+            return cached
+        bs, d = self.block_size, self.head_dim
+        kv_flat = self.kv_pool.view(2, -1, d)
+        pos_flat = self.pos_pool.view(-1)
+        lens = self.cell_len[layer]
+        nbs = -(-lens // bs)
+        table = self.block_table[layer]
+        layout = self._layout.get(layer)
+        if layout is None:  # recomputed only when the layer's block table changed
+            # A cell is contiguous iff every used column follows its predecessor by one block.
+            if table.shape[-1] > 1:
+                cols = np.arange(1, table.shape[-1])
+                contig = ((np.diff(table, axis=-1) == 1) | (cols >= nbs[..., None])).all(-1)
+            else:
+                contig = np.ones(lens.shape, dtype=bool)
+            first = np.maximum(table[..., 0], 0) * bs if table.shape[-1] else np.zeros(lens.shape, dtype=np.int64)
+            layout = self._layout[layer] = (contig, first)
+        contig, first = layout
+        lasts = self.cell_last[layer]
+        out: list[list[CellView]] = []
+        for bi in range(self.batch):
+            row: list[CellView] = []
+            for hi in range(self.kv_heads):
+                n = int(lens[bi, hi])
+                last = int(lasts[bi, hi]) if n else -1
+                if contig[bi, hi]:
+                    start = int(first[bi, hi])
+                    kv = kv_flat[:, start:start + n]
+                    row.append(CellView(kv[0], kv[1], pos_flat[start:start + n], last, False))
+                else:
+                    nb = int(nbs[bi, hi])
+                    idx = torch.from_numpy(np.ascontiguousarray(table[bi, hi, :nb])).to(self.device)
+                    kv = self.kv_pool.index_select(1, idx).view(2, nb * bs, d)[:, :n]
+                    row.append(CellView(kv[0], kv[1], self.pos_pool.index_select(0, idx).view(-1)[:n], last, True))
+            out.append(row)
+        if not any(cv.copied for row in out for cv in row):
+            self._views[layer] = out  # views only; per-cell copies are never kept alive
+        return out
+
+    def contiguous_cells(self, layer: int | None = None) -> tuple[int, int]:
+        """``(contiguous, total)`` cells (of ``layer``, or of every layer) whose blocks form one run."""
+        layers = range(self.n_layers) if layer is None else [layer]
+        ok = total = 0
+        for l in layers:
+            for bi in range(self.batch):
+                for hi in range(self.kv_heads):
+                    nb = self.blocks_for(int(self.cell_len[l, bi, hi]), self.block_size)
+                    blocks = self.block_table[l, bi, hi, :nb]
+                    total += 1
+                    ok += int(nb <= 1 or bool(np.all(np.diff(blocks) == 1)))
+        return ok, total
 
     def layout_positions(self, layer: int, new_positions: torch.Tensor) -> torch.Tensor:
         q = int(new_positions.numel())
@@ -266,6 +363,15 @@ class PagedKVStore(KVStore):
             self.pos_pool.view(-1).index_fill_(0, torch.from_numpy(np.concatenate(stale)).to(self.device), -1)
         self.cell_len[layer] = new_len
         self._table_dev.pop(layer, None)
+        self._views.pop(layer, None)
+        self._layout.pop(layer, None)
+        # Last position of every cell after compaction (one read for the layer).
+        last_slot = [int(self.block_table[layer, bi, hi, (n - 1) // self.block_size]) * self.block_size
+                     + (n - 1) % self.block_size if n else self.capacity_blocks * self.block_size
+                     for bi, row in enumerate(new_len) for hi, n in enumerate(row.tolist())]
+        self.cell_last[layer] = np.asarray(
+            self.pos_pool.view(-1)[torch.tensor(last_slot, dtype=torch.int64, device=self.device)].tolist(),
+            dtype=np.int64).reshape(new_len.shape)
 
     def resize(self, capacity_blocks: int) -> None:
         """Reallocate the pool with ``capacity_blocks`` blocks, copying only blocks in use.
@@ -277,19 +383,34 @@ class PagedKVStore(KVStore):
         used = self.block_table[self.block_table >= 0]
         if used.size > capacity_blocks:
             raise BudgetExceededError(f"{used.size} blocks in use do not fit in {capacity_blocks}")
-        order = np.sort(used)
+        # Cell-major order (layer, batch, head, column): every cell becomes one contiguous
+        # run of blocks, so attention reads it as a zero-copy view (see cell_views). The
+        # spare capacity is spread as equal gaps of free blocks after each cell's run, so a
+        # later append that needs a block takes the adjacent one and the cell stays
+        # contiguous (same capacity, same bytes: only the placement of free blocks changes).
+        order = used
+        nb = (self.block_table >= 0).sum(-1).reshape(-1)
+        gap = (capacity_blocks - order.size) // nb.size
+        run_start = np.concatenate([[0], np.cumsum(nb + gap)[:-1]]).astype(np.int64)
+        used_start = np.concatenate([[0], np.cumsum(nb)[:-1]]).astype(np.int64)
+        new_ids = np.repeat(run_start, nb) + np.arange(order.size) - np.repeat(used_start, nb)
         remap = np.full(self.capacity_blocks, -1, dtype=np.int64)
-        remap[order] = np.arange(order.size)
+        remap[order] = new_ids
         src = torch.from_numpy(order).to(self.device)
+        dst = torch.from_numpy(new_ids).to(self.device)
         old_kv, old_pos = self.kv_pool, self.pos_pool
         self._alloc_pools(capacity_blocks)
-        self.kv_pool[:, : order.size] = old_kv.index_select(1, src)
-        self.pos_pool[: order.size] = old_pos.index_select(0, src)
+        self.kv_pool.index_copy_(1, dst, old_kv.index_select(1, src))
+        self.pos_pool.index_copy_(0, dst, old_pos.index_select(0, src))
         del old_kv, old_pos
         self.block_table = np.where(self.block_table >= 0, remap[np.maximum(self.block_table, 0)], -1)
         self.capacity_blocks = int(capacity_blocks)
-        self._free = list(range(capacity_blocks - 1, order.size - 1, -1))
+        taken = np.zeros(capacity_blocks, dtype=bool)
+        taken[new_ids] = True
+        self._free = np.nonzero(~taken)[0][::-1].tolist()
         self._table_dev.clear()
+        self._views.clear()
+        self._layout.clear()
 
     # -- accounting --------------------------------------------------------------------
     def bytes(self) -> ByteReport:
