@@ -9,6 +9,7 @@ of the order in which groups are processed.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,6 +53,27 @@ def _check(n_boot: int, level: float) -> None:
         raise InputError("level", f"must be in (0, 1), got {level}", "use e.g. 0.95")
 
 
+def _percentile_ci(
+    x: np.ndarray, point: float, stat: Callable[..., np.ndarray], rng: np.random.Generator,
+    n_boot: int, level: float,
+) -> Estimate:
+    """Percentile-bootstrap CI of ``stat(x)``: ``n_boot`` resamples of ``x`` with replacement,
+    drawn in chunks of at most ``_CHUNK_ELEMS`` indices (memory bound); ``stat`` is applied
+    along axis 1 of the ``(b, n)`` resample matrix."""
+    n = x.size
+    per = max(1, _CHUNK_ELEMS // n)
+    stats = np.empty(n_boot)
+    done = 0
+    while done < n_boot:
+        b = min(per, n_boot - done)
+        idx = rng.integers(0, n, size=(b, n))
+        stats[done : done + b] = stat(x[idx], axis=1)
+        done += b
+    a = (1.0 - level) / 2.0
+    lo, hi = np.quantile(stats, [a, 1.0 - a])
+    return Estimate(point, float(lo), float(hi), n)
+
+
 def bootstrap_median(
     x: np.ndarray, *, seed: int, key: str = "", n_boot: int = 1000, level: float = 0.95
 ) -> Estimate:
@@ -66,18 +88,7 @@ def bootstrap_median(
     point = float(np.median(x))
     if n == 1:
         return Estimate(point, point, point, 1)
-    rng = rng_for(seed, key)
-    per = max(1, _CHUNK_ELEMS // n)
-    meds = np.empty(n_boot)
-    done = 0
-    while done < n_boot:
-        b = min(per, n_boot - done)
-        idx = rng.integers(0, n, size=(b, n))
-        meds[done : done + b] = np.median(x[idx], axis=1)
-        done += b
-    a = (1.0 - level) / 2.0
-    lo, hi = np.quantile(meds, [a, 1.0 - a])
-    return Estimate(point, float(lo), float(hi), n)
+    return _percentile_ci(x, point, np.median, rng_for(seed, key), n_boot, level)
 
 
 def bootstrap_mean(
@@ -90,18 +101,7 @@ def bootstrap_mean(
     if n == 0:
         return Estimate(float("nan"), float("nan"), float("nan"), 0)
     point = float(np.mean(x))
-    rng = rng_for(seed, key)
-    per = max(1, _CHUNK_ELEMS // n)
-    means = np.empty(n_boot)
-    done = 0
-    while done < n_boot:
-        b = min(per, n_boot - done)
-        idx = rng.integers(0, n, size=(b, n))
-        means[done : done + b] = x[idx].mean(axis=1)
-        done += b
-    a = (1.0 - level) / 2.0
-    lo, hi = np.quantile(means, [a, 1.0 - a])
-    return Estimate(point, float(lo), float(hi), n)
+    return _percentile_ci(x, point, np.mean, rng_for(seed, key), n_boot, level)
 
 
 def roc_auc(y: np.ndarray, score: np.ndarray) -> float:
