@@ -443,6 +443,22 @@ def _minor_cycle(x: np.ndarray, w: np.ndarray, active: np.ndarray, member: np.nd
 
 
 @njit(cache=True)
+def _hull_point(x: np.ndarray, w: np.ndarray, active: np.ndarray, na: int, y: np.ndarray) -> float:
+    """Write ``y = sum_{t < na} w[active[t]] x[active[t]]`` (shape ``(d,)``) and return ``||y||^2``."""
+    d = x.shape[1]
+    for j in range(d):
+        y[j] = 0.0
+    for t in range(na):
+        a = active[t]
+        for j in range(d):
+            y[j] += w[a] * x[a, j]
+    yy = 0.0
+    for j in range(d):
+        yy += y[j] * y[j]
+    return yy
+
+
+@njit(cache=True)
 def _wolfe_direct(x: np.ndarray, scale: float, w: np.ndarray, active: np.ndarray, member: np.ndarray, na: int) -> int:
     """Exact phase: Wolfe's algorithm on the coordinates, warm-started from ``(w, active)``.
 
@@ -455,15 +471,7 @@ def _wolfe_direct(x: np.ndarray, scale: float, w: np.ndarray, active: np.ndarray
     dots = np.empty(k)
     na = _minor_cycle(x, w, active, member, na)
     for _ in range(50 * (k + d) + 100):
-        for j in range(d):
-            y[j] = 0.0
-        for t in range(na):
-            a = active[t]
-            for j in range(d):
-                y[j] += w[a] * x[a, j]
-        yy = 0.0
-        for j in range(d):
-            yy += y[j] * y[j]
+        yy = _hull_point(x, w, active, na, y)
         for i in range(k):
             acc = 0.0
             for j in range(d):
@@ -513,14 +521,8 @@ def _min_norm_weights(x: np.ndarray) -> tuple[np.ndarray, bool]:
     member[j0] = True
     na, ok = _wolfe_gram(g, scale, w, active, member, 1)
     if ok:
-        y = np.zeros(d)
-        for t in range(na):
-            a = active[t]
-            for j in range(d):
-                y[j] += w[a] * x[a, j]
-        yy = 0.0
-        for j in range(d):
-            yy += y[j] * y[j]
+        y = np.empty(d)
+        yy = _hull_point(x, w, active, na, y)
         ub = np.sqrt(yy)
         if ub <= 1e-13 * np.sqrt(scale):
             return w, False  # mu lies in the hull up to rounding of the values
