@@ -240,7 +240,7 @@ def test_killed_cli_run_resumes_to_identical_dataset(tmp_path: Path) -> None:
     assert man.exists()
     # resume and the reference run in-process (same run_capture as the CLI; saves two
     # interpreter start-ups, which dominate this test's time)
-    from evictlab.capture.registry import load_model
+    from evictlab.models.loading import load_model
 
     model, tok = load_model(str(folder))
     cfg = CaptureConfig(model=str(folder), source="multi_key", context=300, positions=3, prompts=12,

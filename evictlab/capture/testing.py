@@ -105,7 +105,7 @@ def check_against_eager(model: Any, tokens: list[int], store: Any, layers: list[
     import polars as pl
     import torch
 
-    from evictlab.capture.hooks import find_attention_sites
+    from evictlab.models.sites import find_attention_sites
 
     head_out: dict[int, torch.Tensor] = {}
     handles = []

@@ -49,10 +49,10 @@ def audit(
     import torch
     from rich.console import Console
 
-    from evictlab.capture.registry import load_model
     from evictlab.decode.audit import audit_figure, audit_markdown, run_audit, task_examples
     from evictlab.io import atomic_path, atomic_write_text
     from evictlab.kv.budget import Budget
+    from evictlab.models.loading import load_model
     from evictlab.report.record import RunRecord
 
     if threads > 0:
@@ -110,8 +110,8 @@ def decode(
     import torch
     from tqdm import tqdm
 
-    from evictlab.capture.registry import load_model
     from evictlab.decode.audit import parse_method
+    from evictlab.models.loading import load_model
     from evictlab.decode.loop import run_sequence
     from evictlab.decode.tasks import build_prompt, decode_ids, score_exact_match
     from evictlab.capture.prompts import make_task

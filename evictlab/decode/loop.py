@@ -192,7 +192,7 @@ def attach_model(model: torch.nn.Module, cache: EvictionCache,
     which a chunk of several queries needs even after out-of-window entries were dropped.
     Hooks are removed on exit.
     """
-    from evictlab.kv.cache import _attention_modules
+    from evictlab.models.sites import attention_modules
 
     windows = layer_windows(model) if windows is None else windows
     with attach(model, cache):
@@ -216,7 +216,7 @@ def attach_model(model: torch.nn.Module, cache: EvictionCache,
             return args, kwargs
 
         try:
-            for m in _attention_modules(model):
+            for m in attention_modules(model):
                 if windows[m.layer_idx] is not None:
                     handles.append(m.register_forward_pre_hook(window_hook, with_kwargs=True))
             yield cache
