@@ -10,10 +10,13 @@ import pytest
 import torch
 
 from evictlab.capture.testing import tiny_model
-from evictlab.decode.audit import Example, audit_figure, audit_markdown, parse_method, run_audit
+from evictlab.decode.audit import Example, run_audit
 from evictlab.decode.loop import DecodeConfig
 from evictlab.errors import InputError
 from evictlab.kv.budget import Budget
+from evictlab.methods import parse_method
+from evictlab.plots.audit import audit_bars
+from evictlab.report.audit import audit_markdown
 
 REQUIRED = ["method", "mode", "budget_tokens", "bytes_budget", "bytes_live", "bytes_allocated", "bytes_full_cache",
             "peak_rss", "exact_match", "kl", "top1_agreement", "answer_ppl", "freed_fraction"]
@@ -40,8 +43,8 @@ def test_audit_table_masked_never_counted_as_freed(tmp_path) -> None:
     assert (phys["freed_fraction"] > 0.5).all()
     assert (phys["bytes_live"] == phys["bytes_budget"]).all()
     assert (mask["bytes_live"] > 3 * mask["bytes_budget"]).all()
-    paths = audit_figure(df, tmp_path / "audit")
-    assert all(p.exists() and p.stat().st_size > 1000 for p in paths)
+    fig = audit_bars(df, tmp_path / "audit")
+    assert all(p.exists() and p.stat().st_size > 1000 for p in (fig.png, fig.pdf))
     md = audit_markdown(df, model="tiny", config={"x": 1}, figure="audit.png")
     assert "never" in md and "| snapkv | physical |" in md
 

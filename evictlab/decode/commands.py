@@ -49,10 +49,12 @@ def audit(
     import torch
     from rich.console import Console
 
-    from evictlab.decode.audit import audit_figure, audit_markdown, run_audit, task_examples
+    from evictlab.decode.audit import run_audit, task_examples
+    from evictlab.models.loading import load_model
+    from evictlab.plots.audit import audit_bars
+    from evictlab.report.audit import audit_markdown
     from evictlab.io import atomic_path, atomic_write_text
     from evictlab.kv.budget import Budget
-    from evictlab.models.loading import load_model
     from evictlab.report.record import RunRecord
 
     if threads > 0:
@@ -78,10 +80,10 @@ def audit(
     with atomic_path(out, suffix=".parquet") as tmp:
         df.write_parquet(tmp)
     stem = out.with_suffix("")
-    figs = audit_figure(df, stem)
-    md = audit_markdown(df, model=model, config=record.config, figure=figs[0].name)
+    fig = audit_bars(df, stem)
+    md = audit_markdown(df, model=model, config=record.config, figure=fig.png.name)
     atomic_write_text(stem.with_suffix(".md"), md)
-    record.write(stem.with_suffix(".run.json"), outputs=[str(out), *map(str, figs), str(stem.with_suffix(".md"))])
+    record.write(stem.with_suffix(".run.json"), outputs=[str(out), str(fig.png), str(fig.pdf), str(stem.with_suffix(".md"))])
     console.print(df.select("method", "mode", "budget_per_cell", "bytes_live", "bytes_allocated",
                             "bytes_full_cache", "kl", "exact_match"))
     typer.echo(str(out))
@@ -110,7 +112,7 @@ def decode(
     import torch
     from tqdm import tqdm
 
-    from evictlab.decode.audit import parse_method
+    from evictlab.methods import parse_method
     from evictlab.models.loading import load_model
     from evictlab.decode.loop import run_sequence
     from evictlab.decode.tasks import build_prompt, decode_ids, score_exact_match
