@@ -76,3 +76,29 @@ def test_decode_cli_real_model(tmp_path) -> None:
     assert (tmp_path / "d.run.json").exists()
     bad = CliRunner().invoke(app, ["decode", "--mode", "nope", "--out", str(out)])
     assert bad.exit_code != 0
+
+
+def test_run_audit_validates_everything_before_running(monkeypatch) -> None:
+    """Empty or repeated methods/budgets, bad parameters and budgets below the floor are
+    refused before the full-cache reference runs (it used to run first, then crash)."""
+    import evictlab.decode.audit as audit_mod
+
+    def boom(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("nothing may run before validation")
+
+    monkeypatch.setattr(audit_mod, "run_sequence", boom)
+    model, _ = tiny_model("llama")
+    ex = [Example("synthetic", list(range(3, 103)), [5, 6], [7])]
+    b = Budget("tokens_per_cell", 24)
+    cases = [
+        (dict(methods=[], budgets=[b]), "method: no method"),
+        (dict(methods=["snapkv", "snapkv"], budgets=[b]), "method: method snapkv is given twice"),
+        (dict(methods=["snapkv"], budgets=[b, Budget("tokens_per_cell", 24)]), "budget: budget 24 tokens_per_cell"),
+        (dict(methods=["snapkv"], budgets=[]), "budget: no budget"),
+        (dict(methods=["snapkv"], budgets=[b], modes=["masked", "nope"]), "mode: unknown mode 'nope'"),
+        (dict(methods=["snapkv+adakv"], budgets=[b], allocator_params={"alpha": "2"}), "allocator_param"),
+        (dict(methods=["snapkv"], budgets=[Budget("tokens_per_cell", 2)]), "budget: .* below the .* always-kept"),
+    ]
+    for kw, msg in cases:
+        with pytest.raises(InputError, match=msg):
+            run_audit(model, ex, **kw)
