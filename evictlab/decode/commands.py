@@ -37,6 +37,18 @@ AUDIT_OPTIONS = {**_COMMON, "method": "--methods", "scorer": "--methods", "alloc
 
 _PARAM_HELP = ("method parameter as key=value, repeatable (e.g. {ex}); a key goes to every chosen {kind} "
                "that has it, NAME.key=value to that {kind} only")
+# Options both commands share (one definition, one help text).
+_SCORER_PARAM = typer.Option([], "--scorer-param", help=_PARAM_HELP.format(ex="window=64", kind="scorer"))
+_ALLOCATOR_PARAM = typer.Option([], "--allocator-param", help=_PARAM_HELP.format(ex="alpha=0.3", kind="allocator"))
+_DEVICE = typer.Option("cpu", "--device", help="cpu or cuda")
+_SINKS = typer.Option(4, "--sinks", help="always-kept first entries per cell")
+_RECENT = typer.Option(16, "--recent", help="always-kept most recent entries per cell")
+_CHUNK = typer.Option(256, "--chunk", help="prefill chunk (tokens) between compressions")
+_COMPRESS_EVERY = typer.Option(16, "--compress-every", help="decode steps between compressions")
+_WINDOW = typer.Option(32, "--window", help="observation window (queries) for scorers")
+_BLOCK_SIZE = typer.Option(16, "--block-size", help="page size of the physical store (entries)")
+_QUERY_AWARE = typer.Option(False, "--query-aware", help="LABELLED OPTION: let rankings see the question")
+_THREADS = typer.Option(0, "--threads", help="torch CPU threads (0 = torch default)")
 
 
 @contextlib.contextmanager
@@ -83,24 +95,15 @@ def audit(
     budget: list[str] = typer.Option(["64"], help="kept budget; repeat for several: 64 (tokens per cell), "
                                      "4096total, 2MiB"),
     methods: str = typer.Option(_DEFAULT_METHODS, help="comma-separated scorer or scorer+allocator"),
-    scorer_param: list[str] = typer.Option([], "--scorer-param",
-                                           help=_PARAM_HELP.format(ex="window=64", kind="scorer")),
-    allocator_param: list[str] = typer.Option([], "--allocator-param",
-                                              help=_PARAM_HELP.format(ex="alpha=0.3", kind="allocator")),
+    scorer_param: list[str] = _SCORER_PARAM, allocator_param: list[str] = _ALLOCATOR_PARAM,
     task: str = typer.Option("needle", help="comma-separated tasks: needle, multi_needle, multi_key, variable_tracking"),
     n: int = typer.Option(2, help="examples per task"),
-    context: int = typer.Option(1024, help="context tokens per example (default 1024)"),
+    context: int = typer.Option(1024, help="context tokens per example"),
     seed: int = typer.Option(0),
     out: Path = typer.Option(Path("audit.parquet"), help="Parquet table; .png/.pdf/.md/.run.json written beside it"),
-    device: str = typer.Option("cpu", help="cpu or cuda"),
-    sinks: int = typer.Option(4, help="always-kept first entries per cell"),
-    recent: int = typer.Option(16, help="always-kept most recent entries per cell"),
-    chunk: int = typer.Option(256, help="prefill chunk (tokens) between compressions"),
-    compress_every: int = typer.Option(16, help="decode steps between compressions"),
-    window: int = typer.Option(32, help="observation window (queries) for scorers"),
-    block_size: int = typer.Option(16, help="page size of the physical store (entries)"),
-    query_aware: bool = typer.Option(False, "--query-aware", help="LABELLED OPTION: let rankings see the question"),
-    threads: int = typer.Option(0, help="torch CPU threads (0 = torch default)"),
+    device: str = _DEVICE, sinks: int = _SINKS, recent: int = _RECENT, chunk: int = _CHUNK,
+    compress_every: int = _COMPRESS_EVERY, window: int = _WINDOW, block_size: int = _BLOCK_SIZE,
+    query_aware: bool = _QUERY_AWARE, threads: int = _THREADS,
 ) -> None:
     """Each method at the same budget, masked vs physically enforced, side by side."""
     from rich.console import Console
@@ -172,26 +175,17 @@ def _write_audit(df: Any, out: Path, model: str, record: Any) -> None:
 def decode(
     model: str = typer.Option("smollm2-135m", help="registry name, local HF folder or hub id"),
     method: str = typer.Option("snapkv", help="scorer or scorer+allocator"),
-    scorer_param: list[str] = typer.Option([], "--scorer-param",
-                                           help=_PARAM_HELP.format(ex="window=64", kind="scorer")),
-    allocator_param: list[str] = typer.Option([], "--allocator-param",
-                                              help=_PARAM_HELP.format(ex="alpha=0.3", kind="allocator")),
+    scorer_param: list[str] = _SCORER_PARAM, allocator_param: list[str] = _ALLOCATOR_PARAM,
     task: str = typer.Option("needle", help="needle, multi_needle, multi_key or variable_tracking"),
     budget: str = typer.Option("64", help="kept budget: 64 (tokens per cell), 4096total or 2MiB"),
     mode: str = typer.Option("physical", help="physical, masked (audit of others) or full"),
-    context: int = typer.Option(1024, help="context tokens (default 1024)"),
+    context: int = typer.Option(1024, help="context tokens"),
     max_new_tokens: int = typer.Option(16, help="greedy tokens to generate"),
     seed: int = typer.Option(0),
     out: Path = typer.Option(Path("decode.json"), help="result JSON; the run record goes beside it"),
-    device: str = typer.Option("cpu", help="cpu or cuda"),
-    sinks: int = typer.Option(4, help="always-kept first entries per cell"),
-    recent: int = typer.Option(16, help="always-kept most recent entries per cell"),
-    chunk: int = typer.Option(256, help="prefill chunk (tokens) between compressions"),
-    compress_every: int = typer.Option(16, help="decode steps between compressions"),
-    window: int = typer.Option(32, help="observation window (queries) for scorers"),
-    block_size: int = typer.Option(16, help="page size of the physical store (entries)"),
-    query_aware: bool = typer.Option(False, "--query-aware", help="LABELLED OPTION: let rankings see the question"),
-    threads: int = typer.Option(0, help="torch CPU threads (0 = torch default)"),
+    device: str = _DEVICE, sinks: int = _SINKS, recent: int = _RECENT, chunk: int = _CHUNK,
+    compress_every: int = _COMPRESS_EVERY, window: int = _WINDOW, block_size: int = _BLOCK_SIZE,
+    query_aware: bool = _QUERY_AWARE, threads: int = _THREADS,
 ) -> None:
     """Run one method on one task example (greedy), with a progress bar and a run record."""
     from evictlab.kv.budget import Budget
