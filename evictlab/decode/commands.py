@@ -226,6 +226,10 @@ def decode(
         dev = next(lm.parameters()).device
         ctx = torch.tensor([prompt.context_ids], device=dev)
         q = torch.tensor([prompt.question_ids], device=dev)
+        if mode != "full":  # a budget below the always-kept floor: refused before the run starts
+            from evictlab.models.geometry import model_geometry
+
+            cfg.budget_tokens(model_geometry(lm), ctx.shape[1] + q.shape[1] + max_new_tokens)
         t0 = time.perf_counter()
         with tqdm(total=ctx.shape[1] + q.shape[1] + max_new_tokens, unit="tok", desc=f"{method} {mode}") as bar:
             res = run_sequence(lm, ctx, q, cfg, max_new_tokens=max_new_tokens, progress=bar.update, tokenizer=tok)
