@@ -65,7 +65,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
@@ -281,16 +281,30 @@ def _rss() -> int:
 
 
 # --------------------------------------------------------------------------- engines
-#
-# An engine runs forwards and, if it evicts, compressions; the driver (_drive) owns the
-# protocol. Each hook returns the trace phase to record after it, or None.
+
+
+class Engine(Protocol):
+    """What the driver (:func:`_drive`) needs from a run: forwards through one cache, and
+    hooks that may compress it. Each hook returns the trace phase to record after it
+    (``"compress"``, ``"resize"``), or None. ``report`` gives the store's bytes (None: no
+    store to account, the full-cache reference)."""
+
+    cache: Any
+    compressions: int
+    budget_tokens: int | None  # kept entries per sequence (None: nothing is evicted)
+    context_kept: list[torch.Tensor]  # see DecodeOutput.context_kept
+
+    def session(self) -> contextlib.AbstractContextManager[None]: ...
+    def forward(self, ids: torch.Tensor) -> torch.Tensor: ...
+    def report(self) -> ByteReport | None: ...
+    def after_chunk(self, chunk: torch.Tensor, phase: Phase) -> str | None: ...
+    def end_context(self) -> str | None: ...
+    def after_decode_step(self, step: int, tokens: list[torch.Tensor]) -> str | None: ...
 
 
 class FullCache:
     """The reference engine: the stock ``DynamicCache`` (sliding layers keep their window,
     as transformers does), no hooks, nothing evicted: exactly the model's own output."""
-
-    evicts = False
 
     def __init__(self, model: torch.nn.Module) -> None:
         from transformers import DynamicCache
@@ -298,6 +312,8 @@ class FullCache:
         self.model = model
         self.cache = DynamicCache(config=model.config)
         self.compressions = 0
+        self.budget_tokens: int | None = None
+        self.context_kept: list[torch.Tensor] = []
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
@@ -329,8 +345,6 @@ class EvictionRunner:
     ever hold (caps the paged pool; None = no cap); ``tokenizer``: for a reconstruction
     scorer's prompt (see :func:`run_sequence`).
     """
-
-    evicts = True
 
     def __init__(self, model: torch.nn.Module, cfg: DecodeConfig, batch: int, *, headroom_tokens_per_cell: int,
                  total_tokens: int, max_cell_tokens: list[int] | None = None,
@@ -562,7 +576,7 @@ def _oracle_queries(model: torch.nn.Module, ids: torch.Tensor, n_future: int) ->
     return {l: cache.queries[l][0] for l in range(g.n_layers)}
 
 
-def _drive(engine: Any, context_ids: torch.Tensor, question_ids: torch.Tensor, answer_ids: torch.Tensor | None,
+def _drive(engine: Engine, context_ids: torch.Tensor, question_ids: torch.Tensor, answer_ids: torch.Tensor | None,
            steps: int, chunk_size: int, query_aware: bool, tick: Callable[[int], None],
            note: Callable[[str], None]) -> tuple[list[torch.Tensor], list[torch.Tensor], float]:
     """The protocol, for every engine: chunked context (+ question if query-aware), the
@@ -641,7 +655,7 @@ def run_sequence(
     trace: list[StepTrace] = []
     tick = progress or (lambda _k: None)
 
-    engine: FullCache | EvictionRunner
+    engine: Engine
     if cfg.mode == "full":
         engine, query_aware = FullCache(model), False
     else:
@@ -659,11 +673,10 @@ def run_sequence(
     with torch.no_grad(), engine.session():
         logits_out, tokens_out, t_dec = _drive(engine, context_ids, question_ids, answer_ids, T, cfg.chunk_size,
                                                query_aware, tick, note)
-    budget = getattr(engine, "budget_tokens", None)
+    budget = engine.budget_tokens
     return DecodeOutput(torch.stack(logits_out, 1), torch.stack(tokens_out, 1), trace, budget, bytes_full, peak,
                         time.perf_counter() - t0, engine.compressions, time.perf_counter() - t_dec,
-                        list(getattr(engine, "context_kept", [])),
-                        None if budget is None else min(budget, full_tokens))
+                        list(engine.context_kept), None if budget is None else min(budget, full_tokens))
 
 
 def _evicting_engine(model: torch.nn.Module, cfg: DecodeConfig, context_ids: torch.Tensor,
