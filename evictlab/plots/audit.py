@@ -32,8 +32,12 @@ def audit_bars(audit: pl.DataFrame, out: str | os.PathLike[str]) -> Figure:
     sns.barplot(pdf, y=label, x="MiB held (K/V)", hue="mode", ax=axes[0], hue_order=modes, palette=_PALETTE)
     axes[0].axvline(full_mib, color="k", ls="--", lw=1, label="full cache")
     axes[0].set_title("K/V bytes held after compression")
-    axes[0].legend(loc="lower right", fontsize=8)
     sns.barplot(pdf, y=label, x="kl", hue="mode", ax=axes[1], hue_order=modes, palette=_PALETTE)
+    axes[1].get_legend().remove()
+    # One legend for both panels, outside the bars (right of the KL panel).
+    handles, labels = axes[0].get_legend_handles_labels()
+    axes[0].get_legend().remove()
+    axes[1].legend(handles, labels, loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, title="mode")
     axes[1].set_title("next-token KL to the full cache")
     axes[1].set_xlabel("KL(full || compressed), nats")
     axes[1].set_ylabel("")
