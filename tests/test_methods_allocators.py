@@ -270,6 +270,8 @@ def test_alloc_inputs_floors_clip_to_length_and_window() -> None:
     assert inputs.held == 70 and inputs.target == 40
     assert AllocInputs.build(scores, 500, floor=0).target == 120  # everything held
     assert AllocInputs.build(scores, 10, floor=0, head_dim=64, dtype_bytes=2).bytes_per_entry == 256
+    with pytest.raises(InputError, match="head_dim"):
+        _ = inputs.bytes_per_entry
     with pytest.raises(InputError, match="floors"):
         AllocInputs(tuple(scores), lengths, lengths + 1, (None, None), 40)
     with pytest.raises(InputError, match="phase"):

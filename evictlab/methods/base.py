@@ -23,12 +23,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 from evictlab.errors import InputError
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from evictlab.models.geometry import ModelGeometry
 
 __all__ = [
     "AllocInputs",
@@ -131,8 +134,9 @@ class AllocInputs:
             the held entries, ``-1`` on padding; None when the caller has none.
         next_position: absolute position ``t`` of the next token (every held position is
             ``< t``; ``t - positions`` is an entry's age). None when unknown.
-        head_dim: per-head size ``d`` (bytes of one entry = ``2 x d x dtype_bytes``).
-        dtype_bytes: bytes per K/V element.
+        head_dim: per-head size ``d`` (bytes of one entry = ``2 x d x dtype_bytes``); None
+            when unknown (hand-made inputs).
+        dtype_bytes: bytes per K/V element; None when unknown.
         geometry: the model's :class:`~evictlab.models.geometry.ModelGeometry` when the
             decode loop runs the allocator (None for hand-made inputs), for allocators that
             must check a fitted profile against the model.
@@ -150,9 +154,9 @@ class AllocInputs:
     phase: Phase = "prefill"
     positions: tuple[torch.Tensor, ...] | None = None
     next_position: int | None = None
-    head_dim: int = 1
-    dtype_bytes: int = 4
-    geometry: Any = None
+    head_dim: int | None = None
+    dtype_bytes: int | None = None
+    geometry: ModelGeometry | None = None
 
     def __post_init__(self) -> None:
         n, hk = self.lengths.shape if self.lengths.ndim == 2 else (-1, -1)
@@ -237,7 +241,10 @@ class AllocInputs:
 
     @property
     def bytes_per_entry(self) -> int:
-        """Bytes of one kept entry of one cell (K and V)."""
+        """Bytes of one kept entry of one cell (K and V); InputError if the inputs lack them."""
+        if self.head_dim is None or self.dtype_bytes is None:
+            raise InputError("head_dim", "the entry size is unknown (no head_dim / dtype_bytes given)",
+                             "pass head_dim= and dtype_bytes= (the decode loop always does)")
         return 2 * int(self.head_dim) * int(self.dtype_bytes)
 
     def layer_scores(self) -> list[np.ndarray]:
