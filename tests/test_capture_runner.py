@@ -18,7 +18,7 @@ from evictlab.capture.hooks import AttentionCapture
 from evictlab.capture.runner import CaptureConfig, parse_layers, run_capture
 from evictlab.capture.testing import ByteTokenizer, tiny_model
 from evictlab.errors import InputError
-from evictlab.rows.store import RowStore
+from evictlab.rows.reader import RowStore
 
 CFG = CaptureConfig(model="tiny-llama", source="needle", context=400, positions=5, prompts=3, seed=4)
 

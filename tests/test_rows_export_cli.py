@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 from evictlab.cli import app
 from evictlab.errors import InputError
 from evictlab.rows.export import export_arrays, export_npz
-from evictlab.rows.store import RowStore, RowWriter
+from evictlab.rows.reader import RowStore
+from evictlab.rows.writer import RowWriter
 
 D = 3
 EXPORT_ARRAYS = {

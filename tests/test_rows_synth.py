@@ -10,7 +10,8 @@ import polars as pl
 import pytest
 
 from evictlab.errors import InputError
-from evictlab.rows.store import RowBatch, RowStore
+from evictlab.rows.batch import RowBatch
+from evictlab.rows.reader import RowStore
 from evictlab.rows.synth import SynthConfig, synthesize
 
 

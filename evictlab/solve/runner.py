@@ -136,7 +136,7 @@ def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
 
 
 def solve_batch(batch: Any, cfg: SolveConfig, model: str | None = None) -> pl.DataFrame:
-    """Solve one :class:`evictlab.rows.store.RowBatch` for every budget; one row per (row_id, s).
+    """Solve one :class:`evictlab.rows.batch.RowBatch` for every budget; one row per (row_id, s).
 
     ``cfg`` must already be checked (:func:`check_config`). Rows are sorted by
     ``(row_id, s)``. Columns: :data:`RESULT_COLUMNS` (+ :data:`CERT_COLUMNS` with certify).
@@ -281,7 +281,7 @@ def solve_rows(
     from tqdm import tqdm
 
     from evictlab.report.record import RunRecord
-    from evictlab.rows.store import RowStore
+    from evictlab.rows.reader import RowStore
 
     out = Path(out)
     if out.exists() and not overwrite:
