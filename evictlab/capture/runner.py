@@ -239,12 +239,13 @@ def run_capture(cfg: CaptureConfig, out: str | Path, *, model: Any = None, token
     from tqdm.auto import tqdm
 
     from evictlab.capture.registry import check_device, load_model
+    from evictlab.io import check_output_path
     from evictlab.report.record import RunRecord
     from evictlab.rows.schema import RECORD_FILE
     from evictlab.rows.writer import RowWriter
 
     cfg.check()
-    out = Path(out)
+    out = check_output_path(out, "--out", directory=True)  # before the model is loaded
     _check_resume(out, cfg)
     record = RunRecord(kind="capture", config=asdict(cfg), model=model_label or cfg.model, seed=cfg.seed)
     device = check_device(cfg.device)
