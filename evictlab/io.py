@@ -210,6 +210,7 @@ def lock_path_for(target: str | os.PathLike[str]) -> Path:
 
 @dataclass
 class _Held:
+    pid: int        # process that took the lock (a forked child does not hold it)
     owner: int      # thread id
     count: int
     fd: int
@@ -256,6 +257,9 @@ class FileLock:
         me = threading.get_ident()
         with _HELD_GUARD:
             held = _HELD.get(key)
+            if held is not None and held.pid != os.getpid():
+                del _HELD[key]  # inherited through fork: the parent's lock, not ours
+                held = None
             if held is not None:
                 if held.owner != me:
                     raise self._busy()
@@ -263,7 +267,12 @@ class FileLock:
                 self._key = key
                 return self
             for _ in range(8):
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+                try:
+                    fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+                except OSError as exc:
+                    raise InputError(self.option, f"cannot create the lock file {self.path} "
+                                     f"({exc.strerror})", f"choose an {self.option} in a folder "
+                                     "you can write to") from None
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except OSError:
@@ -280,7 +289,7 @@ class FileLock:
                     continue
                 os.ftruncate(fd, 0)
                 os.write(fd, f"{os.getpid()}\n".encode())
-                _HELD[key] = _Held(me, 1, fd)
+                _HELD[key] = _Held(os.getpid(), me, 1, fd)
                 self._key = key
                 return self
         raise self._busy()
@@ -290,7 +299,10 @@ class FileLock:
         if self._key is None:
             return
         with _HELD_GUARD:
-            held = _HELD[self._key]
+            held = _HELD.get(self._key)
+            if held is None or held.pid != os.getpid():  # not ours (e.g. after a fork)
+                self._key = None
+                return
             held.count -= 1
             if held.count == 0:
                 with contextlib.suppress(FileNotFoundError):

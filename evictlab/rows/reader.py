@@ -410,7 +410,7 @@ class RowStore:
             bounds = np.flatnonzero(np.diff(inv[qi_sorted])) + 1
             for grp in np.split(qi_sorted, bounds):
                 b = int(inv[grp[0]])
-                k0, k1 = int(a["key_off"][bl[b]]), int(a["key_off"][bl[b] + 1])
+                k0 = int(a["key_off"][bl[b]])
                 Q = a["queries"][local[grp]]
                 badq = ~np.isfinite(Q).all(axis=1)
                 if badq.any():

@@ -36,6 +36,7 @@ def expand_budgets(args: list[str]) -> list[str]:
         if tok == "--budgets" and i < len(args) and not args[i].startswith("-"):
             out.append(args[i])
             i += 1
+        if tok == "--budgets" or tok.startswith("--budgets="):
             while i < len(args) and _BUDGET_TOKEN.match(args[i]):
                 out += ["--budgets", args[i]]
                 i += 1
@@ -63,12 +64,11 @@ def stray_argument(params: list[Any], args: list[str]) -> InputError | None:
     i = 0
     while i < len(args):
         tok = args[i]
-        if tok == "--":
-            rest = args[i + 1:]
-            extra = rest[max(n_positional - positional, 0):]
-            tok, after = (extra[0], None) if extra else (None, None)
-            if tok is None:
+        if tok == "--":  # everything after it is positional
+            extra = args[i + 1:][max(n_positional - positional, 0):]
+            if not extra:
                 return None
+            tok, after = extra[0], None
         elif tok.startswith("-") and len(tok) > 1 and not _NUMBER.match(tok):
             name, eq, _ = tok.partition("=")
             if name not in takes:
