@@ -48,6 +48,17 @@ def atomic_path(dest: str | os.PathLike[str], suffix: str = "") -> Iterator[Path
             tmp_path.unlink()
 
 
+def remove_temp_files(folder: str | os.PathLike[str], dests: tuple[str, ...]) -> None:
+    """Delete the temporary files that interrupted :func:`atomic_path` writes of the
+    destinations named ``dests`` (file names, or name prefixes ending in ``-``) left in
+    ``folder``: ``.<dest name>.<random><suffix>.tmp``. Call it only while holding the
+    destinations' write lock; other files are never touched."""
+    prefixes = tuple(f".{d}" if d.endswith("-") else f".{d}." for d in dests)
+    for f in Path(folder).iterdir():
+        if f.name.startswith(prefixes) and f.name.endswith(".tmp"):
+            f.unlink(missing_ok=True)
+
+
 def _umask() -> int:
     """The process umask (os.umask can only be read by setting it, so set it back at once)."""
     mask = os.umask(0)

@@ -19,6 +19,7 @@ from evictlab.io import (
     check_output_path,
     exclusive_lock,
     lock_path_for,
+    remove_temp_files,
     sha256_file,
 )
 
@@ -129,3 +130,12 @@ def test_output_path_rule(tmp_path):
     assert check_output_path(tmp_path / "d", "--out", directory=True) == tmp_path / "d"
     with pytest.raises(InputError, match="parent folder"):  # the lock applies the rule too
         exclusive_lock(tmp_path / "nowhere" / "x").acquire()
+
+
+def test_remove_temp_files_touches_only_the_named_destinations(tmp_path):
+    names = [".index.parquet.ab12.parquet.tmp", ".shard-00003.npz.x.npz.tmp",
+             ".notes.txt.q.tmp", ".index.parquet.lock", "index.parquet", ".shardy.tmp"]
+    for n in names:
+        (tmp_path / n).write_text("x")
+    remove_temp_files(tmp_path, ("index.parquet", "shard-"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:])

@@ -35,9 +35,12 @@ INDEX_FILE = "index.parquet"
 PROMPTS_FILE = "prompts.parquet"
 RECORD_FILE = "run_record.json"
 
+#: Names of the files a writer writes (shards by prefix), for cleaning up after a crash.
+DATASET_FILES = (MANIFEST_FILE, INDEX_FILE, PROMPTS_FILE, "shard-")
+
 #: The fix named by every error about a damaged dataset file.
-REGEN_FIX = ("re-create the dataset: rerun the `evictlab rows synth` or `evictlab capture` "
-             "command that wrote it into a new --out (or with --overwrite)")
+REGEN_FIX = ("re-create the dataset: rerun the command that wrote it (`evictlab rows synth ... "
+             "--overwrite`, or `evictlab capture` into a new --out)")
 
 #: Capture modes a manifest may declare. "synthetic" marks generated rows (no model).
 CAPTURE_MODES = ("query-agnostic", "query-aware", "synthetic")
@@ -172,7 +175,7 @@ def is_complete(man: dict[str, Any]) -> bool:
 
     ``complete`` is written ``false`` when a writer starts changing a dataset and ``true``
     only when it closes normally. A manifest without the key was written before the key
-    existed (evictlab <= 0.1's writer) and counts as complete: such a dataset cannot be
-    told apart from a finished one, so it is read as before.
+    existed (the first writer) and counts as complete: such a dataset cannot be told
+    apart from a finished one, so it is read as before.
     """
     return bool(man.get("complete", True))

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from evictlab.errors import InputError
-from evictlab.io import check_output_path, exclusive_lock
+from evictlab.io import check_output_path, exclusive_lock, remove_temp_files
 from evictlab.rows.reader import read_manifest
 from evictlab.rows.schema import MANIFEST_FILE, is_complete
 from evictlab.rows.writer import RowWriter
@@ -201,6 +201,8 @@ class SynthSummary:
 def _prepare_out(out: Path, source: dict[str, Any], overwrite: bool) -> dict[str, Any] | None:
     """Check what is at ``out`` (caller holds its lock); return its manifest if it is a
     dataset to resume or a finished one, None to start fresh."""
+    if out.exists():
+        remove_temp_files(out, (MANIFEST_FILE,))  # of a run killed while starting
     if not out.exists() or not any(out.iterdir()):
         return None
     if not (out / MANIFEST_FILE).exists():

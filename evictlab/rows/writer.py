@@ -25,6 +25,7 @@ from evictlab.io import (
     atomic_write_json,
     check_output_path,
     exclusive_lock,
+    remove_temp_files,
     sha256_file,
     write_npz,
 )
@@ -33,6 +34,7 @@ from evictlab.rows.checks import float_matrix, int_array
 from evictlab.rows.reader import load_tables, read_manifest
 from evictlab.rows.schema import (
     CAPTURE_MODES,
+    DATASET_FILES,
     FORMAT_NAME,
     INDEX_FILE,
     INDEX_SCHEMA,
@@ -129,8 +131,8 @@ class RowWriter:
                              "pass a positive integer (e.g. 16384)")
         if not isinstance(model, str) or not model:
             raise InputError("model", "must be a non-empty string", "pass the model name")
-        if expected is not None and not all(
-                isinstance(v, (int, np.integer)) and v >= 0 for v in expected.values()):
+        if expected is not None and not (isinstance(expected, dict) and all(
+                isinstance(v, (int, np.integer)) and v >= 0 for v in expected.values())):
             raise InputError("expected", f"must map names to non-negative integers, got {expected!r}",
                              "pass e.g. {'rows': 50000} or {'prompts': 64}")
         self.path = check_output_path(path, "--out", directory=True)
@@ -155,12 +157,18 @@ class RowWriter:
     def _start(self, source: dict[str, Any] | None, expected: dict[str, int] | None) -> None:
         """Resume the dataset at ``self.path`` or create it (caller holds the lock)."""
         man_path = self.path / MANIFEST_FILE
+        target = None if expected is None else {k: int(v) for k, v in expected.items()}
         if man_path.exists():
             self._resume(source)
+            if target is not None:
+                self._manifest["expected"] = target  # recorded at the next commit
         else:
-            if self.path.exists() and any(self.path.iterdir()):
-                raise InputError("--out", f"{self.path} exists, is not empty and is not a row "
-                                 "dataset", "choose a new output directory or delete this one")
+            if self.path.exists():
+                remove_temp_files(self.path, (MANIFEST_FILE,))  # a run killed while starting
+                if any(self.path.iterdir()):
+                    raise InputError("--out", f"{self.path} exists, is not empty and is not a "
+                                     "row dataset", "choose a new output directory or delete "
+                                     "this one")
             self.path.mkdir(exist_ok=True)
             now = _dt.datetime.now(_dt.timezone.utc).isoformat()
             self._manifest: dict[str, Any] = {
@@ -181,11 +189,9 @@ class RowWriter:
             self._prompt_parts: list[pl.DataFrame] = []
             self._prompt_ids: set[int] = set()
             self._disk_complete = False
-            if expected is not None:
-                self._manifest["expected"] = {k: int(v) for k, v in expected.items()}
+            if target is not None:
+                self._manifest["expected"] = target
             atomic_write_json(man_path, self._manifest)
-        if expected is not None:
-            self._manifest["expected"] = {k: int(v) for k, v in expected.items()}
 
     # -- resume -------------------------------------------------------------------------
 
@@ -219,8 +225,7 @@ class RowWriter:
                     continue
                 if k >= n_shards:
                     f.unlink()
-            elif f.name.startswith(".") and f.name.endswith(".tmp"):
-                f.unlink()
+        remove_temp_files(self.path, DATASET_FILES)
 
     def _repair_tables(self) -> None:
         """Rewrite index and prompts to exactly the committed rows.

@@ -39,6 +39,7 @@ from evictlab.io import (
     exclusive_lock,
     read_json,
     read_parquet,
+    remove_temp_files,
     sha256_file,
 )
 
@@ -315,13 +316,6 @@ def _check_part(path: Path, sha: str | None, ids: np.ndarray, cfg: SolveConfig) 
     return None if ok else "does not hold the expected (row_id, s) pairs"
 
 
-def _remove_temp_files(folder: Path, prefix: str = ".") -> None:
-    """Delete temporary files an interrupted atomic write left in ``folder`` (lock held)."""
-    for f in folder.iterdir():
-        if f.name.startswith(prefix) and f.name.endswith(".tmp"):
-            f.unlink(missing_ok=True)
-
-
 def solve_rows(
     rows: str | Path,
     out: str | Path,
@@ -391,7 +385,7 @@ def _solve_locked(rows: Path, out: Path, cfg: SolveConfig, threads: int | None, 
            "config": cfg.to_dict()}
     job_file = parts / "job.json"
     sums_file = parts / "checksums.json"
-    _remove_temp_files(out.parent, f".{out.name}.")
+    remove_temp_files(out.parent, (out.name,))
     if parts.exists() and not parts.is_dir():
         raise InputError("--out", f"{parts} (where the part files of {out.name} go) is a file",
                          "remove it or choose another --out")
@@ -409,7 +403,7 @@ def _solve_locked(rows: Path, out: Path, cfg: SolveConfig, threads: int | None, 
                     "pass --restart to discard them and start over")
             shutil.rmtree(parts)
     parts.mkdir(exist_ok=True)
-    _remove_temp_files(parts)
+    remove_temp_files(parts, ("part-", job_file.name, sums_file.name))
     atomic_write_json(job_file, job)
 
     def part_file(k: int) -> Path:
