@@ -29,9 +29,9 @@ app.command("capture")(capture)
 from evictlab.rows.commands import app as rows_app  # noqa: E402
 
 app.add_typer(rows_app, name="rows")
-from evictlab.solve.commands import SOLVE_CONTEXT, solve  # noqa: E402
+from evictlab.solve.commands import SOLVE_CONTEXT, SolveCommand, solve  # noqa: E402
 
-app.command("solve", context_settings=SOLVE_CONTEXT)(solve)
+app.command("solve", cls=SolveCommand, context_settings=SOLVE_CONTEXT)(solve)
 from evictlab.hardness.commands import app as hardness_app  # noqa: E402
 
 app.add_typer(hardness_app, name="hardness")

@@ -16,7 +16,7 @@ import torch
 from evictlab.capture import registry
 from evictlab.capture.hooks import find_attention_sites
 from evictlab.capture.runner import CaptureConfig, run_capture
-from evictlab.rows.store import RowStore
+from evictlab.rows.reader import RowStore
 from evictlab.capture.testing import check_against_eager
 
 pytestmark = [pytest.mark.slow]

@@ -18,7 +18,7 @@ from evictlab.capture import prompts, registry
 from evictlab.capture.hooks import find_attention_sites
 from evictlab.capture.runner import CaptureConfig, run_capture
 from evictlab.capture.testing import check_against_eager
-from evictlab.rows.store import RowStore
+from evictlab.rows.reader import RowStore
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
