@@ -73,3 +73,24 @@ def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
                 break
             h.update(block)
     return h.hexdigest()
+
+
+def check_output_file(path: str | os.PathLike[str], option: str, *, overwrite: bool) -> Path:
+    """Refuse, before any work, an output file path that would fail or clobber something.
+
+    A directory, a path whose folder does not exist (a typo should not create folders) and,
+    without ``overwrite``, an existing file are refused with an
+    :class:`~evictlab.errors.InputError` naming ``option`` (e.g. ``"--out"``).
+    """
+    from evictlab.errors import InputError
+
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(option, f"{path} is a directory", f"pass a file name for {option}, not a folder")
+    if not path.parent.is_dir():
+        raise InputError(option, f"folder {path.parent} does not exist",
+                         f"create it first or pass a {option} inside an existing folder")
+    if path.exists() and not overwrite:
+        raise InputError(option, f"{path} already exists",
+                         f"pass --overwrite to replace it, or choose another {option}")
+    return path
