@@ -76,10 +76,13 @@ app.command("decode")(decode)
 
 @app.command("version")
 def version() -> None:
-    """Print the evictlab version."""
+    """Print the evictlab version (and, on stderr, packages that differ from constraints.txt)."""
     from evictlab import __version__
+    from evictlab.report.record import drift_lines, version_drift
 
     typer.echo(__version__)
+    for line in drift_lines(version_drift()):
+        typer.echo(f"note: {line}", err=True)
 
 
 PROG = "evictlab"
