@@ -333,3 +333,17 @@ def exclusive_lock(target: str | os.PathLike[str], option: str = "--out") -> Fil
     """The write lock of ``target`` (a file or dataset directory), to use as
     ``with exclusive_lock(out, "--out"): ...``; see :class:`FileLock`."""
     return FileLock(target, option)
+
+
+def check_output_file(path: str | os.PathLike[str], option: str, *, overwrite: bool) -> Path:
+    """Refuse, before any work, an output file path that would fail or clobber something.
+
+    :func:`check_output_path`'s rule (the folder must exist, a directory is not a file)
+    plus, without ``overwrite``, an existing file is refused with an
+    :class:`~evictlab.errors.InputError` naming ``option`` (e.g. ``"--out"``).
+    """
+    path = check_output_path(path, option, directory=False)
+    if path.exists() and not overwrite:
+        raise InputError(option, f"{path} already exists",
+                         f"pass --overwrite to replace it, or choose another {option}")
+    return path
