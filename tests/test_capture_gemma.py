@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from evictlab.capture.runner import CaptureConfig, run_capture
-from evictlab.rows.store import RowStore
+from evictlab.rows.reader import RowStore
 from evictlab.capture.testing import check_against_eager
 from evictlab.models.loading import load_model
 from evictlab.models.sites import find_attention_sites

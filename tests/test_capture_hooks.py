@@ -21,7 +21,8 @@ from evictlab.capture.runner import write_prompt
 from evictlab.capture.testing import FAMILIES, TINY_SLIDING_WINDOW, tiny_model
 from evictlab.errors import InputError
 from evictlab.models.sites import find_attention_sites
-from evictlab.rows.store import RowStore, RowWriter
+from evictlab.rows.reader import RowStore
+from evictlab.rows.writer import RowWriter
 
 
 def _hook_count(model: torch.nn.Module) -> int:

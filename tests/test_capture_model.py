@@ -20,7 +20,7 @@ from evictlab.capture.testing import check_against_eager
 from evictlab.models import loading, registry
 from evictlab.models import pull as pulling
 from evictlab.models.sites import find_attention_sites
-from evictlab.rows.store import RowStore
+from evictlab.rows.reader import RowStore
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 

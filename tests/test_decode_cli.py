@@ -177,3 +177,22 @@ def test_audit_writes_every_output_with_params_per_method(tiny_folder: Path, tmp
     assert (phys["bytes_allocated"] <= phys["bytes_full_cache"] + 5 * 16 * 128).all()
     for suffix in (".png", ".pdf", ".md", ".run.json"):
         assert out.with_suffix(suffix).exists()
+
+
+@pytest.mark.parametrize("command", ["decode", "audit"])
+def test_out_is_checked_before_any_work(command: str, tmp_path: Path, capsys, monkeypatch) -> None:
+    """The project's output rule: an existing --out needs --overwrite, a directory is not a
+    file, the folder must exist; all refused before the model loads."""
+    existing = tmp_path / "done.out"
+    existing.write_text("a finished result")
+    for out, problem in ((existing, "already exists"), (tmp_path, "is a directory"),
+                         (tmp_path / "missing" / "x.out", "does not exist")):
+        rc, err = _main([command, "--model", str(tmp_path / "no-model"), "--out", str(out)], capsys, monkeypatch)
+        assert rc == 2 and problem in err
+        _assert_one_line_naming(err, "--out", command)
+    assert existing.read_text() == "a finished result"
+    # With --overwrite the check passes and the next problem (the model) is reported instead.
+    rc, err = _main([command, "--model", str(tmp_path / "no-model"), "--out", str(existing), "--overwrite"],
+                    capsys, monkeypatch)
+    assert rc == 2
+    _assert_one_line_naming(err, "--model", command)

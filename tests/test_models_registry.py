@@ -167,7 +167,7 @@ def test_variable_tracking_chain_is_consistent() -> None:
 
 
 def test_task_input_errors() -> None:
-    with pytest.raises(InputError, match="--source"):
+    with pytest.raises(InputError, match="task: unknown task 'haystack'"):
         prompts.make_task("haystack", 400, None, 0)
     with pytest.raises(InputError, match="--context"):
         prompts.make_task("needle", 10, None, 0)

@@ -24,7 +24,7 @@ def capture(
                                   "query-aware (positions in the question; task sources only)."),
     layers: str = typer.Option("all", "--layers", help="'all' or a list like 0,5,10-12."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
-    seed: int = typer.Option(0, "--seed", help="Seed of prompts and positions."),
+    seed: int = typer.Option(0, "--seed", min=0, help="Seed of prompts and positions."),
     rows_per_shard: int = typer.Option(16384, "--rows-per-shard", help="Rows per array shard (cut at prompt ends)."),
     threads: int = typer.Option(0, "--threads", help="torch CPU threads (0 = torch default; 1 is often "
                                 "fastest on a busy shared machine)."),
@@ -37,6 +37,16 @@ def capture(
     Rerunning the same command after an interruption resumes it (completed prompts are kept,
     none is duplicated).
     """
+    from evictlab.errors import InputError
+    from evictlab.rows.schema import MANIFEST_FILE
+
+    # Refused here, before torch is imported and the model loaded (seconds to minutes).
+    if out.exists() and not out.is_dir():
+        raise InputError("--out", f"{out} is a file, not a row dataset folder",
+                         "pass a new folder, or the folder of a capture to resume")
+    if out.is_dir() and not (out / MANIFEST_FILE).is_file() and any(out.iterdir()):
+        raise InputError("--out", f"{out} is a non-empty folder that is not a row dataset",
+                         "pass a new folder, or the folder of a capture to resume")
     from evictlab.capture.runner import CaptureConfig, run_capture
 
     cfg = CaptureConfig(model=model, source=source, context=context, positions=positions, prompts=prompts,

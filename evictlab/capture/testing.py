@@ -112,7 +112,7 @@ def check_against_eager(model: Any, tokens: list[int], store: Any, layers: list[
 
     Runs ``model`` on ``tokens`` with ``output_attentions=True`` and its own o_proj
     pre-hooks (not :class:`~evictlab.capture.hooks.AttentionCapture`), then for every row of
-    ``store`` (a :class:`~evictlab.rows.store.RowStore` of that prompt) on ``layers``
+    ``store`` (a :class:`~evictlab.rows.reader.RowStore` of that prompt) on ``layers``
     returns ``(max |p - attentions|, max |mu - o_proj input| / max(1, max|v|))``. Keys
     outside a row's range count too (their eager weight must be 0). mu's error is
     relative to the largest value magnitude: float32 rounding of the model's own

@@ -49,6 +49,7 @@ _WINDOW = typer.Option(32, "--window", help="observation window (queries) for sc
 _BLOCK_SIZE = typer.Option(16, "--block-size", help="page size of the physical store (entries)")
 _QUERY_AWARE = typer.Option(False, "--query-aware", help="LABELLED OPTION: let rankings see the question")
 _THREADS = typer.Option(0, "--threads", help="torch CPU threads (0 = torch default)")
+_OVERWRITE = typer.Option(False, "--overwrite", help="replace an existing --out (and the files written beside it)")
 
 
 @contextlib.contextmanager
@@ -103,17 +104,19 @@ def audit(
     out: Path = typer.Option(Path("audit.parquet"), help="Parquet table; .png/.pdf/.md/.run.json written beside it"),
     device: str = _DEVICE, sinks: int = _SINKS, recent: int = _RECENT, chunk: int = _CHUNK,
     compress_every: int = _COMPRESS_EVERY, window: int = _WINDOW, block_size: int = _BLOCK_SIZE,
-    query_aware: bool = _QUERY_AWARE, threads: int = _THREADS,
+    query_aware: bool = _QUERY_AWARE, threads: int = _THREADS, overwrite: bool = _OVERWRITE,
 ) -> None:
     """Each method at the same budget, masked vs physically enforced, side by side."""
     from rich.console import Console
 
+    from evictlab.io import check_output_file
     from evictlab.kv.budget import Budget
     from evictlab.methods import parse_assignments
     from evictlab.report.record import RunRecord
 
     with _as_options(AUDIT_OPTIONS):
         # Everything the user typed, checked before the model loads.
+        out = check_output_file(out, "--out", overwrite=overwrite)
         _check_positive(n=n, context=context)
         if threads < 0:
             raise InputError("--threads", f"must be >= 0, got {threads}", "pass 0 (torch default) or a thread count")
@@ -185,15 +188,17 @@ def decode(
     out: Path = typer.Option(Path("decode.json"), help="result JSON; the run record goes beside it"),
     device: str = _DEVICE, sinks: int = _SINKS, recent: int = _RECENT, chunk: int = _CHUNK,
     compress_every: int = _COMPRESS_EVERY, window: int = _WINDOW, block_size: int = _BLOCK_SIZE,
-    query_aware: bool = _QUERY_AWARE, threads: int = _THREADS,
+    query_aware: bool = _QUERY_AWARE, threads: int = _THREADS, overwrite: bool = _OVERWRITE,
 ) -> None:
     """Run one method on one task example (greedy), with a progress bar and a run record."""
+    from evictlab.io import check_output_file
     from evictlab.kv.budget import Budget
     from evictlab.methods import parse_assignments, parse_method
     from evictlab.report.record import RunRecord
 
     with _as_options(DECODE_OPTIONS):
         # Everything the user typed, checked before the model loads.
+        out = check_output_file(out, "--out", overwrite=overwrite)
         _check_positive(context=context, max_new_tokens=max_new_tokens)
         if threads < 0:
             raise InputError("--threads", f"must be >= 0, got {threads}", "pass 0 (torch default) or a thread count")

@@ -8,8 +8,20 @@ from __future__ import annotations
 
 import typer
 
+from evictlab.errors import InputError
+
 models_app = typer.Typer(help="Named models: list them, pull (install + convert once), verify the cache.",
                          no_args_is_help=True)
+
+
+def _spec_of(name: str) -> None:
+    """Refuse an unknown registry name, naming the NAME argument."""
+    from evictlab.models.registry import get_spec
+
+    try:
+        get_spec(name)
+    except InputError as exc:
+        raise InputError("NAME", exc.problem, exc.fix) from None
 
 
 @models_app.command("list")
@@ -32,6 +44,7 @@ def models_pull(
 
     from evictlab.models.pull import pull
 
+    _spec_of(name)
     t0 = time.perf_counter()
     path = pull(name, force=force)
     typer.echo(f"{name}: ready at {path} ({time.perf_counter() - t0:.1f} s)")
@@ -40,11 +53,10 @@ def models_pull(
 @models_app.command("verify")
 def models_verify(name: str = typer.Argument(..., help="Registry model name.")) -> None:
     """Recompute every cached file's SHA-256 against the manifest written at pull time."""
-    from evictlab.errors import InputError
     from evictlab.models.pull import verify_folder
-    from evictlab.models.registry import get_spec, model_dir
+    from evictlab.models.registry import model_dir
 
-    get_spec(name)
+    _spec_of(name)
     folder = model_dir(name)
     if not folder.is_dir():
         raise InputError("NAME", f"{name} is not pulled", f"run `evictlab models pull {name}`")

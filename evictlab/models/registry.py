@@ -122,12 +122,13 @@ def known_names() -> str:
 
 
 def get_spec(name: str) -> ModelSpec:
-    """The registry entry for ``name``; InputError listing the known names otherwise."""
+    """The registry entry for ``name``; InputError (neutral field ``model``: the commands say
+    which option or argument gave it) listing the known names otherwise."""
     try:
         return MODELS[name]
     except KeyError:
         raise InputError(
-            "--model", f"unknown model name {name!r}",
+            "model", f"unknown model name {name!r}",
             f"use one of: {known_names()}, or a local Hugging Face model folder",
         ) from None
 
