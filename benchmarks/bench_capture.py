@@ -38,7 +38,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from evictlab.capture.prompts import build_prompt
-    from evictlab.capture.registry import load_model
+    from evictlab.models.loading import load_model
     from evictlab.capture.runner import capture_prompt, query_positions, write_prompt
     from evictlab.rows.writer import RowWriter
 

@@ -48,9 +48,11 @@ app = typer.Typer(
 )
 
 # --- registration: one line per package (keep sorted by data flow) ---------------------
-from evictlab.capture.commands import capture, models_app  # noqa: E402
+from evictlab.models.commands import models_app  # noqa: E402
 
 app.add_typer(models_app, name="models")
+from evictlab.capture.commands import capture  # noqa: E402
+
 app.command("capture")(capture)
 from evictlab.rows.commands import app as rows_app  # noqa: E402
 

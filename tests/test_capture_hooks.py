@@ -15,11 +15,12 @@ import polars as pl
 import pytest
 import torch
 
-from evictlab.capture.hooks import AttentionCapture, find_attention_sites, verify_layer
+from evictlab.capture.hooks import AttentionCapture, verify_layer
 from evictlab.capture.prompts import PromptTokens
 from evictlab.capture.runner import write_prompt
 from evictlab.capture.testing import FAMILIES, TINY_SLIDING_WINDOW, tiny_model
 from evictlab.errors import InputError
+from evictlab.models.sites import find_attention_sites
 from evictlab.rows.reader import RowStore
 from evictlab.rows.writer import RowWriter
 

@@ -16,7 +16,7 @@ import torch
 from evictlab.capture import runner
 from evictlab.capture.hooks import AttentionCapture
 from evictlab.capture.runner import CaptureConfig, parse_layers, run_capture
-from evictlab.capture.testing import ByteTokenizer, tiny_model
+from evictlab.capture.testing import ByteTokenizer, save_tiny_folder, tiny_model
 from evictlab.errors import InputError
 from evictlab.rows.reader import RowStore
 
@@ -178,19 +178,6 @@ def test_layer_subset(tmp_path: Path, llama) -> None:
     assert RowStore.open(tmp_path / "r").meta["layer"].unique().to_list() == [1]
 
 
-def _save_local_model(folder: Path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    model, _ = tiny_model("olmo2", seed=0)
-    model.save_pretrained(str(folder))
-    vocab = {w: i for i, w in enumerate(["[UNK]", "<s>", "</s>", "The", "grass", "is", "green", ".",
-                                         "sky", "blue", "special", "magic", "number", "for", ":"])}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]").save_pretrained(str(folder))
-
-
 def _cli(*args: str, env_cache: Path) -> subprocess.CompletedProcess:
     import os
 
@@ -201,7 +188,7 @@ def _cli(*args: str, env_cache: Path) -> subprocess.CompletedProcess:
 
 def test_cli_capture_local_folder_and_errors(tmp_path: Path) -> None:
     folder = tmp_path / "olmo2"
-    _save_local_model(folder)
+    save_tiny_folder(folder)
     out = tmp_path / "rows"
     r = _cli("capture", "--model", str(folder), "--source", "needle", "--context", "200",
              "--positions", "4", "--prompts", "2", "--out", str(out), "--quiet", "--threads", "1",
@@ -230,7 +217,7 @@ def test_killed_cli_run_resumes_to_identical_dataset(tmp_path: Path) -> None:
     import time
 
     folder = tmp_path / "olmo2"
-    _save_local_model(folder)
+    save_tiny_folder(folder)
     args = ["capture", "--model", str(folder), "--source", "multi_key", "--context", "300",
             "--positions", "3", "--prompts", "12", "--rows-per-shard", "1", "--quiet", "--threads", "1"]
     env = {**os.environ, "EVICTLAB_CACHE": str(tmp_path / "cache")}
@@ -254,7 +241,7 @@ def test_killed_cli_run_resumes_to_identical_dataset(tmp_path: Path) -> None:
         RowStore.open(killed)
     # resume and the reference run in-process (same run_capture as the CLI; saves two
     # interpreter start-ups, which dominate this test's time)
-    from evictlab.capture.registry import load_model
+    from evictlab.models.loading import load_model
 
     model, tok = load_model(str(folder))
     cfg = CaptureConfig(model=str(folder), source="multi_key", context=300, positions=3, prompts=12,

@@ -39,9 +39,10 @@ from typing import Any
 
 import numpy as np
 
-from evictlab.capture.hooks import AttentionCapture, CaptureMismatchError, find_attention_sites, verify_layer
+from evictlab.capture.hooks import AttentionCapture, CaptureMismatchError, verify_layer
 from evictlab.capture.prompts import SOURCES, PromptTokens, build_prompt
 from evictlab.errors import InputError
+from evictlab.models.sites import find_attention_sites
 
 MODES = ("query-agnostic", "query-aware")
 #: Largest |mu - module output| / max(1, max|v|) accepted for a captured row (see
@@ -234,12 +235,12 @@ def run_capture(cfg: CaptureConfig, out: str | Path, *, model: Any = None, token
     """Capture ``cfg.prompts`` prompts into the row dataset at ``out`` (resuming if present).
 
     ``model``/``tokenizer`` may be passed pre-loaded (tests, notebooks); otherwise
-    ``cfg.model`` is loaded with :func:`evictlab.capture.registry.load_model`.
+    ``cfg.model`` is loaded with :func:`evictlab.models.loading.load_model`.
     """
     from tqdm.auto import tqdm
 
-    from evictlab.capture.registry import check_device, load_model
     from evictlab.io import check_output_path
+    from evictlab.models.loading import check_device, load_model
     from evictlab.report.record import RunRecord
     from evictlab.rows.schema import RECORD_FILE
     from evictlab.rows.writer import RowWriter
@@ -305,7 +306,7 @@ def run_capture(cfg: CaptureConfig, out: str | Path, *, model: Any = None, token
 
 
 def _quantisation(name: str) -> str | None:
-    from evictlab.capture.registry import MODELS
+    from evictlab.models.registry import MODELS
 
     spec = MODELS.get(name)
     return spec.quantisation if spec else None
