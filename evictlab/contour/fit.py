@@ -29,7 +29,6 @@ from typing import Any
 
 import numpy as np
 import polars as pl
-import torch
 
 from evictlab.contour.profile import GRID, ContourProfile, normalised_entropy, relative_tail, tail_mass
 from evictlab.errors import InputError
@@ -148,9 +147,8 @@ def fit_profile(rows: str | os.PathLike[str], results: str | os.PathLike[str] | 
         padded = np.zeros((R, width))
         mask = np.arange(width)[None, :] < n[:, None]
         padded[mask] = batch.p  # rows left-aligned: the ragged layout, row-major
-        probs = torch.from_numpy(padded)
-        curves = relative_tail(tail_mass(probs).numpy(), n)
-        h = normalised_entropy(probs, torch.from_numpy(n)).numpy()
+        curves = relative_tail(tail_mass(padded), n)
+        h = normalised_entropy(padded, n)
         cell = batch.meta["layer"].to_numpy() * kv_heads + batch.meta["kv_head"].to_numpy()
         np.add.at(dropped, cell, curves)
         np.add.at(ent, cell, h)

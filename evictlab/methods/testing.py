@@ -69,8 +69,8 @@ def example_window(inputs: AllocInputs, seed: int = 0, rows: int = 8) -> WindowP
                     continue
                 scale = float(torch.rand((), generator=gen)) * 4.0
                 p = torch.softmax(torch.randn(rows, n, generator=gen, dtype=torch.float64) * scale, -1)
-                t[b, h, :n + 1] = tail_mass(p).mean(0).numpy()
-                ent[b, l, h] = float(normalised_entropy(p, torch.full((rows,), n)).mean())
+                t[b, h, :n + 1] = tail_mass(p).mean(0)
+                ent[b, l, h] = float(normalised_entropy(p, np.full(rows, n)).mean())
         tails.append(t)
     return WindowProfile(tuple(tails), ent)
 
