@@ -334,6 +334,10 @@ def test_geometry_mismatch_names_the_file_and_the_difference(tmp_path: Path) -> 
                        rf"model geometry \(n_layers {g.n_layers + 1} in the profile, {g.n_layers} in the model; "
                        rf"head_dim {2 * g.head_dim} in the profile, {g.head_dim} in the model"):
         alloc.check(g)
+    sliding = dataclasses.replace(g, windows=(None,) * (g.n_layers - 1) + (8,))
+    with pytest.raises(InputError, match=rf"windows none sliding \({g.n_layers} layers\) in the profile, sliding 8 "
+                       rf"on 1 of {g.n_layers} layers in the model"):
+        make_allocator("contourkv", profile=str(tmp_path / "good.json")).check(sliding)
     with pytest.raises(InputError, match="n_layers"):  # hand-made inputs: the shape is checked
         alloc.allocate(AllocInputs.build([torch.zeros(1, g.kv_heads, 10)] * g.n_layers, 30, floor=1))
 

@@ -153,6 +153,15 @@ def window_stats(queries: torch.Tensor, keys: torch.Tensor, scaling: float, q_po
 # --------------------------------------------------------------------------- the file
 
 
+def _windows_text(windows: list[int | None]) -> str:
+    """``[None, 512, 512]`` -> ``"sliding 512 on 2 of 3 layers"`` (short, for messages)."""
+    sliding = sorted({w for w in windows if w is not None})
+    if not sliding:
+        return f"none sliding ({len(windows)} layers)"
+    n = sum(w is not None for w in windows)
+    return f"sliding {'/'.join(map(str, sliding))} on {n} of {len(windows)} layers"
+
+
 def _geometry_dict(n_layers: int, kv_heads: int, q_heads: int, head_dim: int,
                    windows: list[int | None]) -> dict[str, Any]:
     return {"n_layers": int(n_layers), "kv_heads": int(kv_heads), "q_heads": int(q_heads),
@@ -218,7 +227,11 @@ class ContourProfile:
                 return
             theirs = {"n_layers": shape[0], "kv_heads": shape[1]}
             keys = ("n_layers", "kv_heads")
-        diff = [f"{k} {mine[k]} in the profile, {theirs[k]} in the model" for k in keys if mine[k] != theirs[k]]
+        def show(k: str, v: Any) -> str:
+            return _windows_text(v) if k == "windows" else str(v)
+
+        diff = [f"{k} {show(k, mine[k])} in the profile, {show(k, theirs[k])} in the model"
+                for k in keys if mine[k] != theirs[k]]
         if diff:
             raise InputError(source, f"was fitted on another model geometry ({'; '.join(diff)}; profile from "
                              f"{self.model!r})", "fit a profile on this model's rows: `evictlab capture --model "
@@ -315,7 +328,8 @@ class ContourProfile:
         """Read a profile file; missing, foreign, corrupt or other-version files are refused."""
         p = Path(path)
         if not p.is_file():
-            raise InputError(str(p), "no such profile file" if not p.exists() else "is not a file", _REFIT)
+            raise InputError(str(p), "no such profile file" if not p.exists() else "is not a file",
+                             "check the path, or fit a profile with `evictlab contour fit ROWS --out PROFILE.json`")
         try:
             d = json.loads(p.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:

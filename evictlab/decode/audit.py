@@ -173,6 +173,7 @@ def run_audit(
     shortest = min(len(ex.context_ids) + len(ex.question_ids) + len(ex.answer_ids) for ex in examples)
     for _, cfg in configs:
         cfg.budget_tokens(g, shortest)  # below the floor: refused before anything runs
+        cfg.build_allocator().check(g)  # e.g. a ContourKV profile of another model
     say = progress or (lambda _m: None)
 
     def tensors(ex: Example) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -259,10 +259,12 @@ def decode(
         dev = next(lm.parameters()).device
         ctx = torch.tensor([prompt.context_ids], device=dev)
         q = torch.tensor([prompt.question_ids], device=dev)
-        if mode != "full":  # a budget below the always-kept floor: refused before the run starts
-            from evictlab.models.geometry import model_geometry
+        if mode != "full":  # a budget below the always-kept floor, a profile of another model:
+            from evictlab.models.geometry import model_geometry  # refused before the run starts
 
-            cfg.budget_tokens(model_geometry(lm), ctx.shape[1] + q.shape[1] + max_new_tokens)
+            geometry = model_geometry(lm)
+            cfg.budget_tokens(geometry, ctx.shape[1] + q.shape[1] + max_new_tokens)
+            cfg.build_allocator().check(geometry)
         t0 = time.perf_counter()
         with tqdm(total=ctx.shape[1] + q.shape[1] + max_new_tokens, unit="tok", desc=f"{method} {mode}") as bar:
             if tracer is not None:

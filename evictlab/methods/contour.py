@@ -180,7 +180,7 @@ class ContourKVPred(ContourKV):
         elif self._profile is not None and self._profile.predictor is not None:
             pred = Predictor.from_dict(self._profile.predictor, source=f"{self.profile} (embedded predictor)")
         if pred is None:
-            raise InputError("predictor", "contourkv_pred needs a fitted dropped-mass predictor",
+            raise InputError("allocator_param", "contourkv_pred needs a fitted dropped-mass predictor",
                              "pass predictor=PRED.json (from `evictlab predictor fit RESULTS --out PRED.json`) or "
                              "profile=PROFILE.json fitted with `evictlab contour fit ... --predictor PRED.json`")
         object.__setattr__(self, "_predictor", pred)
