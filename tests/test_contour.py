@@ -586,3 +586,31 @@ def test_profile_of_another_geometry_is_refused_before_the_run(tiny, tmp_path: P
     with pytest.raises(InputError, match=r"allocator_param: profile .*other.json was fitted on another model "
                        r"geometry \(head_dim 256 in the profile, 16 in the model"):
         run_sequence(model, ctx, q, _tiny_cfg(allocator_params={"profile": str(path)}), answer_ids=a)
+
+
+@pytest.mark.parametrize("offline", [False, True])
+def test_contourkv_on_sliding_layers_and_a_bytes_budget(offline: bool, tmp_path: Path) -> None:
+    """Tiny Gemma 3 (layer 0 slides with window 8): a sliding cell never keeps more than
+    window - 1; a byte budget is spent exactly (floored to whole entries)."""
+    from evictlab.capture.testing import TINY_SLIDING_WINDOW, tiny_model
+    from evictlab.decode.loop import run_sequence
+    from evictlab.kv.budget import Budget, kv_bytes
+    from evictlab.models.geometry import model_geometry
+
+    model, _ = tiny_model("gemma3")
+    g = model_geometry(model)
+    gen = torch.Generator().manual_seed(3)
+    ctx, q, a = (torch.randint(3, 256, (1, n), generator=gen) for n in (120, 4, 8))
+    entry = kv_bytes(1, g.head_dim, g.dtype)
+    budget = Budget("bytes", 13 * g.cells * entry + entry // 2)  # 52 entries and half of one
+    params = {"profile": str(_tiny_profile(model, tmp_path / "p.json"))} if offline else {}
+    tr = CompressionTrace(max_subsets=1)
+    out = run_sequence(model, ctx, q, _tiny_cfg(budget=budget, allocator_params=params, sinks=1, recent=2),
+                       answer_ids=a, compression_trace=tr)
+    table = tr.table()
+    assert out.compressions >= 3
+    assert out.after_compression("bytes_live") == kv_bytes(13 * g.cells, g.head_dim, g.dtype)
+    sliding = table.filter(table["layer"] == 0)
+    assert (sliding["kept"] <= TINY_SLIDING_WINDOW - 1).all()
+    full = table.filter(table["layer"] == 1)
+    assert (full["kept"] > TINY_SLIDING_WINDOW - 1).any()  # what sliding cells cannot hold goes elsewhere
