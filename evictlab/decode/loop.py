@@ -495,6 +495,8 @@ class EvictionRunner:
         # The observation window (the scorers' last `window` queries), for an allocator that
         # measures it (ContourKV online) and for the trace; nothing is computed otherwise.
         profile = "window_profile" in self.allocator.needs
+        if profile:
+            from evictlab.contour.profile import window_stats
         tails: list[np.ndarray] = []
         entropy = np.zeros((self.batch, self.n_layers, self.kv_heads))
         windows_q: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -529,8 +531,6 @@ class EvictionRunner:
                     out = self.layer_scorers[l].score(inputs)
                     sc[b, h, :n] = out.reshape(-1).float()
                     if profile:
-                        from evictlab.contour.profile import window_stats
-
                         tails[l][b, h, :n + 1], entropy[b, l, h] = window_stats(
                             obs_q[b, h * rep:(h + 1) * rep], k[b, h, :n], self.scaling, obs_pos, pos[b, h, :n])
             layer_scores.append(sc)
@@ -686,9 +686,9 @@ def run_sequence(
     if cfg.mode == "full":
         engine, query_aware = FullCache(model), False
     else:
-        engine, query_aware = _evicting_engine(model, cfg, context_ids, question_ids, answer_ids, T, g, tokenizer), \
-            cfg.query_aware
-        engine.compression_trace = compression_trace
+        runner = _evicting_engine(model, cfg, context_ids, question_ids, answer_ids, T, g, tokenizer)
+        runner.compression_trace = compression_trace
+        engine, query_aware = runner, cfg.query_aware
 
     def note(phase: str) -> None:
         nonlocal peak
