@@ -7,7 +7,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from evictlab.pipeline import AnalysisConfig, _parse_budgets, analyse
+from evictlab.pipeline import AnalysisConfig, analyse, parse_budgets
 from evictlab.errors import InputError
 from evictlab.stats.planted import planted_results
 
@@ -63,8 +63,8 @@ def test_tables_one_row_per_observation(run_dir: Path) -> None:
 
 
 def test_budgets_parsing() -> None:
-    assert _parse_budgets("32, 4,8 16") == (4, 8, 16, 32)
+    assert parse_budgets("32, 4,8 16") == (4, 8, 16, 32)
     with pytest.raises(InputError):
-        _parse_budgets("4,x")
+        parse_budgets("4,x")
     with pytest.raises(InputError):
-        _parse_budgets("0")
+        parse_budgets("0")
