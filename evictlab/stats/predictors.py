@@ -1,6 +1,6 @@
 """Dropped-mass predictors of a significant selection gap, as versioned JSON (no pickle).
 
-Label: ``kappa_hat > threshold`` (default 1.11, SPEC section 3), on rows with e(T_s) > 0.
+Label: ``kappa_hat > threshold`` (default 1.11, docs/theory.md section 2), on rows with e(T_s) > 0.
 Features (computed by :func:`feature_frame` from a prepared results table):
 
 - ``dropped_mass`` m_s = D(T_s), the attention mass outside the top-s keys;
