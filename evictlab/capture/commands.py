@@ -56,7 +56,10 @@ def models_verify(name: str = typer.Argument(..., help="Registry model name.")) 
 def capture(
     model: str = typer.Option("smollm2-135m", "--model", help="Registry name, local HF folder or hub id."),
     source: str = typer.Option("shakespeare", "--source",
-                               help="shakespeare, needle, multi_needle, multi_key or variable_tracking."),
+                               help="shakespeare (plays, before the held-out tail), file:PATH (a text file or a "
+                                    "folder of them), jsonl:PATH:FIELD (one JSON object per line), or a task: "
+                                    "needle, multi_needle, multi_key, variable_tracking. Text sources give one "
+                                    "seeded window of --context tokens per prompt."),
     context: int = typer.Option(2048, "--context", help="Context length in tokens."),
     positions: int = typer.Option(32, "--positions", help="Query positions per prompt."),
     prompts: int = typer.Option(4, "--prompts", help="Number of prompts (a resumed run may raise it)."),

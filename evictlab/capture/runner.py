@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from evictlab.capture.hooks import AttentionCapture, CaptureMismatchError, find_attention_sites, verify_layer
-from evictlab.capture.prompts import SOURCES, PromptTokens, build_prompt
+from evictlab.capture.prompts import PromptTokens, build_prompt, check_source
 from evictlab.errors import InputError
 
 MODES = ("query-agnostic", "query-aware")
@@ -80,12 +80,13 @@ class CaptureConfig:
 
     def check(self) -> None:
         """InputError on any setting that cannot work, before the model is loaded."""
-        if self.source not in SOURCES:
-            raise InputError("--source", f"unknown source {self.source!r}", f"use one of: {', '.join(SOURCES)}")
+        from evictlab.capture.texts import is_text_source
+
+        check_source(self.source)
         if self.mode not in MODES:
             raise InputError("--mode", f"unknown mode {self.mode!r}", f"use one of: {', '.join(MODES)}")
-        if self.mode == "query-aware" and self.source == "shakespeare":
-            raise InputError("--mode", "query-aware capture needs a question, Shakespeare passages have none",
+        if self.mode == "query-aware" and is_text_source(self.source):
+            raise InputError("--mode", f"query-aware capture needs a question, {self.source} passages have none",
                              "use a task source (needle, multi_needle, multi_key, variable_tracking)")
         for name, val, lo in (("--context", self.context, 16), ("--positions", self.positions, 1),
                               ("--prompts", self.prompts, 1), ("--rows-per-shard", self.rows_per_shard, 1)):
@@ -192,7 +193,8 @@ def write_prompt(writer: Any, prompt_id: int, prompt: PromptTokens, mode: str,
     """Write one prompt's blocks and rows; return the number of rows written."""
     writer.add_prompt(prompt_id, _tokens_for_forward(prompt, mode), source=prompt.source, mode=mode,
                       text=json.dumps({"name": prompt.prompt_id, "n_context": prompt.n_context,
-                                       "answer": prompt.answer}))
+                                       "answer": prompt.answer,
+                                       **({"origin": prompt.origin} if prompt.origin else {})}))
     rows = 0
     for layer in sorted(captures):
         c = captures[layer]
@@ -213,13 +215,24 @@ def write_prompt(writer: Any, prompt_id: int, prompt: PromptTokens, mode: str,
     return rows
 
 
-def _check_resume(out: Path, cfg: CaptureConfig) -> None:
+def _text_provenance(cfg: CaptureConfig) -> dict[str, str]:
+    """For text sources: the prompt rule and a hash of the source's text (read now, so a
+    missing file or a bad JSON line is reported before the model loads)."""
+    from evictlab.capture.texts import PROMPT_RULE, is_text_source, load_text_source
+
+    if not is_text_source(cfg.source):
+        return {}
+    return {"prompt_rule": PROMPT_RULE, "text_sha256": load_text_source(cfg.source).sha256()}
+
+
+def _check_resume(out: Path, cfg: CaptureConfig, text: dict[str, str]) -> None:
     man_path = out / "manifest.json"
     if not man_path.is_file():
         return
     try:
-        old = json.loads(man_path.read_text()).get("source", {}).get("capture", {})
-    except (OSError, ValueError):
+        src = json.loads(man_path.read_text()).get("source", {})
+        old = src.get("capture", {})
+    except (OSError, ValueError, AttributeError):
         return  # RowWriter reports a damaged manifest with its own message
     mine = asdict(cfg)
     diff = [k for k in _FIXED if k in old and old[k] != mine[k]]
@@ -227,6 +240,11 @@ def _check_resume(out: Path, cfg: CaptureConfig) -> None:
         k = diff[0]
         raise InputError(f"--{k}", f"is {mine[k]!r} but the dataset at {out} was captured with {old[k]!r}",
                          "resume with the same settings (only --prompts may grow), or use a new --out")
+    for key, what in (("prompt_rule", "an earlier prompt rule"), ("text_sha256", "a different text")):
+        if key in text and src.get(key) != text[key]:
+            raise InputError("--source", f"the dataset at {out} was captured from {what} "
+                             f"({key} {src.get(key)!r:.40} vs {text[key]!r:.40})",
+                             "use a new --out (its prompts could not be rebuilt)")
 
 
 def run_capture(cfg: CaptureConfig, out: str | Path, *, model: Any = None, tokenizer: Any = None,
@@ -245,7 +263,8 @@ def run_capture(cfg: CaptureConfig, out: str | Path, *, model: Any = None, token
 
     cfg.check()
     out = Path(out)
-    _check_resume(out, cfg)
+    text = _text_provenance(cfg)
+    _check_resume(out, cfg, text)
     record = RunRecord(kind="capture", config=asdict(cfg), model=model_label or cfg.model, seed=cfg.seed)
     device = check_device(cfg.device)
     if cfg.threads < 0:
@@ -267,7 +286,7 @@ def run_capture(cfg: CaptureConfig, out: str | Path, *, model: Any = None, token
               "quantisation": _quantisation(cfg.model),
               "gqa": {str(s.layer): [s.n_q_heads, s.n_kv_heads] for s in sites},
               "sliding_window": {str(s.layer): s.sliding_window for s in sites},
-              "positions_rule": POSITIONS_RULE[cfg.mode]}
+              "positions_rule": POSITIONS_RULE[cfg.mode], **text}
     t0 = time.perf_counter()
     written = skipped = rows_written = 0
     worst = 0.0

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from evictlab.capture.prompts import TASKS, TaskExample, encode, make_task, shakespeare_text
+from evictlab.capture.prompts import TASKS, TaskExample, encode, heldout_split, make_task
 from evictlab.errors import InputError
 
 __all__ = [
@@ -144,21 +144,6 @@ class PerplexityWindow:
     seed: int
     context_ids: list[int]
     target_ids: list[int]
-
-
-HELDOUT_FRACTION = 0.1
-"""The last 10% of the Shakespeare corpus (in file-name order) is reserved for perplexity."""
-
-
-def heldout_split() -> tuple[str, str]:
-    """``(calibration, heldout)`` parts of the corpus, split at a line start near 90%.
-
-    Anything fitted on Shakespeare (e.g. ContourKV profiles) should draw from the first part
-    so that perplexity on the second is held out.
-    """
-    text = shakespeare_text()
-    cut = text.find("\n", int(len(text) * (1 - HELDOUT_FRACTION))) + 1
-    return text[:cut], text[cut:]
 
 
 def heldout_windows(
