@@ -166,3 +166,17 @@ def test_design_for_drops_constant_levels_but_names_a_single_prompt() -> None:
     two = pl.concat([_results(3, 5, 0.0, 1), _results(3, 5, 0.0, 2).with_columns(pl.lit("b").alias("model"))])
     assert design_for(two).names == ("model", "prompt", "row")
     assert design_for(two.filter(pl.col("model") == "b")).names == ("prompt", "row")
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 60), st.integers(1, 40), st.integers(0, 2**32 - 1))
+def test_numba_kernels_equal_numpy_references(n: int, b: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    x = np.round(rng.normal(size=n), 1)
+    y = rng.uniform(size=n) < 0.4
+    mask = rng.uniform(size=n) < 0.8
+    counts = rng.integers(0, 3, size=(b, n)).astype(np.int32)
+    counts[0] = 0  # an empty replicate
+    for stat in (Median(x, mask), AUC(y, x, mask)):
+        fast, ref = stat.replicates(counts), stat.replicates_reference(counts)
+        assert np.allclose(fast, ref, rtol=0, atol=1e-12, equal_nan=True)

@@ -24,6 +24,11 @@ class StageError(EvictlabError, RuntimeError):
 # --------------------------------------------------------------------------------------
 # configuration
 # --------------------------------------------------------------------------------------
+#: Bumped when the prompts a capture setting produces change (2: Shakespeare plays, one per
+#: prompt, before the held-out tail), so cached rows of an older rule are never reused.
+ROWS_RULE_VERSION = 2
+
+
 @dataclass(frozen=True)
 class CaptureSpec:
     """What rows to produce for one model (real capture, or synthetic rows)."""
@@ -43,10 +48,11 @@ class CaptureSpec:
         return self.synthetic_rows > 0
 
     def key(self) -> str:
-        """Folder name under runs/cache/rows that identifies these rows."""
+        """Folder name under runs/cache/rows that identifies these rows (and the prompt rule's version)."""
         if self.synthetic:
             return f"synthetic-r{self.synthetic_rows}-k{self.synthetic_keys}-d{self.synthetic_dim}-seed{self.seed}"
-        return f"{self.model}-{self.source}-ctx{self.context}-pos{self.positions}-pr{self.prompts}-seed{self.seed}"
+        return (f"{self.model}-{self.source}-ctx{self.context}-pos{self.positions}-pr{self.prompts}-seed{self.seed}"
+                f"-rule{ROWS_RULE_VERSION}")
 
     def label(self) -> str:
         """Model name as it appears in tables."""
@@ -67,6 +73,8 @@ class AnalysisConfig:
     hardness_size: int = 8
     weights_note: str = "weights quantised (Q4 GGUF)"
     rows_note: str = ""
+    #: rows per model for the free-weight ablations of pi(s) (a seeded sample, even over prompts)
+    ablation_rows: int = 600
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -156,8 +164,11 @@ def solve_rows(rows: Path, out: Path, cfg: AnalysisConfig, certify: bool, log: A
 
 
 def rows_and_results(spec: CaptureSpec, cfg: AnalysisConfig, certify: bool, res: Path, runs: Path, resolve: bool,
-                     timings: dict[str, float], facts: dict[str, str], log: Any, tag: str = "") -> Path:
-    """Rows (cached or produced) -> solver results (cached or solved) -> copied to ``res``."""
+                     timings: dict[str, float], facts: dict[str, str], log: Any, tag: str = "") -> tuple[Path, Path]:
+    """Rows (cached or produced) -> solver results (cached or solved) -> copied to ``res``.
+
+    Returns ``(res, rows)``: the results file and the row dataset they were solved from.
+    """
     rows, cached, secs = ensure_rows(spec, runs / "cache" / "rows", log)
     timings[f"{tag}rows {spec.label()}"] = secs
     cached_res = runs / "cache" / "results" / f"{spec.key()}-{solve_key(cfg, certify)}.parquet"
@@ -173,7 +184,7 @@ def rows_and_results(spec: CaptureSpec, cfg: AnalysisConfig, certify: bool, res:
         + (f"synthetic: {spec.synthetic_rows} rows x {spec.synthetic_keys} keys, d={spec.synthetic_dim}" if spec.synthetic
            else f"{spec.source}, context {spec.context}, {spec.positions} positions x {spec.prompts} prompts")
         + f"; budgets {', '.join(map(str, cfg.budgets))}{', certified' if certify else ''})")
-    return res
+    return res, rows
 
 
 def _label_model(path: Path, label: str) -> None:
@@ -213,23 +224,30 @@ class Analysis:
     figures: list[Any]              # evictlab.plots.common figure results (png, pdf, caption)
     cert_summary: Any = None        # certification-pass summary, or None
     notes: list[str] = field(default_factory=list)
+    penalty: Any = None             # evictlab.stats.penalty.penalty_table, or None (no rows given)
+    explanation: Any = None         # evictlab.stats.penalty.Explanation, or None
+    head_dims: dict[str, int] = field(default_factory=dict)
+    cert_pairs: int = 0             # (row, s) pairs of the certification pass
 
 
 def compute(results: Any, out_dir: str | os.PathLike[str], cfg: AnalysisConfig, log: Any = print,
-            cert_results: Any = None) -> Analysis:
+            cert_results: Any = None, rows: Optional[dict[str, Path]] = None) -> Analysis:
     """Statistics, predictors, claims and figures from a solver-results table.
 
     ``results``: a polars DataFrame (all models concatenated) or a list of Parquet paths.
     ``cert_results`` (same forms, optional): results solved with ``--certify`` on short rows;
     summarised separately (how often the certified optimum beats the pool optimum).
+    ``rows`` (model -> row dataset, optional): the rows the results were solved from; with
+    them pi(s) is checked against s / head_dim with the free-weight ablations.
+    Every interval resamples prompts (models too, for pooled rows): docs/statistics.md.
     Every table, figure and predictor lands under ``out_dir``.
     """
     import polars as pl
 
-    from evictlab.plots.gap import gap_closed_ecdf
+    from evictlab.plots.gap import gap_closed_ecdf, gap_closed_medians
     from evictlab.plots.heatmap import gap_heatmap
     from evictlab.plots.mass_kappa import mass_vs_kappa
-    from evictlab.plots.penalty import penalty_curve
+    from evictlab.plots.penalty import penalty_curve, penalty_vs_head_dim
     from evictlab.plots.roc import roc_curves, roc_table
     from evictlab.stats import claims as cl
     from evictlab.stats.ceilings import summarize, summarize_all
@@ -258,7 +276,11 @@ def compute(results: Any, out_dir: str | os.PathLike[str], cfg: AnalysisConfig, 
 
     # ---- predictors --------------------------------------------------------------------
     auc_mass = auc_by_group(df, "dropped_mass", threshold=cfg.threshold, seed=cfg.seed, n_boot=cfg.n_boot,
-                            name="dropped mass (raw)")
+                            name="dropped mass (raw)", compare_rows=True)
+    if len(models) > 1:  # pooled over models: resample models, then prompts, then rows
+        auc_mass = pl.concat([auc_mass, auc_by_group(df, "dropped_mass", threshold=cfg.threshold, seed=cfg.seed,
+                                                     n_boot=cfg.n_boot, by=("s",), name="dropped mass (raw)",
+                                                     compare_rows=True)], how="diagonal_relaxed")
     auc_parts = [auc_mass]
     notes: list[str] = []
     fitted: dict[tuple[str, str], Any] = {}
@@ -303,18 +325,44 @@ def compute(results: Any, out_dir: str | os.PathLike[str], cfg: AnalysisConfig, 
     log(f"predictors: {len(fitted)} fitted ({time.perf_counter() - t0:.1f}s)")
 
     # ---- claims, with the NP-hardness checker and the certification pass ---------------
-    claim_rows = cl.selection_ceiling(summaries["model_s"], claim_note)
-    claim_rows += cl.penalty_trend(summaries["model_s"], claim_note)
+    # ---- pi(s) against s / head_dim, with free-weight ablations (needs the rows) ------------
+    penalty = explanation = None
+    head_dims: dict[str, int] = {}
+    if rows:
+        from evictlab.rows import RowStore
+        from evictlab.stats.penalty import ablation_rows, explain, penalty_table
+
+        parts = []
+        for m, path in sorted(rows.items()):
+            head_dims[m] = RowStore.open(path).head_dim
+            parts.append(ablation_rows(path, df, model=m, max_rows=cfg.ablation_rows, seed=cfg.seed))
+        abl = pl.concat(parts)
+        write_parquet(abl, tables / "penalty_ablation_rows.parquet")
+        penalty = penalty_table(abl, seed=cfg.seed, n_boot=cfg.n_boot)
+        write_parquet(penalty, tables / "penalty_by_definition.parquet")
+        explanation = explain(penalty)
+        log(f"penalty ablations: {abl.height:,} (row, s) pairs ({time.perf_counter() - t0:.1f}s)")
+    else:
+        notes.append("pi(s) against s / head_dim and the free-weight ablations need the row datasets "
+                     "(run the whole job, or `paper_repro/claim_penalty_trend.py --rows`)")
+
+    claim_rows = cl.selection_ceiling(pl.concat([summaries["model_s"], summaries["pooled_s"]], how="diagonal_relaxed")
+                                      if "pooled_s" in summaries else summaries["model_s"], claim_note)
+    claim_rows += cl.penalty_trend(summaries["model_s"], claim_note, head_dims)
+    if penalty is not None:
+        claim_rows += cl.penalty_head_dim(explanation.verdict, penalty, claim_note)
     claim_rows += cl.auc_range(auc_mass, claim_note, cfg.threshold)
     if cfg.hardness_trials > 0:
         trials = run_hardness(cfg.hardness_trials, cfg.hardness_size, cfg.seed)
         write_parquet(trials, tables / "hardness_trials.parquet")
         claim_rows += cl.np_hardness(trials, cfg.hardness_size, cfg.seed)
     cert_summary = None
+    cert_pairs = 0
     if cert_results is not None:
         cdf = prepare(cert_results) if isinstance(cert_results, pl.DataFrame) else load_results(cert_results)
         if "es_cert" not in cdf.columns:
             raise InputError("certified results", "no es_cert column", "solve those rows with `evictlab solve --certify`")
+        cert_pairs = cdf.height
         cert_summary = summarize(cdf, ("model", "s"), seed=cfg.seed, n_boot=cfg.n_boot, threshold=cfg.threshold)
         write_parquet(cert_summary, tables / "certified_summary.parquet")
         claim_rows += cl.certified(cert_summary, claim_note)
@@ -322,26 +370,32 @@ def compute(results: Any, out_dir: str | os.PathLike[str], cfg: AnalysisConfig, 
 
     # ---- figures -----------------------------------------------------------------------
     figures = [
+        gap_closed_medians(pl.concat([summaries["model_s"], summaries["pooled_s"]], how="diagonal_relaxed")
+                           if "pooled_s" in summaries else summaries["model_s"], figs / "gap_closed_medians"),
         gap_closed_ecdf(df, figs / "gap_closed_ecdf"),
         penalty_curve(summaries["model_s"], figs / "penalty_pi_s"),
         roc_curves(roc_table(pl.concat(roc_parts, how="diagonal_relaxed").with_columns(pl.col("s").cast(pl.Utf8))),
                    figs / "roc", cfg.threshold),
         mass_vs_kappa(df, figs / "mass_vs_kappa", cfg.threshold, seed=cfg.seed),
     ]
+    if penalty is not None:
+        figures.append(penalty_vs_head_dim(penalty, figs / "penalty_vs_head_dim"))
     for m in models:
         figures.append(gap_heatmap(summaries["model_s_layer_head"], figs / f"gap_heatmap_{m}", m))
     log(f"figures: {2 * len(figures)} files ({time.perf_counter() - t0:.1f}s)")
     return Analysis(out=out, cfg=cfg, models=models, pairs=df.height, summaries=summaries, auc=auc_all,
-                    transfer=transfer_df, claims=claim_rows, figures=figures, cert_summary=cert_summary, notes=notes)
+                    transfer=transfer_df, claims=claim_rows, figures=figures, cert_summary=cert_summary, notes=notes,
+                    penalty=penalty, explanation=explanation, head_dims=head_dims, cert_pairs=cert_pairs)
 
 
 def analyse(results: Any, out_dir: str | os.PathLike[str], cfg: AnalysisConfig,
-            provenance: Optional[dict[str, Any]] = None, log: Any = print, cert_results: Any = None) -> Path:
+            provenance: Optional[dict[str, Any]] = None, log: Any = print, cert_results: Any = None,
+            rows: Optional[dict[str, Path]] = None) -> Path:
     """:func:`compute`, then the Markdown report (:func:`evictlab.report.demo.write_report`); returns its path."""
     from evictlab.report.demo import write_report
 
     t0 = time.perf_counter()
-    analysis = compute(results, out_dir, cfg, log=log, cert_results=cert_results)
+    analysis = compute(results, out_dir, cfg, log=log, cert_results=cert_results, rows=rows)
     report = write_report(analysis, provenance or {})
     log(f"report: {report} ({time.perf_counter() - t0:.1f}s)")
     return report

@@ -112,11 +112,18 @@ class Design:
             codes.append(prev)
         return cls(n, tuple(codes), names)
 
+    @classmethod
+    def from_codes(cls, codes: Sequence[np.ndarray], names: Sequence[str]) -> "Design":
+        """A design from integer codes that are already nested-unique (a level-k code never
+        appears under two level-(k-1) codes), e.g. a subset of :meth:`nested`'s codes."""
+        codes = tuple(np.asarray(c, dtype=np.int64) for c in codes)
+        return cls(int(codes[0].shape[0]) if codes else 0, codes, tuple(names))
+
     def clusters(self, level: int = 0) -> int:
         """Number of clusters at ``level`` (``n`` when there is no such level)."""
         if level >= len(self.codes):
             return self.n
-        return int(self.codes[level].max()) + 1 if self.n else 0
+        return int(np.unique(self.codes[level]).size)
 
     def describe(self) -> str:
         """e.g. ``cluster bootstrap: prompt > row (8 prompts, 2160 rows)``, or ``row bootstrap``.
@@ -177,7 +184,7 @@ def _tree(design: Design) -> _Tree:
 
 
 def resample_counts(design: Design, rng: np.random.Generator, n_boot: int) -> Iterator[np.ndarray]:
-    """Replicates of ``design`` as count chunks: int64 ``(b, n)``, row r = multiplicities of the observations.
+    """Replicates of ``design`` as count chunks: int32 ``(b, n)``, row r = multiplicities of the observations.
 
     Chunks hold at most about ``_CHUNK_ELEMS`` counts; their ``b`` sum to ``n_boot``.
     At every depth each drawn node draws ``n_child`` of its children uniformly with
@@ -202,7 +209,7 @@ def resample_counts(design: Design, rng: np.random.Generator, n_boot: int) -> It
             rep = np.repeat(rep, k)
             node = np.repeat(first[node], k) + rng.integers(0, width)
         counts = np.bincount(rep * n + tree.order[node], minlength=b * n).reshape(b, n)
-        yield counts
+        yield counts.astype(np.int32)  # halves the memory traffic of every statistic
         done += b
 
 
@@ -236,23 +243,33 @@ class Median(Stat):
         if not np.all(np.isfinite(v)):
             raise InputError("x", "contains NaN or inf", "filter non-finite values and count them")
         self.n = v.size
-        self._by_value = np.argsort(v, kind="stable")
-        self._sorted = v[self._by_value]
+        by_value = np.argsort(v, kind="stable")
+        self._sorted = np.ascontiguousarray(v[by_value])
+        self._cols = np.flatnonzero(self.mask)[by_value].astype(np.int64)  # count columns in value order
 
     def point(self) -> float:
         return float(np.median(self._sorted)) if self.n else float("nan")
 
     def replicates(self, counts: np.ndarray) -> np.ndarray:
-        c = counts[:, self.mask][:, self._by_value]
-        cum = np.cumsum(c, axis=1)
-        tot = cum[:, -1]
-        # 0-based order statistics floor((N-1)/2) and floor(N/2): the element at sorted
-        # position j is the k-th iff cum[j-1] <= k < cum[j]
-        lo_pos = (cum <= ((tot - 1) // 2)[:, None]).sum(axis=1)
-        hi_pos = (cum <= (tot // 2)[:, None]).sum(axis=1)
-        ok = tot > 0
-        out = np.full(c.shape[0], np.nan)
-        out[ok] = 0.5 * (self._sorted[lo_pos[ok]] + self._sorted[hi_pos[ok]])
+        from evictlab.stats.kernels import median_from_counts
+
+        out = np.empty(counts.shape[0])
+        median_from_counts(counts, self._cols, self._sorted, out)
+        return out
+
+    def replicates_reference(self, counts: np.ndarray) -> np.ndarray:
+        """Plain numpy (cumulative counts, then a search per replicate); equals :meth:`replicates`."""
+        cum = counts[:, self._cols].astype(np.int64)
+        np.cumsum(cum, axis=1, out=cum)
+        out = np.full(cum.shape[0], np.nan)
+        for r in range(cum.shape[0]):
+            tot = int(cum[r, -1]) if cum.shape[1] else 0
+            if tot == 0:
+                continue
+            # 0-based order statistics floor((N-1)/2) and floor(N/2): the element at sorted
+            # position j is the k-th iff cum[j-1] <= k < cum[j]
+            lo, hi = np.searchsorted(cum[r], [(tot - 1) // 2, tot // 2], side="right")
+            out[r] = 0.5 * (self._sorted[lo] + self._sorted[hi])
         return out
 
 
@@ -269,7 +286,7 @@ class Mean(Stat):
         return float(np.mean(self._x)) if self.n else float("nan")
 
     def replicates(self, counts: np.ndarray) -> np.ndarray:
-        c = counts[:, self.mask].astype(np.float64)
+        c = counts[:, self.mask]
         tot = c.sum(axis=1)
         with np.errstate(invalid="ignore", divide="ignore"):
             return (c @ self._x) / tot
@@ -278,7 +295,7 @@ class Mean(Stat):
 class AUC(Stat):
     """ROC AUC of ``score`` for labels ``y`` (Mann-Whitney, ties one half), from multiplicities.
 
-    The scores are reduced once to sorted tie levels; a replicate's AUC is
+    The observations are sorted by score once and cut into tie levels; a replicate's AUC is
     sum_l pos_l (neg_below_l + neg_l / 2) / (P N) over tie levels l, with pos_l / neg_l the
     resampled counts of positives / negatives at level l. Replicates with one class absent
     are NaN (dropped).
@@ -290,23 +307,51 @@ class AUC(Stat):
         self.mask = np.ones(y.size, bool) if mask is None else np.asarray(mask, bool)
         self._y, self._score = y[self.mask], score[self.mask]
         self.n = self._y.size
-        levels, lvl = np.unique(self._score, return_inverse=True)
-        self._L = levels.size
-        self._code = lvl.reshape(-1) * 2 + self._y
+        by_score = np.argsort(self._score, kind="stable")
+        s = self._score[by_score]
+        self._cols = np.flatnonzero(self.mask)[by_score].astype(np.int64)  # count columns in score order
+        self._pos = self._y[by_score].astype(np.int32)
+        new_level = np.r_[True, s[1:] != s[:-1]] if s.size else np.zeros(0, bool)
+        self._starts = np.flatnonzero(new_level)
+        self._level = np.cumsum(new_level).astype(np.int64)
 
     def point(self) -> float:
         return roc_auc(self._y, self._score)
 
     def replicates(self, counts: np.ndarray) -> np.ndarray:
-        c = counts[:, self.mask]
-        b, L = c.shape[0], self._L
-        cells = (np.arange(b)[:, None] * 2 * L + self._code[None, :]).ravel()
-        tab = np.bincount(cells, weights=c.ravel().astype(np.float64), minlength=b * 2 * L).reshape(b, L, 2)
-        neg, pos = tab[:, :, 0], tab[:, :, 1]
-        below = np.cumsum(neg, axis=1) - neg
-        P, N = pos.sum(axis=1), neg.sum(axis=1)
+        from evictlab.stats.kernels import auc_from_counts
+
+        out = np.empty(counts.shape[0])
+        auc_from_counts(counts, self._cols, self._pos.astype(bool), self._level, out)
+        return out
+
+    def replicates_reference(self, counts: np.ndarray) -> np.ndarray:
+        """Plain numpy (per-level counts by ``reduceat``); equals :meth:`replicates`."""
+        if self.n == 0:
+            return np.full(counts.shape[0], np.nan)
+        c = counts[:, self._cols].astype(np.int64)
+        pos_l = np.add.reduceat(c * self._pos, self._starts, axis=1).astype(np.float64)
+        neg_l = np.add.reduceat(c, self._starts, axis=1) - pos_l
+        below = np.cumsum(neg_l, axis=1) - neg_l
+        P, N = pos_l.sum(axis=1), neg_l.sum(axis=1)
         with np.errstate(invalid="ignore", divide="ignore"):
-            return (pos * (below + 0.5 * neg)).sum(axis=1) / (P * N)
+            return (pos_l * (below + 0.5 * neg_l)).sum(axis=1) / (P * N)
+
+
+class RatioOfMedians(Stat):
+    """median(num[mask]) / median(den[mask]) (e.g. the ratio-of-medians form of pi(s))."""
+
+    def __init__(self, num: np.ndarray, den: np.ndarray, mask: np.ndarray | None = None) -> None:
+        self._num, self._den = Median(num, mask), Median(den, mask)
+        self.mask, self.n = self._num.mask, self._num.n
+
+    def point(self) -> float:
+        d = self._den.point()
+        return self._num.point() / d if d != 0 else float("nan")
+
+    def replicates(self, counts: np.ndarray) -> np.ndarray:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return self._num.replicates(counts) / self._den.replicates(counts)
 
 
 def rng_for(seed: int, key: str = "") -> np.random.Generator:

@@ -19,6 +19,7 @@ Rows with e(T_s) = 0 are excluded from every ratio and counted in ``rows_e_top_z
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -40,6 +41,8 @@ LEVELS: dict[str, tuple[str, ...]] = {
 #: observation per budget s). Levels that are constant within a group drop out.
 CLUSTER_LEVELS: tuple[str, ...] = ("model", "prompt_id", "row_id")
 _LEVEL_NAMES = {"model": "model", "prompt_id": "prompt", "row_id": "row"}
+#: Statistics that also get the row bootstrap as a comparison (``compare_rows``).
+COMPARED = ("gap_closed_median", "frac_significant", "pi_top_median")
 #: The statistics of a summary row: column prefix -> (source column, kind). ``median``
 #: statistics use finite values only; the ICC of a median is the rank ICC.
 STATISTICS: dict[str, tuple[str, str]] = {
@@ -61,46 +64,65 @@ def _finite(a: np.ndarray) -> np.ndarray:
     return a[np.isfinite(a)]
 
 
-def design_for(df: pl.DataFrame, levels: Sequence[str] | None = CLUSTER_LEVELS) -> Design:
-    """The resampling design of one group of a results table (see :data:`CLUSTER_LEVELS`).
+@dataclass(frozen=True)
+class Clusters:
+    """The cluster levels of a whole results table, coded once (see :data:`CLUSTER_LEVELS`).
 
-    Levels whose column is absent or constant in ``df`` are dropped (resampling one
-    cluster out of one changes nothing), except that a group with a single prompt keeps
-    the prompt level, so its interval is labelled as coming from one prompt. ``levels=None``
-    or no usable level: the row bootstrap.
+    ``codes[k]``: int64 per observation, nested-unique (prompt 0 of two models gets two
+    codes); ``prompt``: the code of (model, prompt) per observation, for the ICC (None
+    without a ``prompt_id`` column).
     """
-    if not levels:
-        return Design.rows(df.height)
-    labels, names = [], []
-    for c in levels:
-        if c not in df.columns:
-            continue
-        col = df[c].to_numpy()
-        if c != "prompt_id" and np.unique(col).size <= 1 and c != levels[-1]:
-            continue
-        labels.append(col)
-        names.append(_LEVEL_NAMES.get(c, c))
-    if not labels or df.height == 0:
-        return Design.rows(df.height)
-    return Design.nested(labels, names)
+
+    names: tuple[str, ...]
+    codes: tuple[np.ndarray, ...]
+    prompt: np.ndarray | None
+
+    @classmethod
+    def of(cls, df: pl.DataFrame, levels: Sequence[str] | None = CLUSTER_LEVELS) -> "Clusters":
+        cols = [c for c in (levels or ()) if c in df.columns]
+        if not cols or df.height == 0:
+            return cls((), (), None)
+        d = Design.nested([df[c].to_numpy() for c in cols], [_LEVEL_NAMES.get(c, c) for c in cols])
+        prompt = None
+        if "prompt_id" in cols:
+            prompt = d.codes[cols.index("prompt_id")]
+        return cls(d.names, d.codes, prompt)
+
+    def design(self, idx: np.ndarray) -> Design:
+        """The design of the observations ``idx``: levels constant on them dropped (resampling
+        one cluster out of one changes nothing), except the prompt level, kept so that a group
+        from a single prompt is labelled as such; the innermost level always stays."""
+        idx = np.asarray(idx, dtype=np.int64)
+        if not self.codes or idx.size == 0:
+            return Design.rows(idx.size)
+        codes, names = [], []
+        last = len(self.codes) - 1
+        for k, (c, name) in enumerate(zip(self.codes, self.names)):
+            sub = c[idx]
+            if name != "prompt" and k != last and sub.min() == sub.max():
+                continue
+            codes.append(sub)
+            names.append(name)
+        return Design.from_codes(codes, names)
 
 
-def cluster_labels(df: pl.DataFrame, levels: Sequence[str] = ("model", "prompt_id")) -> np.ndarray | None:
-    """One label per observation for the ICC: the combination of ``levels`` present (None if none)."""
-    cols = [c for c in levels if c in df.columns]
-    if not cols or df.height == 0:
-        return None
-    return df.select(pl.concat_str([pl.col(c).cast(pl.Utf8) for c in cols], separator="|")).to_series().to_numpy()
+def design_for(df: pl.DataFrame, levels: Sequence[str] | None = CLUSTER_LEVELS) -> Design:
+    """The resampling design of one group of a results table (see :meth:`Clusters.design`).
+
+    ``levels=None``, or no such column: the row bootstrap.
+    """
+    return Clusters.of(df, levels).design(np.arange(df.height))
 
 
-def _stats(nz: pl.DataFrame, threshold: float) -> tuple[dict[str, object], dict[str, np.ndarray], int]:
-    """The :data:`STATISTICS` of a group (rows with e_top > 0): Stat objects, per-row values for the ICC,
-    and the count of non-finite pi ratios."""
+def _stats(cols: dict[str, np.ndarray], idx: np.ndarray, threshold: float
+           ) -> tuple[dict[str, object], dict[str, np.ndarray], int]:
+    """The :data:`STATISTICS` of the observations ``idx`` (rows with e_top > 0): Stat objects,
+    per-row values for the ICC, and the count of non-finite pi ratios."""
     stats: dict[str, object] = {}
     values: dict[str, np.ndarray] = {}
     nonfinite = 0
     for prefix, (col, kind) in STATISTICS.items():
-        raw = nz[col].cast(pl.Float64).to_numpy()
+        raw = cols[col][idx]
         fin = np.isfinite(raw)
         if col in ("pi_top", "pi_opt"):
             nonfinite += int((~fin).sum())
@@ -117,6 +139,12 @@ def _stats(nz: pl.DataFrame, threshold: float) -> tuple[dict[str, object], dict[
     return stats, values, nonfinite
 
 
+def group_indices(df: pl.DataFrame, by: Sequence[str]) -> list[tuple[tuple[object, ...], np.ndarray]]:
+    """``[(key, row indices)]`` of ``df`` grouped by ``by``, sorted by key."""
+    g = df.select(*by).with_row_index("_i").group_by(list(by)).agg(pl.col("_i")).sort(list(by))
+    return [(tuple(r[c] for c in by), np.asarray(r["_i"], dtype=np.int64)) for r in g.iter_rows(named=True)]
+
+
 def summarize(
     df: pl.DataFrame,
     by: Sequence[str] = ("model", "s"),
@@ -131,65 +159,71 @@ def summarize(
     """Summary statistics per group of a prepared results table (see module docstring).
 
     ``df`` must come from :func:`evictlab.stats.results.prepare` (or ``load_results``).
-    Intervals resample the design of :func:`design_for` (``clusters`` levels; None = row
+    Intervals resample the design of :meth:`Clusters.design` (``clusters`` levels; None = row
     bootstrap), one set of replicates per group shared by all its statistics, seeded by
     ``seed`` and the group's key, so results do not depend on group order. Per group:
     ``interval`` (the design, in words), ``prompts`` (prompt clusters), and for each
     statistic ``<stat>_icc``, the share of its per-row variation between prompts
     (:func:`evictlab.stats.bootstrap.icc_oneway`; rank ICC for medians). With
-    ``compare_rows`` also ``<stat>_row_lo`` / ``_row_hi``: the row bootstrap, for comparison.
+    ``compare_rows`` also ``<stat>_row_lo`` / ``_row_hi`` for the :data:`COMPARED` statistics:
+    the row bootstrap, for comparison.
     """
     by = list(by)
+    cl = Clusters.of(df, clusters)
+    cols = {c: df[c].cast(pl.Float64).to_numpy() for c in {c for c, _ in STATISTICS.values()} | {"e_top", "es_hat"}}
+    zero_all = df["e_top_zero"].to_numpy() | (cols["e_top"] <= 0.0)
     has_cert = "es_cert" in df.columns
+    if has_cert:
+        es_cert = df["es_cert"].cast(pl.Float64).to_numpy()
+        cert_ok = np.isfinite(es_cert)  # null -> NaN
+        if "cert_status" in df.columns:
+            status = df["cert_status"].cast(pl.Utf8).str.to_lowercase().fill_null("").to_numpy()
+            cert_ok &= np.isin(status, ["optimal", "certified", "proved", "ok"])
     out: list[dict[str, object]] = []
-    for key, g in sorted(df.group_by(by), key=lambda kv: kv[0]):
+    for key, idx in group_indices(df, by):
         keyd = dict(zip(by, key))
         tag = "|".join(f"{k}={v}" for k, v in keyd.items())
-        zero = (g["e_top_zero"].to_numpy() | (g["e_top"].to_numpy() <= 0.0))
-        nz = g.filter(pl.Series(~zero))
-        design = design_for(nz, clusters)
-        groups = cluster_labels(nz)
-        row: dict[str, object] = {**keyd, "rows": g.height, "rows_e_top_zero": int(zero.sum()),
-                                  "rows_used": nz.height,
+        zero = zero_all[idx]
+        nz = idx[~zero]
+        design = cl.design(nz)
+        groups = cl.prompt[nz] if cl.prompt is not None else None
+        row: dict[str, object] = {**keyd, "rows": idx.size, "rows_e_top_zero": int(zero.sum()),
+                                  "rows_used": nz.size,
                                   "prompts": int(np.unique(groups).size) if groups is not None else 0,
                                   "interval": design.describe()}
-        stats, values, nonfinite = _stats(nz, threshold)
+        stats, values, nonfinite = _stats(cols, nz, threshold)
         est = bootstrap(stats, design, seed=seed, key=tag, n_boot=n_boot, level=level)  # type: ignore[arg-type]
         for prefix, e in est.items():
             row.update(_est_cols(prefix, e))
             v = values[prefix]
             fin = np.isfinite(v)
-            kind = STATISTICS[prefix][1]
             if groups is None:
                 row[f"{prefix}_icc"] = float("nan")
-            elif kind == "median":
+            elif STATISTICS[prefix][1] == "median":
                 row[f"{prefix}_icc"] = rank_icc(v[fin], groups[fin])
             else:
                 row[f"{prefix}_icc"] = icc_oneway(v[fin], groups[fin])
         if compare_rows:
-            est_r = bootstrap(stats, Design.rows(nz.height), seed=seed, key=tag + "|rows", n_boot=n_boot,  # type: ignore[arg-type]
+            compared = {k: stats[k] for k in COMPARED}
+            est_r = bootstrap(compared, Design.rows(nz.size), seed=seed, key=tag + "|rows", n_boot=n_boot,  # type: ignore[arg-type]
                               level=level)
             for prefix, e in est_r.items():
                 row.update({f"{prefix}_row_lo": e.lo, f"{prefix}_row_hi": e.hi})
-        gap = _finite(nz["gap_closed"].cast(pl.Float64).to_numpy())
+        gap = _finite(cols["gap_closed"][nz])
         qs = np.quantile(gap, [0.1, 0.25, 0.75, 0.9]) if gap.size else [np.nan] * 4
         row.update({"gap_closed_q10": qs[0], "gap_closed_q25": qs[1], "gap_closed_q75": qs[2],
                     "gap_closed_q90": qs[3],
                     "gap_closed_mean": float(gap.mean()) if gap.size else float("nan")})
         row["pi_nonfinite"] = nonfinite
         if has_cert:
-            cert = g.filter(pl.col("es_cert").is_not_null() & pl.col("es_cert").is_finite())
-            if "cert_status" in cert.columns:
-                cert = cert.filter(pl.col("cert_status").cast(pl.Utf8).str.to_lowercase().is_in(["optimal", "certified", "proved", "ok"]))
-            es_hat = cert["es_hat"].to_numpy()
-            es_cert = cert["es_cert"].cast(pl.Float64).to_numpy()
-            beats = es_cert < es_hat - np.maximum(np.abs(es_hat) * REL_TOL, ABS_TOL)
-            row["rows_certified"] = cert.height
-            c_groups = cluster_labels(cert)
-            ce = bootstrap({"c": Mean(beats.astype(float))}, design_for(cert, clusters), seed=seed, key=tag + "|cert",
-                           n_boot=n_boot, level=level)["c"]
+            ci = idx[cert_ok[idx]]
+            es_hat = cols["es_hat"][ci]
+            beats = (es_cert[ci] < es_hat - np.maximum(np.abs(es_hat) * REL_TOL, ABS_TOL)).astype(float)
+            row["rows_certified"] = ci.size
+            cdesign = cl.design(ci)
+            ce = bootstrap({"c": Mean(beats)}, cdesign, seed=seed, key=tag + "|cert", n_boot=n_boot, level=level)["c"]
             row.update(_est_cols("cert_beats_pool_frac", ce))
-            row["cert_beats_pool_frac_icc"] = (icc_oneway(beats.astype(float), c_groups) if c_groups is not None
+            row["cert_beats_pool_frac_icc"] = (icc_oneway(beats, cl.prompt[ci]) if cl.prompt is not None
                                                else float("nan"))
             row["cert_interval"] = ce.method
         out.append(row)
@@ -212,12 +246,21 @@ def summarize_all(
         nb = n_boot if name == "model_s" else n_boot_cells
         res[name] = summarize(df, by, seed=seed, n_boot=nb, level=level, threshold=threshold, clusters=clusters,
                               compare_rows=name == "model_s")
-    models = sorted(df["model"].unique().to_list())
-    if len(models) > 1:
-        pooled = summarize(df, ("s",), seed=seed, n_boot=n_boot, level=level, threshold=threshold, clusters=clusters,
-                           compare_rows=True)
-        res["pooled_s"] = pooled.select(pl.lit(pooled_name(models)).alias("model"), pl.all())
+    pooled = summarize_pooled(df, seed=seed, n_boot=n_boot, level=level, threshold=threshold, clusters=clusters)
+    if pooled is not None:
+        res["pooled_s"] = pooled
     return res
+
+
+def summarize_pooled(df: pl.DataFrame, **kwargs: object) -> pl.DataFrame | None:
+    """Per s, all models' rows pooled (models, then prompts, then rows resampled), with the row
+    bootstrap as comparison; ``model`` = ``pooled (A + B)``. None for a single model.
+    ``kwargs``: those of :func:`summarize`."""
+    models = sorted(df["model"].unique().to_list())
+    if len(models) < 2:
+        return None
+    pooled = summarize(df, ("s",), compare_rows=True, **kwargs)  # type: ignore[arg-type]
+    return pooled.select(pl.lit(pooled_name(models)).alias("model"), pl.all())
 
 
 def pooled_name(models: Sequence[str]) -> str:
