@@ -103,7 +103,8 @@ class Clusters:
                 continue
             codes.append(sub)
             names.append(name)
-        return Design.from_codes(codes, names)
+        # a drawn attention row brings all its observations (one per budget s), never a resample of them
+        return Design.from_codes(codes, names, whole_leaves=names[-1] == "row")
 
 
 def design_for(df: pl.DataFrame, levels: Sequence[str] | None = CLUSTER_LEVELS) -> Design:

@@ -70,3 +70,83 @@ def auc_from_counts(counts: np.ndarray, cols: np.ndarray, positive: np.ndarray, 
             below += neg_l
             P += pos_l
         out[r] = num / (P * below) if P > 0 and below > 0 else np.nan
+
+
+@njit(cache=True)
+def _next(state: np.ndarray) -> np.uint64:
+    """xorshift64* step on ``state[0]`` (uint64); returns the scrambled output."""
+    x = state[0]
+    x ^= x >> np.uint64(12)
+    x ^= x << np.uint64(25)
+    x ^= x >> np.uint64(27)
+    state[0] = x
+    return x * np.uint64(2685821657736338717)
+
+
+@njit(cache=True)
+def _below(state: np.ndarray, w: np.int64) -> np.int64:
+    """Uniform integer in [0, w), w < 2^32, without bias (Lemire's multiply-and-reject on the
+    high 32 bits of :func:`_next`)."""
+    ww = np.uint64(w)
+    m = (_next(state) >> np.uint64(32)) * ww
+    low = m & np.uint64(0xFFFFFFFF)
+    if low < ww:
+        t = (np.uint64(0x100000000) - ww) % ww
+        while low < t:
+            m = (_next(state) >> np.uint64(32)) * ww
+            low = m & np.uint64(0xFFFFFFFF)
+    return np.int64(m >> np.uint64(32))
+
+
+@njit(cache=True)
+def resample_counts_kernel(first: np.ndarray, n_child: np.ndarray, depth_off: np.ndarray, order: np.ndarray,
+                           whole_leaves: bool, seed: np.int64, out: np.ndarray) -> None:
+    """Fill ``out`` (int32 ``(b, n)``, zeroed) with ``b`` replicates of a nested design.
+
+    The design is a tree stored depth by depth: the nodes of depth d are
+    ``depth_off[d] .. depth_off[d+1] - 1`` in the flat arrays; node j has ``n_child[j]``
+    children, the children's indices (within depth d+1) starting at ``first[j]``. Depth 0
+    is the root; the children of the last depth are observations, ``order`` maps them to
+    count columns. Each drawn node draws ``n_child`` of its children uniformly with
+    replacement (the recursion of :func:`evictlab.stats.bootstrap.resample_counts`, whose
+    numpy version is the reference); with ``whole_leaves`` the last depth takes every
+    child instead. Draws: xorshift64* seeded by ``seed`` with Lemire's unbiased range
+    reduction (same seed, same counts, on every machine).
+    """
+    state = np.empty(1, np.uint64)
+    state[0] = np.uint64(seed) | np.uint64(1)
+    for _ in range(4):  # decorrelate nearby seeds
+        _next(state)
+    depths = depth_off.shape[0] - 1
+    b = out.shape[0]
+    cap = max(16, out.shape[1])
+    cur = np.empty(cap, np.int64)
+    nxt = np.empty(cap, np.int64)
+    for r in range(b):
+        cur[0] = 0
+        m = 1
+        for d in range(depths):
+            base = depth_off[d]
+            need = 0
+            for i in range(m):
+                need += n_child[base + cur[i]]
+            last = d == depths - 1
+            if not last and need > nxt.shape[0]:
+                nxt = np.empty(2 * need, np.int64)
+            k = 0
+            for i in range(m):
+                node = base + cur[i]
+                w = n_child[node]
+                f = first[node]
+                for c in range(w):
+                    child = f + c if (last and whole_leaves) else f + _below(state, w)
+                    if last:
+                        out[r, order[child]] += 1
+                    else:
+                        nxt[k] = child
+                        k += 1
+            if not last:
+                if cur.shape[0] < nxt.shape[0]:
+                    cur = np.empty(nxt.shape[0], np.int64)
+                cur, nxt = nxt, cur
+                m = k
