@@ -154,3 +154,35 @@ def test_cli_missing_file_is_one_line_exit_2(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "no such file or folder" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_batched_capture_equals_one_prompt_per_forward(tmp_path: Path, llama) -> None:
+    f = tmp_path / "t.txt"
+    f.write_text(_prose(6, 200), encoding="utf-8")
+    base = dict(model="tiny-llama", source=f"file:{f}", context=96, positions=4, prompts=5, seed=1)
+    one = run_capture(CaptureConfig(**base, batch=1), tmp_path / "one", model=llama, tokenizer=TOK, progress=False)
+    four = run_capture(CaptureConfig(**base, batch=4), tmp_path / "four", model=llama, tokenizer=TOK, progress=False)
+    assert one.rows_total == four.rows_total == 5 * 2 * 4 * 4
+    a, b = RowStore.open(tmp_path / "one"), RowStore.open(tmp_path / "four")
+    assert a.prompts["tokens"].to_list() == b.prompts["tokens"].to_list()
+    assert a.meta.equals(b.meta)
+    ra, rb = a.get_rows(np.arange(a.n_rows)), b.get_rows(np.arange(b.n_rows))
+    assert np.allclose(ra.p, rb.p, rtol=0, atol=1e-6) and np.allclose(ra.values, rb.values, rtol=0, atol=1e-6)
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="no CUDA device")
+def test_cuda_capture_equals_cpu(tmp_path: Path) -> None:
+    import torch
+
+    f = tmp_path / "t.txt"
+    f.write_text(_prose(7, 200), encoding="utf-8")
+    base = dict(model="tiny-llama", source=f"file:{f}", context=96, positions=4, prompts=3, seed=1)
+    cpu_model = tiny_model("llama", seed=5)[0]
+    gpu_model = tiny_model("llama", seed=5)[0].to("cuda")
+    run_capture(CaptureConfig(**base), tmp_path / "cpu", model=cpu_model, tokenizer=TOK, progress=False)
+    s = run_capture(CaptureConfig(**base, device="cuda"), tmp_path / "gpu", model=gpu_model, tokenizer=TOK,
+                    progress=False)
+    assert s.max_verify_error < 1e-4 and torch.cuda.is_available()
+    a, b = RowStore.open(tmp_path / "cpu"), RowStore.open(tmp_path / "gpu")
+    ra, rb = a.get_rows(np.arange(a.n_rows)), b.get_rows(np.arange(b.n_rows))
+    assert a.meta.equals(b.meta) and np.allclose(ra.p, rb.p, atol=1e-4)

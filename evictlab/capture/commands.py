@@ -72,6 +72,8 @@ def capture(
     rows_per_shard: int = typer.Option(16384, "--rows-per-shard", help="Rows per array shard (cut at prompt ends)."),
     threads: int = typer.Option(0, "--threads", help="torch CPU threads (0 = torch default; 1 is often "
                                 "fastest on a busy shared machine)."),
+    batch: int = typer.Option(0, "--batch", help="Prompts per forward pass (consecutive prompts of equal length, "
+                              "e.g. text windows); 0 = auto: 8 on CUDA, 1 on CPU."),
     out: Path = typer.Option(..., "--out", help="Row dataset directory (created, or resumed if it exists)."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
 ) -> None:
@@ -85,7 +87,7 @@ def capture(
 
     cfg = CaptureConfig(model=model, source=source, context=context, positions=positions, prompts=prompts,
                         mode=mode, layers=layers, device=device, seed=seed, rows_per_shard=rows_per_shard,
-                        threads=threads)
+                        threads=threads, batch=batch)
     s = run_capture(cfg, out, progress=not quiet)
     typer.echo(f"{s.rows_written} rows from {s.prompts_written} prompts in {s.seconds:.1f} s "
                f"({s.rows_per_second:.0f} rows/s; {s.prompts_skipped} prompts already done); "

@@ -77,6 +77,9 @@ class CaptureConfig:
     #: torch CPU threads (0 = torch's default). On a shared, oversubscribed machine one
     #: thread can be ~10x faster than two (spinning OpenMP workers); see docs/performance.md.
     threads: int = 0
+    #: prompts per forward pass (consecutive prompts of equal length; text sources always
+    #: are); 0 = auto: 8 on CUDA, 1 on CPU (docs/performance.md, capture batching)
+    batch: int = 0
 
     def check(self) -> None:
         """InputError on any setting that cannot work, before the model is loaded."""
@@ -89,7 +92,8 @@ class CaptureConfig:
             raise InputError("--mode", f"query-aware capture needs a question, {self.source} passages have none",
                              "use a task source (needle, multi_needle, multi_key, variable_tracking)")
         for name, val, lo in (("--context", self.context, 16), ("--positions", self.positions, 1),
-                              ("--prompts", self.prompts, 1), ("--rows-per-shard", self.rows_per_shard, 1)):
+                              ("--prompts", self.prompts, 1), ("--rows-per-shard", self.rows_per_shard, 1),
+                              ("--batch", self.batch, 0)):
             if not isinstance(val, int) or val < lo:
                 raise InputError(name, f"must be an integer >= {lo}, got {val!r}", f"pass {name} {max(lo, 1)} or more")
         if self.mode == "query-agnostic" and self.positions > self.context // 2:
@@ -169,23 +173,35 @@ def _tokens_for_forward(prompt: PromptTokens, mode: str) -> list[int]:
 def capture_prompt(model: Any, tokens: list[int], positions: np.ndarray, layers: list[int] | None,
                    device: Any) -> dict[int, Any]:
     """One forward over ``tokens`` under hooks; ``{layer: LayerCapture}``, every row verified."""
+    return capture_batch(model, [tokens], [positions], layers, device)[0]
+
+
+def capture_batch(model: Any, token_lists: list[list[int]], position_lists: list[np.ndarray],
+                  layers: list[int] | None, device: Any) -> list[dict[int, Any]]:
+    """One forward over several prompts of equal length; one ``{layer: LayerCapture}`` per prompt.
+
+    Every captured row is verified against the attention module's own output.
+    """
     import torch
 
-    ids = torch.tensor([tokens], dtype=torch.long, device=device)
+    if len({len(t) for t in token_lists}) != 1:
+        raise InputError("--batch", "prompts of one forward must have equal lengths", "use --batch 1")
+    ids = torch.tensor(token_lists, dtype=torch.long, device=device)
     # the decoder stack without the LM head: logits are not needed, and the head is ~20% of
     # SmolLM2's FLOPs (a 49k-word vocabulary)
     body = getattr(model, "base_model", model)
-    with torch.inference_mode(), AttentionCapture(model, positions, layers) as cap:
+    with torch.inference_mode(), AttentionCapture(model, list(position_lists), layers) as cap:
         body(input_ids=ids, use_cache=False)
-    for layer, c in cap.captures.items():
-        err = verify_layer(c)
-        c.verify_error = err  # type: ignore[attr-defined]
-        if not err <= VERIFY_TOL:
-            raise CaptureMismatchError(
-                f"layer {layer}: captured rows reproduce the module's output only to {err:.2e} "
-                f"(> {VERIFY_TOL:g}); this architecture computes attention in a way the hooks "
-                "do not see (e.g. logit soft-capping or a value norm), so its rows would be wrong")
-    return cap.captures
+    for item in cap.items:
+        for layer, c in item.items():
+            err = verify_layer(c)
+            c.verify_error = err  # type: ignore[attr-defined]
+            if not err <= VERIFY_TOL:
+                raise CaptureMismatchError(
+                    f"layer {layer}: captured rows reproduce the module's output only to {err:.2e} "
+                    f"(> {VERIFY_TOL:g}); this architecture computes attention in a way the hooks "
+                    "do not see (e.g. logit soft-capping or a value norm), so its rows would be wrong")
+    return cap.items
 
 
 def write_prompt(writer: Any, prompt_id: int, prompt: PromptTokens, mode: str,
@@ -293,18 +309,29 @@ def run_capture(cfg: CaptureConfig, out: str | Path, *, model: Any = None, token
     with RowWriter(out, model=model_label or cfg.model, capture_mode=cfg.mode, head_dim=head_dim,
                    source=source, rows_per_shard=cfg.rows_per_shard) as writer:
         done = writer.completed_prompts
-        bar = tqdm(range(cfg.prompts), desc=f"capture {cfg.model}", unit="prompt", disable=not progress)
-        for i in bar:
-            if i in done:
-                skipped += 1
-                continue
-            prompt = build_prompt(cfg.source, cfg.context, tokenizer, cfg.seed, i)
-            pos = query_positions(prompt, cfg.mode, cfg.positions, cfg.seed, i)
-            caps = capture_prompt(model, _tokens_for_forward(prompt, cfg.mode), pos, layers, device)
-            worst = max([worst, *(c.verify_error for c in caps.values())])
-            rows_written += write_prompt(writer, i, prompt, cfg.mode, caps)
-            written += 1
+        todo = [i for i in range(cfg.prompts) if i not in done]
+        skipped = cfg.prompts - len(todo)
+        per = cfg.batch or (8 if device.type == "cuda" else 1)
+        bar = tqdm(total=cfg.prompts, initial=skipped, desc=f"capture {cfg.model}", unit="prompt",
+                   disable=not progress)
+        while todo:
+            group = [todo.pop(0)]
+            built = [build_prompt(cfg.source, cfg.context, tokenizer, cfg.seed, group[0])]
+            # consecutive prompts of the same length share one forward
+            while todo and len(group) < per:
+                nxt = build_prompt(cfg.source, cfg.context, tokenizer, cfg.seed, todo[0])
+                if len(_tokens_for_forward(nxt, cfg.mode)) != len(_tokens_for_forward(built[0], cfg.mode)):
+                    break
+                group.append(todo.pop(0))
+                built.append(nxt)
+            pos = [query_positions(p, cfg.mode, cfg.positions, cfg.seed, i) for p, i in zip(built, group)]
+            items = capture_batch(model, [_tokens_for_forward(p, cfg.mode) for p in built], pos, layers, device)
+            for i, prompt, caps in zip(group, built, items):
+                worst = max([worst, *(c.verify_error for c in caps.values())])
+                rows_written += write_prompt(writer, i, prompt, cfg.mode, caps)
+                written += 1
             dt = time.perf_counter() - t0
+            bar.update(len(group))
             bar.set_postfix(rows=rows_written, rows_s=f"{rows_written / max(dt, 1e-9):.0f}")
         bar.close()
     seconds = time.perf_counter() - t0
