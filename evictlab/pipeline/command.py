@@ -80,6 +80,8 @@ def demo(
     n_boot: int = typer.Option(1000, "--n-boot", help="Bootstrap resamples for medians and AUCs."),
     hardness_trials: int = typer.Option(40, "--hardness-trials", help="NP-hardness checker instances (0: skip)."),
     runs: Path = typer.Option(Path("runs"), "--runs", help="Folder for run outputs and the rows cache."),
+    threads: int = typer.Option(1, "--threads", help="torch threads of the capture stage (0 = torch's default). One "
+                                "thread avoids OpenMP oversubscription on shared machines (docs/performance.md)."),
     results: Optional[List[Path]] = typer.Option(None, "--results", help="Analyse existing solver results (skip capture and solve)."),
     resolve: bool = typer.Option(False, "--resolve", help="Re-run the solver even if cached results for these rows and settings exist."),
 ) -> None:
@@ -95,14 +97,17 @@ def demo(
 
     if not threshold > 0:
         raise InputError("--threshold", f"must be positive, got {threshold}", "use e.g. 1.11")
+    if threads < 0:
+        raise InputError("--threads", f"must be >= 0, got {threads}", "pass 0 (torch default) or a thread count")
     cfg = AnalysisConfig(budgets=parse_budgets(budgets), threshold=threshold, seed=seed, n_boot=n_boot,
-                         hardness_trials=hardness_trials)
+                         hardness_trials=hardness_trials, threads=threads)
     run_name = name or ("demo" + ("-full" if full else "") + ("-synthetic" if synthetic else ""))
     out = runs / run_name
     record = RunRecord(kind="demo", model=model, seed=seed,
                        config={"full": full, "synthetic": synthetic, "second_model": second_model,
                                "budgets": cfg.budgets, "pool": cfg.pool,
                                "threshold": threshold, "n_boot": n_boot, "certify": certify, "resolve": resolve,
+                               "threads": threads,
                                "results": [str(p) for p in results] if results else None})
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
@@ -122,7 +127,8 @@ def demo(
             result_paths.append(res)
         if certify:
             cspec = cert_spec(specs[0], seed)
-            ccfg = AnalysisConfig(budgets=tuple(b for b in cfg.budgets if b <= CERT_MAX_S) or (4,), pool=cfg.pool)
+            ccfg = AnalysisConfig(budgets=tuple(b for b in cfg.budgets if b <= CERT_MAX_S) or (4,), pool=cfg.pool,
+                                  threads=threads)
             cres, crows = rows_and_results(cspec, ccfg, True, out / "certified" / f"{cspec.label()}.parquet",
                                            runs, resolve, timings, facts, log, tag="certification ")
             cert_paths = [cres]

@@ -75,6 +75,8 @@ class AnalysisConfig:
     rows_note: str = ""
     #: rows per model for the free-weight ablations of pi(s) (a seeded sample, even over prompts)
     ablation_rows: int = 600
+    #: torch threads of the capture stage (``evictlab capture --threads``; 0 = torch's default)
+    threads: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -103,8 +105,11 @@ def _evictlab(args: list[str], log: Any) -> float:
     return time.perf_counter() - t0
 
 
-def ensure_rows(spec: CaptureSpec, cache: Path, log: Any) -> tuple[Path, bool, float]:
-    """Rows for ``spec``, from the cache or freshly produced. Returns (path, cached?, seconds)."""
+def ensure_rows(spec: CaptureSpec, cache: Path, log: Any, threads: int = 1) -> tuple[Path, bool, float]:
+    """Rows for ``spec``, from the cache or freshly produced. Returns (path, cached?, seconds).
+
+    ``threads``: torch threads of the capture (rows do not depend on it beyond rounding).
+    """
     rows = cache / spec.key()
     done = cache / (spec.key() + ".done.json")
     if done.exists() and rows.exists():
@@ -118,7 +123,7 @@ def ensure_rows(spec: CaptureSpec, cache: Path, log: Any) -> tuple[Path, bool, f
     else:
         args = ["capture", "--model", spec.model, "--source", spec.source, "--context", str(spec.context),
                 "--positions", str(spec.positions), "--prompts", str(spec.prompts), "--seed", str(spec.seed),
-                "--out", str(rows)]
+                "--threads", str(threads), "--out", str(rows)]
     secs = _evictlab(args, log)
     from evictlab.io import atomic_write_json
 
@@ -169,7 +174,7 @@ def rows_and_results(spec: CaptureSpec, cfg: AnalysisConfig, certify: bool, res:
 
     Returns ``(res, rows)``: the results file and the row dataset they were solved from.
     """
-    rows, cached, secs = ensure_rows(spec, runs / "cache" / "rows", log)
+    rows, cached, secs = ensure_rows(spec, runs / "cache" / "rows", log, cfg.threads)
     timings[f"{tag}rows {spec.label()}"] = secs
     cached_res = runs / "cache" / "results" / f"{spec.key()}-{solve_key(cfg, certify)}.parquet"
     if cached_res.exists() and not resolve:
