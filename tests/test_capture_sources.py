@@ -15,7 +15,7 @@ from evictlab.capture.runner import CaptureConfig, run_capture
 from evictlab.capture.testing import ByteTokenizer, tiny_model
 from evictlab.capture.texts import load_text_source, tokens_sha256
 from evictlab.errors import InputError
-from evictlab.rows.store import RowStore
+from evictlab.rows import RowStore
 
 TOK = ByteTokenizer()
 

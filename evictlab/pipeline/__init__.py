@@ -35,8 +35,7 @@ from evictlab.pipeline.stages import (
     analyse,
     compute,
     parse_budgets,
-    run_hardness,
 )
 
 __all__ = ["Analysis", "AnalysisConfig", "CaptureSpec", "StageError", "analyse", "compute", "demo",
-           "parse_budgets", "run_hardness"]
+           "parse_budgets"]

@@ -110,6 +110,7 @@ def ensure_rows(spec: CaptureSpec, cache: Path, log: Any, threads: int = 1) -> t
 
     ``threads``: torch threads of the capture (rows do not depend on it beyond rounding).
     """
+    cache.mkdir(parents=True, exist_ok=True)  # the commands want an existing parent folder
     rows = cache / spec.key()
     done = cache / (spec.key() + ".done.json")
     if done.exists() and rows.exists():
@@ -181,6 +182,7 @@ def rows_and_results(spec: CaptureSpec, cfg: AnalysisConfig, certify: bool, res:
         log(f"solver results cached: {cached_res}")
         timings[f"{tag}solve {spec.label()}"] = 0.0
     else:
+        cached_res.parent.mkdir(parents=True, exist_ok=True)
         timings[f"{tag}solve {spec.label()}"] = solve_rows(rows, cached_res, cfg, certify, log)
         _label_model(cached_res, spec.label())
     _copy(cached_res, res)
@@ -358,7 +360,7 @@ def compute(results: Any, out_dir: str | os.PathLike[str], cfg: AnalysisConfig, 
         claim_rows += cl.penalty_head_dim(explanation.verdict, penalty, claim_note)
     claim_rows += cl.auc_range(auc_mass, claim_note, cfg.threshold)
     if cfg.hardness_trials > 0:
-        trials = run_hardness(cfg.hardness_trials, cfg.hardness_size, cfg.seed)
+        trials = hardness_stage(cfg, out / "hardness", log)
         write_parquet(trials, tables / "hardness_trials.parquet")
         claim_rows += cl.np_hardness(trials, cfg.hardness_size, cfg.seed)
     cert_summary = None
@@ -406,9 +408,21 @@ def analyse(results: Any, out_dir: str | os.PathLike[str], cfg: AnalysisConfig,
     return report
 
 
-def run_hardness(trials: int, size: int, seed: int) -> Any:
-    """Run the ZERO-ES reduction checker (balanced yes/no k-subset-sum instances) and return its trial table."""
-    from evictlab.hardness.check import run_check
-    from evictlab.hardness.generators import balanced
+def hardness_stage(cfg: AnalysisConfig, work: Path, log: Any) -> Any:
+    """``evictlab hardness check --trials N --size n --seed S --out WORK`` (a subprocess, like
+    stages 1-2, so its input errors name that command's options); returns its trial table.
 
-    return run_check(balanced(seed, trials, size, None))
+    Exit status 1 means the exact methods disagreed: that is a result (the claims table
+    reports the disagreements), not a failed stage.
+    """
+    import polars as pl
+
+    args = ["hardness", "check", "--trials", str(cfg.hardness_trials), "--size", str(cfg.hardness_size),
+            "--seed", str(cfg.seed), "--out", str(work), "--overwrite"]
+    work.mkdir(parents=True, exist_ok=True)
+    log(f"$ evictlab {' '.join(args)}")
+    proc = subprocess.run([sys.executable, "-m", "evictlab.cli", *args])
+    trials = work / "trials.parquet"
+    if proc.returncode not in (0, 1) or not trials.is_file():
+        raise StageError(f"`evictlab {' '.join(args)}` exited with status {proc.returncode}; see its message above")
+    return pl.read_parquet(trials)
