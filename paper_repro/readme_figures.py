@@ -39,11 +39,11 @@ def excerpt(claims: pl.DataFrame) -> pl.DataFrame:
     keep = (
         ((pl.col("claim_id") == "ceiling") & pl.col("budgets").is_in(list(ends)))
         | pl.col("claim_id").is_in(["penalty-trend", "penalty-head-dim"])
-        | ((pl.col("claim_id") == "auc") & pl.col("budgets").is_in(["s=all", "s=" + "all"]))
+        | ((pl.col("claim_id") == "auc") & (pl.col("budgets") == "s=all"))
         | ((pl.col("claim_id") == "auc") & pl.col("model").str.starts_with("pooled") & pl.col("budgets").is_in(list(ends)))
         | (pl.col("claim_id") == "np-hardness")
     )
-    out = claims.filter(keep).with_columns(pl.col("model").str.replace(r" \(.*\)$", ""))
+    out = claims.filter(keep).with_columns(pl.col("model").str.replace(r" \([^()]*\)$", ""))  # drop the weights note
     return out.select(EXCERPT_COLUMNS)
 
 

@@ -26,7 +26,9 @@ MODEL_WEIGHTS = {
 
 
 def weights_for(model: str, default: str = WEIGHTS_NOTE) -> str:
-    """The weights note of a registry model, else ``default``."""
+    """The weights note of a registry model, else ``default`` (rows pooled over models: each model's own)."""
+    if model.startswith("pooled ("):
+        return "each model's weights as in its own rows"
     return MODEL_WEIGHTS.get(model, default)
 POOL_NOTE = "ES_hat over candidate pool C_s(2, 2) (ours)"
 
@@ -130,12 +132,19 @@ def penalty_head_dim(verdict: str, table: pl.DataFrame, weights_note: str = WEIG
     ``table``: :func:`evictlab.stats.penalty.penalty_table`.
     """
     hull = table.filter(pl.col("definition") == "hull").sort("model", "s")
-    ours = "; ".join(f"{r['model']} s/d={r['s_over_d']:.3g}: {r['pi']:.2f}" for r in hull.iter_rows(named=True))
     models = sorted(hull["model"].unique().to_list())
+    rows = hull.to_dicts()
+    pairs = [(a, b) for i, a in enumerate(rows) for b in rows[i + 1:]
+             if a["model"] != b["model"] and np.isclose(a["s_over_d"], b["s_over_d"])]
+    if pairs:  # the test itself: the models at equal s / head_dim
+        ours = "; ".join(f"s/d={a['s_over_d']:.3g}: {a['model']} (s={a['s']}) {a['pi']:.2f} vs {b['model']} (s={b['s']}) "
+                         f"{b['pi']:.2f}" for a, b in pairs)
+    else:
+        ours = "; ".join(f"{r['model']} s/d={r['s_over_d']:.3g}: {r['pi']:.2f}" for r in rows)
     return [ClaimRow(
         "penalty-head-dim", "(our check) is pi(s) a function of s / head_dim?",
         "1.07 (s/d=4/128) -> 1.79 (s/d=32/128)", ours, verdict.split(":")[0],
-        ", ".join(f"{m} ({weights_for(m, weights_note)})" for m in models),
+        f"{' + '.join(models)} ({'; '.join(f'{m}: {weights_for(m, weights_note)}' for m in models)})",
         f"{int(hull['rows'].max()):,} sampled rows per (model, s)", "s=" + ",".join(map(str, sorted(set(hull["s"].to_list())))),
         "pi at T_s against s/head_dim; alternative free weights (affine, cone, span, ratio of medians) as ablations (ours)",
         str(hull["interval"][0]) if hull.height else "")]
