@@ -186,3 +186,22 @@ def test_cuda_capture_equals_cpu(tmp_path: Path) -> None:
     a, b = RowStore.open(tmp_path / "cpu"), RowStore.open(tmp_path / "gpu")
     ra, rb = a.get_rows(np.arange(a.n_rows)), b.get_rows(np.arange(b.n_rows))
     assert a.meta.equals(b.meta) and np.allclose(ra.p, rb.p, atol=1e-4)
+
+
+def test_too_short_text_refused_before_the_dataset_exists(tmp_path: Path, llama) -> None:
+    f = tmp_path / "short.txt"
+    f.write_text("only a few words\n")
+    with pytest.raises(InputError, match="longest: 17 characters"):  # before the model is touched
+        _capture(f"file:{f}", tmp_path / "a", None, context=64)
+
+    class PairTokenizer(ByteTokenizer):  # two characters per token
+        def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+            b = text.encode("utf-8")
+            return {"input_ids": ([1] if add_special_tokens else []) + [b[i] for i in range(0, len(b), 2)]}
+
+    g = tmp_path / "mid.txt"
+    g.write_text("x" * 120 + "\n")  # enough characters for 100 tokens, not enough tokens (BOS + 61)
+    cfg = CaptureConfig(model="tiny-llama", source=f"file:{g}", context=100, positions=3, prompts=2, seed=2)
+    with pytest.raises(InputError, match="longest: 62 tokens"):
+        run_capture(cfg, tmp_path / "b", model=llama, tokenizer=PairTokenizer(), progress=False)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

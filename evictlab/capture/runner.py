@@ -239,7 +239,14 @@ def _text_provenance(cfg: CaptureConfig) -> dict[str, str]:
 
     if not is_text_source(cfg.source):
         return {}
-    return {"prompt_rule": PROMPT_RULE, "text_sha256": load_text_source(cfg.source).sha256()}
+    src = load_text_source(cfg.source)
+    longest = max(len(d.text) for d in src.documents)
+    if longest + 1 < cfg.context:  # a token covers at least one character (+1: a BOS token)
+        raise InputError("--context", f"{cfg.context} tokens is longer than every text of {cfg.source} "
+                         f"(longest: {longest} characters)",
+                         f"use longer texts (English prose: about {4 * cfg.context} characters for {cfg.context} tokens) "
+                         "or a smaller --context")
+    return {"prompt_rule": PROMPT_RULE, "text_sha256": src.sha256()}
 
 
 def _check_resume(out: Path, cfg: CaptureConfig, text: dict[str, str]) -> None:
@@ -305,6 +312,9 @@ def run_capture(cfg: CaptureConfig, out: str | Path, *, model: Any = None, token
               "gqa": {str(s.layer): [s.n_q_heads, s.n_kv_heads] for s in sites},
               "sliding_window": {str(s.layer): s.sliding_window for s in sites},
               "positions_rule": POSITIONS_RULE[cfg.mode], **text}
+    # a prompt the settings cannot build (e.g. a text shorter than --context) is refused
+    # before the dataset folder exists
+    build_prompt(cfg.source, cfg.context, tokenizer, cfg.seed, 0)
     t0 = time.perf_counter()
     written = skipped = rows_written = 0
     worst = 0.0
