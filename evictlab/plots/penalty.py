@@ -43,7 +43,8 @@ def penalty_curve(summary: pl.DataFrame, out: str | os.PathLike[str]) -> Figure:
     ax.legend(fontsize=7)
     caption = ("pi(s) = median over rows of e(A)/e_free(A), the forced (renormalised) error over the free-weight "
                "error (distance from mu to the convex hull of the kept values; ours), at A = T_s (solid) and at the "
-               "pool argmin (dashed); bars are 95% percentile-bootstrap CIs of the median; stars are the paper's "
+               "pool argmin (dashed); bars are 95% percentile intervals of the median from a cluster bootstrap over prompts "
+               "(the summary table's `interval` column names the design); stars are the paper's "
                "reported values. Rows with e(T_s) = 0 or e_free = 0 are excluded and counted in the tables.")
     return save(fig, out, caption)
 

