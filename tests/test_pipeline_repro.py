@@ -73,3 +73,26 @@ def test_certification_pass_is_its_own_claim(tmp_path: Path) -> None:
     assert cert["budgets"].to_list() == ["s=4", "s=8"] and all("of 120" in r for r in cert["rows"].to_list())
     reads = json.loads((out / "inputs_read.json").read_text())
     assert reads["claim_selection_ceiling.py"]["pairs"] == 1200 and reads["claim_certified_pool.py"]["pairs"] == 240
+
+
+@pytest.mark.slow
+def test_penalty_script_uses_the_runs_rows(tmp_path: Path) -> None:
+    """claim_penalty_trend.py reads the run's results and their rows, and states the s/head_dim check."""
+    from evictlab.rows import SynthConfig, synthesize
+    from evictlab.solve import SolveConfig, solve_rows
+
+    run = tmp_path / "run"
+    (run / "results").mkdir(parents=True)
+    rows = tmp_path / "rows"
+    synthesize(rows, SynthConfig(rows=48, keys=30, dim=6, seed=4, rows_per_block=8))
+    res = run / "results" / "syn.parquet"
+    solve_rows(rows, res, SolveConfig(budgets=(2, 4)), progress=False)
+    (run / "inputs.json").write_text(json.dumps({"results": {"syn": str(res)}, "rows": {"synthetic": str(rows)},
+                                                 "certified": {}}))
+    out = tmp_path / "out"
+    printed = _run("claim_penalty_trend.py", "--run", str(run), "--out", str(out), "--figures", str(tmp_path / "f"),
+                   "--n-boot", "30", "--ablation-rows", "0")
+    assert "read 96 (row, s) pairs (results)" in printed and "pi(s) vs s/head_dim:" in printed
+    claims = json.loads((out / "claims.json").read_text())
+    assert "penalty-head-dim" in {r["claim_id"] for r in claims}
+    assert (tmp_path / "f" / "penalty_vs_head_dim.png").exists()
