@@ -29,8 +29,8 @@ def capture(
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     seed: int = typer.Option(0, "--seed", min=0, help="Seed of prompts and positions."),
     rows_per_shard: int = typer.Option(16384, "--rows-per-shard", help="Rows per array shard (cut at prompt ends)."),
-    threads: int = typer.Option(0, "--threads", help="torch CPU threads (0 = torch default; 1 is often "
-                                "fastest on a busy shared machine)."),
+    threads: int = typer.Option(0, "--threads", help="CPU threads of the computation (torch) (0 = the library default, all cores; 1 is "
+                                "often fastest on a busy shared machine)."),
     batch: int = typer.Option(0, "--batch", help="Prompts per forward pass (consecutive prompts of equal length, "
                               "e.g. text windows); 0 = auto: 8 on CUDA, 1 on CPU."),
     out: Path = typer.Option(..., "--out", help="Row dataset directory (created, or resumed if it exists)."),

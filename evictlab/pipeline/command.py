@@ -80,7 +80,7 @@ def demo(
     n_boot: int = typer.Option(1000, "--n-boot", help="Bootstrap resamples for medians and AUCs."),
     hardness_trials: int = typer.Option(40, "--hardness-trials", help="NP-hardness checker instances (0: skip)."),
     runs: Path = typer.Option(Path("runs"), "--runs", help="Folder for run outputs and the rows cache."),
-    threads: int = typer.Option(1, "--threads", help="torch threads of the capture stage (0 = torch's default). One "
+    threads: int = typer.Option(1, "--threads", help="CPU threads of the capture stage's computation (torch) (0 = the library default, all cores). One "
                                 "thread avoids OpenMP oversubscription on shared machines (docs/performance.md)."),
     results: Optional[List[Path]] = typer.Option(None, "--results", help="Analyse existing solver results (skip capture and solve)."),
     resolve: bool = typer.Option(False, "--resolve", help="Re-run the solver even if cached results for these rows and settings exist."),
@@ -88,7 +88,7 @@ def demo(
     """The main job: capture -> solve -> stats -> predictors -> figures -> report; prints where the report is."""
     from rich.console import Console
 
-    from evictlab.report.record import RunRecord
+    from evictlab.report.record import RunRecord, record_path
 
     console = Console(stderr=True)
 
@@ -144,7 +144,7 @@ def demo(
                      rows=rows or None)
     timings["analysis"] = time.perf_counter() - t_an
     timings["total"] = time.perf_counter() - t0
-    record.write(out / "run_record.json", timings_s={k: round(v, 2) for k, v in timings.items()},
+    record.write(record_path(out, folder=True), timings_s={k: round(v, 2) for k, v in timings.items()},
                  outputs={"report": str(report), "results": [str(p) for p in result_paths]})
     log(f"done in {timings['total']:.0f}s")
     typer.echo(f"report: {report}")
