@@ -155,11 +155,12 @@ def main() -> None:
     for w in windows:
         print(f"| {w['held']} | {w['window']} | {w['cells']} | {w['cpu_us'] / 1e3:.0f} | {w['wall_us'] / 1e3:.0f} |")
     if args.out is not None:
-        from evictlab.report.record import RunRecord
+        from evictlab.io import atomic_write_json
+        from evictlab.report.record import RunRecord, record_path
 
-        args.out.write_text(json.dumps({"allocate": rows, "window_stats": windows}, indent=1))
+        atomic_write_json(args.out, {"allocate": rows, "window_stats": windows})
         RunRecord(kind="bench.contour", config=vars(args) | {"out": str(args.out)}).write(
-            args.out.with_suffix(".run.json"), output=str(args.out))
+            record_path(args.out), output=str(args.out))
 
 
 if __name__ == "__main__":

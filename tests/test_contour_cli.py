@@ -12,6 +12,7 @@ import pytest
 
 from evictlab import cli
 from evictlab.capture.testing import save_tiny_folder
+from evictlab.report.record import record_path
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> tuple[int, str]:
@@ -46,7 +47,7 @@ def test_contour_fit_writes_a_profile_and_refuses_bad_input(synth_rows: Path, tm
     assert rc == 0, err
     d = json.loads(out.read_text())
     assert d["format"] == "evictlab.contour" and d["version"] == 1 and len(d["cells"]) == 1
-    assert d["source"]["rows_used"] == 200 and json.loads(out.with_suffix(".run.json").read_text())["kind"] == "contour.fit"
+    assert d["source"]["rows_used"] == 200 and json.loads(record_path(out).read_text())["kind"] == "contour.fit"
     assert "flattest" in err
     rc, err = _run(["contour", "fit", str(synth_rows), "--out", str(out)], capsys, monkeypatch)
     assert rc == 2
@@ -86,7 +87,7 @@ def test_decode_contourkv_with_a_trace(tiny_folder: Path, tmp_path: Path, capsys
     assert df.height == res["compressions"] * 2 * 2  # 2 layers x 2 KV heads
     assert set(df["method"]) == {"snapkv+contourkv"} and set(df["protocol"]) == {"query-agnostic"}
     assert df.group_by("compression").agg(pl.col("kept").sum())["kept"].to_list() == [24 * 4] * res["compressions"]
-    record = json.loads(out.with_suffix(".run.json").read_text())
+    record = json.loads(record_path(out).read_text())
     assert str(trace) in record["outputs"]
 
 

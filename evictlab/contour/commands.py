@@ -31,7 +31,7 @@ def fit(
 
     from evictlab.contour.fit import fit_profile
     from evictlab.io import check_output_file
-    from evictlab.report.record import RunRecord
+    from evictlab.report.record import RunRecord, record_path
 
     out = check_output_file(out, "--out", overwrite=overwrite)
     record = RunRecord(kind="contour.fit", config={"rows": str(rows), "results": None if results is None else str(results),
@@ -40,7 +40,7 @@ def fit(
         prof = fit_profile(rows, results, predictor, progress=bar.update)
     record.model = prof.model
     prof.save(out)
-    record.write(out.with_suffix(".run.json"), output=str(out))
+    record.write(record_path(out), output=str(out))
 
     import numpy as np
 

@@ -1,6 +1,6 @@
 """Dropped-mass profiles: the statistic, its online estimate, and the versioned profile file.
 
-**The statistic (ours, ``docs/theory.md``, "ContourKV").** For one attention row ``p`` over
+**The statistic (ours, ``docs/theory.md`` section 10.1).** For one attention row ``p`` over
 ``n`` keys, ``D_p(b)`` is the mass outside the row's ``b`` largest masses, ``b = 0..n``
 (the dropped-mass statistic ``m_b = D(T_b)`` of every budget at once). A cell's profile is
 the mean of ``D_p`` over the cell's rows, where a cell (layer, KV head) owns the rows of

@@ -1,6 +1,6 @@
 """ContourKV (ours): per-cell budgets from dropped-mass profiles, spent along one level.
 
-Definition (``docs/theory.md``, "ContourKV"; ours, from the paper's description): each cell
+Definition (``docs/theory.md`` section 10.1; ours, from the paper's description): each cell
 ``c`` = (layer, KV head) has a dropped-mass profile ``D_c(b)``, the mean attention mass
 outside a row's top-``b`` keys (:mod:`evictlab.contour.profile`). For a budget ``B`` the
 level ``tau`` is chosen with ``sum_c b_c(tau) = B``, where
