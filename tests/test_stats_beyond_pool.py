@@ -1,0 +1,134 @@
+"""Beyond-the-pool statistics: clustered bootstrap, summaries on planted tables, verdicts, figure, script."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+
+from evictlab.errors import InputError
+from evictlab.stats.beyond_pool import (
+    ceiling_verdict, check_beyond_pool, clustered_bootstrap, summarize_beyond_pool,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_clustered_bootstrap_deterministic_and_wider_for_clustered_data() -> None:
+    rng = np.random.default_rng(0)
+    G, m = 12, 40
+    centre = rng.normal(size=G) * 2.0
+    clusters = np.repeat(np.arange(G), m)
+    x = centre[clusters] + 0.1 * rng.normal(size=G * m)
+    a = clustered_bootstrap(x, clusters, np.median, seed=3, key="k", n_boot=400)
+    b = clustered_bootstrap(x, clusters, np.median, seed=3, key="k", n_boot=400)
+    assert a == b
+    assert a.lo <= a.value <= a.hi and a.n == x.size
+    iid = clustered_bootstrap(x, np.arange(x.size), np.median, seed=3, key="k", n_boot=400)
+    assert (a.hi - a.lo) > 3 * (iid.hi - iid.lo)  # rows of one cluster are not independent
+    # every resample is a pooled draw of whole clusters' rows: a constant per cluster stays constant
+    c = clustered_bootstrap(np.ones(10), np.repeat([0, 1], 5), np.mean, seed=0, n_boot=50)
+    assert (c.value, c.lo, c.hi) == (1.0, 1.0, 1.0)
+    with pytest.raises(InputError):
+        clustered_bootstrap(np.array([1.0, np.nan]), np.array([0, 1]), np.median, seed=0)
+    empty = clustered_bootstrap(np.array([]), np.array([]), np.median, seed=0)
+    assert empty.n == 0 and np.isnan(empty.value)
+
+
+def _planted(n_prompts: int = 6, rows: int = 30, certify: bool = True) -> pl.DataFrame:
+    """Results with known relations: es_ls = 0.8 es_hat on odd rows, certified on all but the last prompt."""
+    out = []
+    rid = 0
+    for s in (4, 8):
+        for p in range(n_prompts):
+            for r in range(rows):
+                e_top = 1.0 + 0.01 * r
+                es_hat = 0.95 * e_top
+                es_ls = es_hat * (0.8 if r % 2 else 1.0)
+                row = {"row_id": rid, "s": s, "model": "m", "prompt_id": p, "e_top": e_top, "es_hat": es_hat,
+                       "es_ls": es_ls, "e_top_zero": False}
+                if certify:
+                    opt = p < n_prompts - 1
+                    row.update(es_cert=es_ls, cert_status="optimal" if opt else "limit",
+                               cert_lb=es_ls * (1 - 1e-9) if opt else 0.5 * es_ls, cert_nodes=100)
+                out.append(row)
+                rid += 1
+    # one e(T_s) = 0 row per budget: counted, never used
+    for s in (4, 8):
+        z = {"row_id": rid, "s": s, "model": "m", "prompt_id": 0, "e_top": 0.0, "es_hat": 0.0, "es_ls": 0.0,
+             "e_top_zero": True}
+        if certify:
+            z.update(es_cert=0.0, cert_status="optimal", cert_lb=0.0, cert_nodes=1)
+        out.append(z)
+        rid += 1
+    return pl.DataFrame(out)
+
+
+def test_summary_on_planted_table() -> None:
+    df = _planted()
+    sm = summarize_beyond_pool(df, seed=0, n_boot=200)
+    assert sm.height == 2 and sm["s"].to_list() == [4, 8]
+    r = sm.row(0, named=True)
+    assert r["rows"] == 181 and r["rows_e_top_zero"] == 1 and r["rows_used"] == 180 and r["prompts"] == 6
+    assert r["gap_pool_median"] == pytest.approx(0.05)
+    assert r["pool_miss_frac"] == pytest.approx(0.5)
+    g_ls = 1 - 0.95 * np.array([0.8 if k % 2 else 1.0 for k in range(30)])
+    assert r["gap_ls_median"] == pytest.approx(np.median(np.tile(g_ls, 6)))
+    assert r["rows_certified"] == 150 and r["rows_cert_attempted"] == 180
+    assert r["cert_closed_frac"] == pytest.approx(150 / 180)
+    assert r["gap_cert_median"] == pytest.approx(r["gap_ls_cert_median"])
+    assert r["ls_optimal_frac"] == 1.0 and r["pool_miss_cert_frac"] == pytest.approx(0.5)
+    assert r["open_width_median"] == pytest.approx(0.5)
+    # the bracket of the median ceiling: lower end from es_cert, upper end from cert_lb
+    assert r["ceiling_lo_median"] <= r["ceiling_hi_median"]
+    for name in ("gap_pool_median", "gap_ls_median", "pool_miss_frac", "ceiling_hi_median"):
+        assert r[name + "_lo"] <= r[name] <= r[name + "_hi"]
+
+
+def test_summary_without_certificate_and_refusal() -> None:
+    sm = summarize_beyond_pool(_planted(certify=False), seed=0, n_boot=50)
+    assert (sm["rows_certified"] == 0).all() and sm["gap_cert_median"].is_nan().all()
+    with pytest.raises(InputError, match="--search all"):
+        check_beyond_pool(pl.DataFrame({"s": [4], "e_top": [1.0], "es_hat": [0.9]}))
+
+
+@pytest.mark.parametrize("ls, up, want", [
+    ((0.06, 0.05, 0.07), None, "understated"),
+    ((0.03, 0.02, 0.04), (0.04, 0.03, 0.045), "holds"),
+    ((0.03, 0.02, 0.04), None, "consistent"),
+    ((0.01, 0.005, 0.015), None, "below"),
+    ((0.03, 0.02, 0.04), (0.09, 0.08, 0.1), "consistent"),
+])
+def test_verdict_either_way(ls, up, want) -> None:
+    r = {"gap_ls_median": ls[0], "gap_ls_median_lo": ls[1], "gap_ls_median_hi": ls[2]}
+    if up:
+        r.update(ceiling_hi_median=up[0], ceiling_hi_median_lo=up[1], ceiling_hi_median_hi=up[2])
+    assert ceiling_verdict(r).startswith(want)
+
+
+def test_figure_and_paper_repro_script(tmp_path: Path) -> None:
+    from evictlab.plots.beyond_pool import gap_pool_vs_allkey
+
+    df = _planted()
+    sm = summarize_beyond_pool(df, seed=0, n_boot=50)
+    fig = gap_pool_vs_allkey(df, sm, tmp_path / "fig")
+    assert fig.png.stat().st_size > 1000 and fig.pdf.exists() and "clustered" in fig.caption
+    res = tmp_path / "r.parquet"
+    df.write_parquet(res)
+    r = subprocess.run([sys.executable, str(ROOT / "paper_repro" / "claim_ceiling_beyond_pool.py"), "--results",
+                        str(res), "--n-boot", "50", "--out", str(tmp_path / "out"), "--figures",
+                        str(tmp_path / "figs")], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "360 (row, s) pairs used" in r.stdout and "300 certified optimal" in r.stdout
+    claims = (tmp_path / "out" / "claims.md").read_text()
+    assert "beyond the pool" in claims and "understated" in claims
+    assert pl.read_parquet(tmp_path / "out" / "ceiling_beyond_pool.parquet").height == 2
+    assert (tmp_path / "figs" / "ceiling_beyond_pool.png").exists()
+    bad = subprocess.run([sys.executable, str(ROOT / "paper_repro" / "claim_ceiling_beyond_pool.py"), "--results",
+                          str(tmp_path / "none.parquet"), "--out", str(tmp_path / "o2")],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
