@@ -38,9 +38,9 @@ def main() -> None:
     args = ap.parse_args()
 
     from evictlab.capture.prompts import build_prompt
-    from evictlab.capture.registry import load_model
+    from evictlab.models.loading import load_model
     from evictlab.capture.runner import capture_prompt, query_positions, write_prompt
-    from evictlab.rows.store import RowWriter
+    from evictlab.rows.writer import RowWriter
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -141,7 +141,7 @@ def bench_attention(reps: int = 200, seed: int = 0) -> list[dict]:
 
 
 def bench_decode(context: int = 4096, new: int = 32, chunk: int = 512) -> list[dict]:
-    from evictlab.capture.registry import load_model
+    from evictlab.models.loading import load_model
     from evictlab.decode.loop import DecodeConfig, run_sequence
     from evictlab.decode.tasks import heldout_windows
     from evictlab.kv.budget import Budget

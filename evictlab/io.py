@@ -1,8 +1,12 @@
-"""Atomic file writes and checksums shared by every module that writes results.
+"""Files: atomic writes, checksums, guarded reads, output-path checks and write locks.
 
-A write goes to a temporary file in the destination folder, is flushed and fsynced, then
-renamed over the destination, so a crash never leaves a half-written file under the final
-name (``os.replace`` is atomic on POSIX within one filesystem).
+* Writes go to a temporary file in the destination folder, are flushed and fsynced, then
+  renamed over the destination, so a crash never leaves a half-written file under the final
+  name (``os.replace`` is atomic on POSIX within one filesystem).
+* Reads of our own files (:func:`read_json`, :func:`read_parquet`, :func:`load_npz`) turn
+  any decoding failure into one :class:`~evictlab.errors.CorruptFileError` naming the file.
+* :func:`check_output_path` applies the one rule for outputs (the parent folder must exist;
+  a file is not a directory), and :func:`exclusive_lock` refuses a second writer at once.
 """
 
 from __future__ import annotations
@@ -12,8 +16,12 @@ import hashlib
 import json
 import os
 import tempfile
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
+
+from evictlab.errors import CorruptFileError, EvictlabError, InputError
 
 
 @contextlib.contextmanager
@@ -38,6 +46,17 @@ def atomic_path(dest: str | os.PathLike[str], suffix: str = "") -> Iterator[Path
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
+
+
+def remove_temp_files(folder: str | os.PathLike[str], dests: tuple[str, ...]) -> None:
+    """Delete the temporary files that interrupted :func:`atomic_path` writes of the
+    destinations named ``dests`` (file names, or name prefixes ending in ``-``) left in
+    ``folder``: ``.<dest name>.<random><suffix>.tmp``. Call it only while holding the
+    destinations' write lock; other files are never touched."""
+    prefixes = tuple(f".{d}" if d.endswith("-") else f".{d}." for d in dests)
+    for f in Path(folder).iterdir():
+        if f.name.startswith(prefixes) and f.name.endswith(".tmp"):
+            f.unlink(missing_ok=True)
 
 
 def _umask() -> int:
@@ -73,3 +92,258 @@ def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
                 break
             h.update(block)
     return h.hexdigest()
+
+
+def write_npz(dest: str | os.PathLike[str], arrays: dict[str, Any]) -> None:
+    """Write numpy ``arrays`` as an uncompressed ``.npz`` atomically, byte-reproducibly.
+
+    ``numpy.savez`` stamps each member with the current time, so equal arrays give
+    different files; here every member gets a fixed timestamp and the members are written
+    in sorted name order, so equal arrays give byte-identical files (and equal SHA-256).
+    """
+    import zipfile
+
+    import numpy as np
+
+    with atomic_path(dest, suffix=".npz") as tmp:
+        with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+            for name in sorted(arrays):
+                info = zipfile.ZipInfo(name + ".npy", date_time=(1980, 1, 1, 0, 0, 0))
+                with zf.open(info, "w", force_zip64=True) as fh:
+                    np.lib.format.write_array(
+                        fh, np.ascontiguousarray(arrays[name]), allow_pickle=False
+                    )
+
+
+# --------------------------------------------------------------------------------------
+# Guarded reads: any decoding failure becomes one CorruptFileError naming the file
+# --------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _decoding(path: Path, what: str, fix: str) -> Iterator[None]:
+    """Turn every failure to decode ``path`` into :class:`CorruptFileError`.
+
+    Decoders fail in many ways on damaged bytes: ``OSError``, ``ValueError``,
+    ``zipfile.BadZipFile``, ``EOFError``, ``MemoryError`` (a damaged length field),
+    polars' ``ComputeError``, pyarrow's ``ArrowInvalid``, and Rust panics surfaced by pyo3
+    as ``PanicException``, which derives from ``BaseException``. So everything is caught
+    except the exceptions that stop a program on purpose.
+    """
+    try:
+        yield
+    except FileNotFoundError:
+        raise CorruptFileError(str(path), "is missing", fix) from None
+    except (KeyboardInterrupt, SystemExit, GeneratorExit, EvictlabError):
+        raise
+    except BaseException as exc:  # noqa: BLE001 -- see the docstring
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise CorruptFileError(str(path), f"cannot be read as {what} ({type(exc).__name__}"
+                               f"{': ' + msg[:200] if msg else ''})", fix) from None
+
+
+def read_json(path: str | os.PathLike[str], fix: str) -> Any:
+    """Parse the UTF-8 JSON file ``path``; any failure is a :class:`CorruptFileError`."""
+    path = Path(path)
+    with _decoding(path, "JSON", fix):
+        return json.loads(path.read_text(encoding="utf-8"))
+
+
+def read_parquet(path: str | os.PathLike[str], fix: str) -> Any:
+    """Read the Parquet file ``path`` into a polars frame; any failure (including a
+    polars panic) is a :class:`CorruptFileError` naming ``path`` and ``fix``."""
+    import polars as pl
+
+    path = Path(path)
+    with _decoding(path, "Parquet", fix):
+        return pl.read_parquet(path)
+
+
+def load_npz(path: str | os.PathLike[str], fix: str) -> dict[str, Any]:
+    """All arrays of the ``.npz`` file ``path`` (no pickles); any failure is a
+    :class:`CorruptFileError`."""
+    import numpy as np
+
+    path = Path(path)
+    with _decoding(path, ".npz arrays", fix):
+        with np.load(path, allow_pickle=False) as z:
+            return {name: z[name] for name in z.files}
+
+
+def check_sha256(path: str | os.PathLike[str], expected: str, fix: str) -> None:
+    """Raise :class:`CorruptFileError` unless ``path`` exists and has SHA-256 ``expected``."""
+    path = Path(path)
+    if not path.is_file():
+        raise CorruptFileError(str(path), "is missing", fix)
+    if sha256_file(path) != expected:
+        raise CorruptFileError(str(path), "fails its SHA-256 checksum (damaged or replaced "
+                               "after it was written)", fix)
+
+
+# --------------------------------------------------------------------------------------
+# Output paths and locks
+# --------------------------------------------------------------------------------------
+
+
+def check_output_path(path: str | os.PathLike[str], option: str, *, directory: bool) -> Path:
+    """Check an output path before anything is written; return it as a :class:`Path`.
+
+    The rule for every output: its parent folder must already exist (a typo in a path
+    never creates a stray tree of folders), and it must be of the right kind if it exists
+    (a dataset directory, ``directory=True``, or a file). ``option`` names the CLI option.
+    """
+    path = check_parent(path, option)
+    if directory and path.exists() and not path.is_dir():
+        raise InputError(option, f"{path} is a file, not a dataset directory",
+                         f"choose a new directory name for {option} (or remove that file)")
+    if not directory and path.is_dir():
+        raise InputError(option, f"{path} is a directory, not a file",
+                         f"pass a file path for {option}, e.g. {path / 'results.parquet'}")
+    return path
+
+
+def check_parent(path: str | os.PathLike[str], option: str) -> Path:
+    """Raise :class:`InputError` naming ``option`` unless ``path``'s parent folder exists."""
+    path = Path(path)
+    parent = path.parent
+    if not parent.is_dir():
+        what = "is not a folder" if parent.exists() else "does not exist"
+        raise InputError(option, f"the parent folder {parent} of {path} {what}",
+                         f"create the folder first (mkdir -p {parent}) or choose another {option}")
+    return path
+
+
+def lock_path_for(target: str | os.PathLike[str]) -> Path:
+    """The lock file guarding writes to ``target``: ``.<name>.lock`` in the same folder."""
+    target = Path(target)
+    return target.with_name(f".{target.name}.lock")
+
+
+@dataclass
+class _Held:
+    pid: int        # process that took the lock (a forked child does not hold it)
+    owner: int      # thread id
+    count: int
+    fd: int
+
+
+_HELD: dict[str, _Held] = {}
+_HELD_GUARD = threading.Lock()
+
+
+class FileLock:
+    """An exclusive, non-blocking lock on a lock file (``fcntl.flock``), held by one writer.
+
+    A second process (or another thread) that asks for it is refused at once with an
+    :class:`InputError` naming ``option`` and the process holding it; it never waits. The
+    lock is re-entrant in the thread that holds it (a command may take it, then call a
+    library function that takes it again). It dies with its process, so a killed run
+    never leaves a stale lock, only a harmless lock file that the next run reuses. The
+    lock file is removed on release.
+    """
+
+    def __init__(self, target: str | os.PathLike[str], option: str) -> None:
+        self.target = Path(target)
+        self.path = lock_path_for(self.target)
+        self.option = option
+        self._key: str | None = None
+
+    def _busy(self) -> InputError:
+        try:
+            pid = self.path.read_text().strip() or "?"
+        except OSError:
+            pid = "?"
+        return InputError(self.option, f"{self.target} is being written by another evictlab run "
+                          f"(pid {pid}; lock file {self.path})",
+                          f"wait for that run to finish (or stop it), or choose another {self.option}")
+
+    def acquire(self) -> FileLock:
+        """Take the lock, or raise :class:`InputError` if another process/thread holds it."""
+        import fcntl
+
+        if self._key is not None:
+            return self
+        check_parent(self.target, self.option)
+        key = str(self.path.resolve())
+        me = threading.get_ident()
+        with _HELD_GUARD:
+            held = _HELD.get(key)
+            if held is not None and held.pid != os.getpid():
+                del _HELD[key]  # inherited through fork: the parent's lock, not ours
+                held = None
+            if held is not None:
+                if held.owner != me:
+                    raise self._busy()
+                held.count += 1
+                self._key = key
+                return self
+            for _ in range(8):
+                try:
+                    fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+                except OSError as exc:
+                    raise InputError(self.option, f"cannot create the lock file {self.path} "
+                                     f"({exc.strerror})", f"choose an {self.option} in a folder "
+                                     "you can write to") from None
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    os.close(fd)
+                    raise self._busy() from None
+                # The previous holder unlinks the file on release; if that happened between
+                # our open and flock, we hold a lock on a deleted file: start over.
+                try:
+                    same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+                except FileNotFoundError:
+                    same = False
+                if not same:
+                    os.close(fd)
+                    continue
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()}\n".encode())
+                _HELD[key] = _Held(os.getpid(), me, 1, fd)
+                self._key = key
+                return self
+        raise self._busy()
+
+    def release(self) -> None:
+        """Release the lock (the last release in the holding thread removes the file)."""
+        if self._key is None:
+            return
+        with _HELD_GUARD:
+            held = _HELD.get(self._key)
+            if held is None or held.pid != os.getpid():  # not ours (e.g. after a fork)
+                self._key = None
+                return
+            held.count -= 1
+            if held.count == 0:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path)  # unlink while still locked, then unlock
+                os.close(held.fd)
+                del _HELD[self._key]
+        self._key = None
+
+    def __enter__(self) -> FileLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def exclusive_lock(target: str | os.PathLike[str], option: str = "--out") -> FileLock:
+    """The write lock of ``target`` (a file or dataset directory), to use as
+    ``with exclusive_lock(out, "--out"): ...``; see :class:`FileLock`."""
+    return FileLock(target, option)
+
+
+def check_output_file(path: str | os.PathLike[str], option: str, *, overwrite: bool) -> Path:
+    """Refuse, before any work, an output file path that would fail or clobber something.
+
+    :func:`check_output_path`'s rule (the folder must exist, a directory is not a file)
+    plus, without ``overwrite``, an existing file is refused with an
+    :class:`~evictlab.errors.InputError` naming ``option`` (e.g. ``"--out"``).
+    """
+    path = check_output_path(path, option, directory=False)
+    if path.exists() and not overwrite:
+        raise InputError(option, f"{path} already exists",
+                         f"pass --overwrite to replace it, or choose another {option}")
+    return path

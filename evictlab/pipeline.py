@@ -112,6 +112,7 @@ def _evictlab(args: list[str], log: Any) -> float:
 
 def ensure_rows(spec: CaptureSpec, cache: Path, log: Any) -> tuple[Path, bool, float]:
     """Rows for ``spec``, from the cache or freshly produced. Returns (path, cached?, seconds)."""
+    cache.mkdir(parents=True, exist_ok=True)  # the commands want an existing parent folder
     rows = cache / spec.key()
     done = cache / (spec.key() + ".done.json")
     if done.exists() and rows.exists():
@@ -506,6 +507,7 @@ def _rows_and_results(spec: CaptureSpec, cfg: AnalysisConfig, certify: bool, res
         log(f"solver results cached: {cached_res}")
         timings[f"{tag}solve {spec.label()}"] = 0.0
     else:
+        cached_res.parent.mkdir(parents=True, exist_ok=True)
         timings[f"{tag}solve {spec.label()}"] = solve_rows(rows, cached_res, cfg, certify, log)
         _label_model(cached_res, spec.label())
     _copy(cached_res, res)

@@ -13,11 +13,11 @@ import polars as pl
 import pytest
 import torch
 
-from evictlab.capture import registry
-from evictlab.capture.hooks import find_attention_sites
 from evictlab.capture.runner import CaptureConfig, run_capture
-from evictlab.rows.store import RowStore
+from evictlab.rows.reader import RowStore
 from evictlab.capture.testing import check_against_eager
+from evictlab.models.loading import load_model
+from evictlab.models.sites import find_attention_sites
 
 pytestmark = [pytest.mark.slow]
 
@@ -31,7 +31,7 @@ def one_thread():
 
 
 def test_gemma3_real_sliding_window_exact(tmp_path: Path) -> None:
-    model, tok = registry.load_model("gemma3-270m")
+    model, tok = load_model("gemma3-270m")
     sites = find_attention_sites(model)
     assert len(sites) == 18 and {(s.n_q_heads, s.n_kv_heads, s.head_dim) for s in sites} == {(4, 1, 256)}
     sliding = [s.layer for s in sites if s.sliding_window]

@@ -15,12 +15,14 @@ import polars as pl
 import pytest
 import torch
 
-from evictlab.capture.hooks import AttentionCapture, find_attention_sites, verify_layer
+from evictlab.capture.hooks import AttentionCapture, verify_layer
 from evictlab.capture.prompts import PromptTokens
 from evictlab.capture.runner import write_prompt
 from evictlab.capture.testing import FAMILIES, TINY_SLIDING_WINDOW, tiny_model
 from evictlab.errors import InputError
-from evictlab.rows.store import RowStore, RowWriter
+from evictlab.models.sites import find_attention_sites
+from evictlab.rows.reader import RowStore
+from evictlab.rows.writer import RowWriter
 
 
 def _hook_count(model: torch.nn.Module) -> int:

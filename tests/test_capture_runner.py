@@ -16,9 +16,9 @@ import torch
 from evictlab.capture import runner
 from evictlab.capture.hooks import AttentionCapture
 from evictlab.capture.runner import CaptureConfig, parse_layers, run_capture
-from evictlab.capture.testing import ByteTokenizer, tiny_model
+from evictlab.capture.testing import ByteTokenizer, save_tiny_folder, tiny_model
 from evictlab.errors import InputError
-from evictlab.rows.store import RowStore
+from evictlab.rows.reader import RowStore
 
 CFG = CaptureConfig(model="tiny-llama", source="needle", context=400, positions=5, prompts=3, seed=4)
 
@@ -100,7 +100,9 @@ def test_interrupted_run_resumes_without_duplicates(tmp_path: Path, llama, monke
     with pytest.raises(KeyboardInterrupt):
         _run(CFG, part, llama)
     monkeypatch.setattr(runner, "capture_prompt", real)
-    st = RowStore.open(part)
+    with pytest.raises(InputError, match="incomplete row dataset"):
+        RowStore.open(part)  # an interrupted capture never reads as a finished one
+    st = RowStore.open(part, allow_incomplete=True)
     assert sorted(st.prompts["prompt_id"].to_list()) == [0, 1]  # complete prompts were kept
     s = _run(CFG, part, llama)
     assert s.prompts_skipped == 2 and s.prompts_written == 1
@@ -176,19 +178,6 @@ def test_layer_subset(tmp_path: Path, llama) -> None:
     assert RowStore.open(tmp_path / "r").meta["layer"].unique().to_list() == [1]
 
 
-def _save_local_model(folder: Path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    model, _ = tiny_model("olmo2", seed=0)
-    model.save_pretrained(str(folder))
-    vocab = {w: i for i, w in enumerate(["[UNK]", "<s>", "</s>", "The", "grass", "is", "green", ".",
-                                         "sky", "blue", "special", "magic", "number", "for", ":"])}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]").save_pretrained(str(folder))
-
-
 def _cli(*args: str, env_cache: Path) -> subprocess.CompletedProcess:
     import os
 
@@ -199,7 +188,7 @@ def _cli(*args: str, env_cache: Path) -> subprocess.CompletedProcess:
 
 def test_cli_capture_local_folder_and_errors(tmp_path: Path) -> None:
     folder = tmp_path / "olmo2"
-    _save_local_model(folder)
+    save_tiny_folder(folder)
     out = tmp_path / "rows"
     r = _cli("capture", "--model", str(folder), "--source", "needle", "--context", "200",
              "--positions", "4", "--prompts", "2", "--out", str(out), "--quiet", "--threads", "1",
@@ -210,6 +199,13 @@ def test_cli_capture_local_folder_and_errors(tmp_path: Path) -> None:
     bad = _cli("capture", "--model", "smollm9", "--out", str(tmp_path / "x"), env_cache=tmp_path / "cache")
     assert bad.returncode == 2
     assert bad.stderr.strip().count("\n") == 0 and "smollm2-135m" in bad.stderr
+    (tmp_path / "afile").write_text("x")  # --out a regular file used to be a traceback
+    for out, words in ((tmp_path / "afile", "is a file"), (tmp_path / "no" / "r", "mkdir -p")):
+        bad = _cli("capture", "--model", str(folder), "--source", "needle", "--context", "200",
+                   "--positions", "4", "--prompts", "1", "--out", str(out), "--quiet",
+                   env_cache=tmp_path / "cache")
+        assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0, bad.stderr
+        assert words in bad.stderr and "--out" in bad.stderr
     lst = _cli("models", "list", env_cache=tmp_path / "cache")
     assert lst.returncode == 0 and "not pulled" in lst.stdout and "gemma3-270m" in lst.stdout
 
@@ -221,7 +217,7 @@ def test_killed_cli_run_resumes_to_identical_dataset(tmp_path: Path) -> None:
     import time
 
     folder = tmp_path / "olmo2"
-    _save_local_model(folder)
+    save_tiny_folder(folder)
     args = ["capture", "--model", str(folder), "--source", "multi_key", "--context", "300",
             "--positions", "3", "--prompts", "12", "--rows-per-shard", "1", "--quiet", "--threads", "1"]
     env = {**os.environ, "EVICTLAB_CACHE": str(tmp_path / "cache")}
@@ -238,9 +234,14 @@ def test_killed_cli_run_resumes_to_identical_dataset(tmp_path: Path) -> None:
         os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert man.exists()
+    # a capture is marked complete only at its end: the killed one reads as unfinished
+    m = json.loads(man.read_text())
+    assert m["complete"] is False and m["expected"] == {"prompts": 12}
+    with pytest.raises(InputError, match="incomplete row dataset.*rerun the same `evictlab capture`"):
+        RowStore.open(killed)
     # resume and the reference run in-process (same run_capture as the CLI; saves two
     # interpreter start-ups, which dominate this test's time)
-    from evictlab.capture.registry import load_model
+    from evictlab.models.loading import load_model
 
     model, tok = load_model(str(folder))
     cfg = CaptureConfig(model=str(folder), source="multi_key", context=300, positions=3, prompts=12,
@@ -256,3 +257,4 @@ def test_killed_cli_run_resumes_to_identical_dataset(tmp_path: Path) -> None:
     np.testing.assert_array_equal(p1, p2)
     np.testing.assert_array_equal(v1, v2)
     assert RowStore.open(killed).prompts["prompt_id"].sort().to_list() == list(range(12))
+    assert json.loads(man.read_text())["complete"] is True

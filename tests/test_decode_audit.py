@@ -10,10 +10,13 @@ import pytest
 import torch
 
 from evictlab.capture.testing import tiny_model
-from evictlab.decode.audit import Example, audit_figure, audit_markdown, parse_method, run_audit
+from evictlab.decode.audit import Example, run_audit
 from evictlab.decode.loop import DecodeConfig
 from evictlab.errors import InputError
 from evictlab.kv.budget import Budget
+from evictlab.methods import parse_method
+from evictlab.plots.audit import audit_bars
+from evictlab.report.audit import audit_markdown
 
 REQUIRED = ["method", "mode", "budget_tokens", "bytes_budget", "bytes_live", "bytes_allocated", "bytes_full_cache",
             "peak_rss", "exact_match", "kl", "top1_agreement", "answer_ppl", "freed_fraction"]
@@ -40,8 +43,8 @@ def test_audit_table_masked_never_counted_as_freed(tmp_path) -> None:
     assert (phys["freed_fraction"] > 0.5).all()
     assert (phys["bytes_live"] == phys["bytes_budget"]).all()
     assert (mask["bytes_live"] > 3 * mask["bytes_budget"]).all()
-    paths = audit_figure(df, tmp_path / "audit")
-    assert all(p.exists() and p.stat().st_size > 1000 for p in paths)
+    fig = audit_bars(df, tmp_path / "audit")
+    assert all(p.exists() and p.stat().st_size > 1000 for p in (fig.png, fig.pdf))
     md = audit_markdown(df, model="tiny", config={"x": 1}, figure="audit.png")
     assert "never" in md and "| snapkv | physical |" in md
 
@@ -71,5 +74,31 @@ def test_decode_cli_real_model(tmp_path) -> None:
     assert data["mode"] == "physical" and data["compressions"] >= 2
     assert data["bytes_live_after_compression"] == 24 * 30 * 3 * 2 * 64 * 4
     assert (tmp_path / "d.run.json").exists()
-    bad = CliRunner().invoke(app, ["decode", "--mode", "nope", "--out", str(out)])
+    bad = CliRunner().invoke(app, ["decode", "--mode", "nope", "--out", str(out), "--overwrite"])
     assert bad.exit_code != 0
+
+
+def test_run_audit_validates_everything_before_running(monkeypatch) -> None:
+    """Empty or repeated methods/budgets, bad parameters and budgets below the floor are
+    refused before the full-cache reference runs (it used to run first, then crash)."""
+    import evictlab.decode.audit as audit_mod
+
+    def boom(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("nothing may run before validation")
+
+    monkeypatch.setattr(audit_mod, "run_sequence", boom)
+    model, _ = tiny_model("llama")
+    ex = [Example("synthetic", list(range(3, 103)), [5, 6], [7])]
+    b = Budget("tokens_per_cell", 24)
+    cases = [
+        (dict(methods=[], budgets=[b]), "method: no method"),
+        (dict(methods=["snapkv", "snapkv"], budgets=[b]), "method: method snapkv is given twice"),
+        (dict(methods=["snapkv"], budgets=[b, Budget("tokens_per_cell", 24)]), "budget: budget 24 tokens_per_cell"),
+        (dict(methods=["snapkv"], budgets=[]), "budget: no budget"),
+        (dict(methods=["snapkv"], budgets=[b], modes=["masked", "nope"]), "mode: unknown mode 'nope'"),
+        (dict(methods=["snapkv+adakv"], budgets=[b], allocator_params={"alpha": "2"}), "allocator_param"),
+        (dict(methods=["snapkv"], budgets=[Budget("tokens_per_cell", 2)]), "budget: .* below the .* always-kept"),
+    ]
+    for kw, msg in cases:
+        with pytest.raises(InputError, match=msg):
+            run_audit(model, ex, **kw)

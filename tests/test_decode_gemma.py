@@ -11,12 +11,13 @@ import torch
 
 from evictlab.capture.testing import TINY_SLIDING_WINDOW, tiny_config, tiny_model
 from evictlab.decode.audit import Example, run_audit
-from evictlab.decode.loop import DecodeConfig, EvictionRunner, attach_model, layer_windows, run_sequence
+from evictlab.decode.loop import DecodeConfig, EvictionRunner, attach_model, run_sequence
 from evictlab.errors import InputError
 from evictlab.kv.budget import Budget, kv_bytes
 from evictlab.kv.cache import EvictionCache, attach
 from evictlab.kv.masked import MaskedKVStore
 from evictlab.kv.paged import PagedKVStore
+from evictlab.models.geometry import layer_windows
 
 W = TINY_SLIDING_WINDOW
 N_CTX, N_Q, N_A = 70, 5, 12
@@ -159,10 +160,10 @@ def test_greedy_decoding_with_decode_time_compression(setup) -> None:
 
 def test_per_layer_type_rope_base_for_rope_undoing_scorers(setup) -> None:
     model = setup[0]
-    runner = EvictionRunner(model, _cfg(scorer="compactor"), 1, capacity_tokens_per_cell=64, total_tokens=200)
+    runner = EvictionRunner(model, _cfg(scorer="compactor"), 1, headroom_tokens_per_cell=64, total_tokens=200)
     assert [s.rope_theta for s in runner.layer_scorers] == [10000.0, 1000000.0]  # sliding, full
     runner = EvictionRunner(model, _cfg(scorer="compactor", scorer_params={"rope_theta": 5.0}), 1,
-                            capacity_tokens_per_cell=64, total_tokens=200)
+                            headroom_tokens_per_cell=64, total_tokens=200)
     assert [s.rope_theta for s in runner.layer_scorers] == [5.0, 5.0]
 
 

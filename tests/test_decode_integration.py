@@ -16,7 +16,7 @@ from evictlab.decode.loop import DecodeConfig, EvictionRunner, _recon_ids, run_s
 from evictlab.errors import InputError
 from evictlab.kv.budget import Budget
 from evictlab.methods import ALLOCATORS, REGISTRY
-from evictlab.methods.allocators import adakv
+from evictlab.methods.allocators import AdaKV
 from evictlab.methods.base import combine_groups
 from evictlab.methods.scorers import H2O, KVZIP_PROMPT, KVzip, SnapKV
 
@@ -55,11 +55,11 @@ def _model_with(**config_changes: Any) -> torch.nn.Module:
 @pytest.mark.parametrize("scorer", ["expected_attention", "compactor"])
 def test_loop_scorer_carries_the_models_rope_theta(scorer: str) -> None:
     m = _model_with(rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
-    runner = EvictionRunner(m, _cfg(scorer=scorer), 1, capacity_tokens_per_cell=64, total_tokens=200)
+    runner = EvictionRunner(m, _cfg(scorer=scorer), 1, headroom_tokens_per_cell=64, total_tokens=200)
     assert runner.scorer.rope_theta == 100000.0  # REGISTRY[name]() would carry 10000
     # An explicit parameter still wins.
     runner = EvictionRunner(m, _cfg(scorer=scorer, scorer_params={"rope_theta": 5.0}), 1,
-                            capacity_tokens_per_cell=64, total_tokens=200)
+                            headroom_tokens_per_cell=64, total_tokens=200)
     assert runner.scorer.rope_theta == 5.0
 
 
@@ -129,12 +129,14 @@ def test_all_query_scorers_see_every_query_exactly_once(model, monkeypatch) -> N
 def test_allocator_gets_each_cells_real_length(model, monkeypatch) -> None:
     calls: list = []
 
-    def spy(cell_scores, budget_tokens, n_layers, kv_heads, *, floor, lengths=None, **kw):  # noqa: ANN001, ANN202
-        sizes = adakv(cell_scores, budget_tokens, n_layers, kv_heads, floor=floor, lengths=lengths, **kw)
-        calls.append((lengths.copy(), [s.shape[-1] for s in cell_scores], sizes))
-        return sizes
+    @dataclass(frozen=True)
+    class Spy(AdaKV):
+        def allocate(self, inputs):  # noqa: ANN001, ANN202
+            sizes = super().allocate(inputs)
+            calls.append((inputs.lengths.copy(), [s.shape[-1] for s in inputs.scores], sizes))
+            return sizes
 
-    monkeypatch.setitem(ALLOCATORS, "spy", spy)
+    monkeypatch.setitem(ALLOCATORS, "spy", Spy)
     out = run_sequence(model, _ids(200, b=2), _ids(5, 1, b=2), _cfg(scorer="snapkv", allocator="spy"),
                        answer_ids=_ids(9, 2, b=2))
     assert len(calls) == out.compressions >= 4

@@ -111,3 +111,46 @@ def test_pool_exhaustion_raises_instead_of_growing() -> None:
     with pytest.raises(BudgetExceededError):
         store.append_gather(0, torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4), torch.tensor([4]))
 
+
+
+def _page_slack(cells: int, block_size: int, per_entry: int) -> int:
+    """One partial page per cell plus the paged pool's null block."""
+    return (cells + 1) * block_size * per_entry
+
+
+@pytest.mark.parametrize("budget", [Budget("tokens_per_cell", 1000), Budget("bytes", 2 << 30)])
+def test_budget_above_the_full_cache_allocates_no_more_than_it(setup, budget: Budget) -> None:
+    """A budget above what the run can hold: nothing evicted, said so, and the pool is the
+    full cache plus page slack (it used to be sized by the budget: 2 GiB for 2GiB)."""
+    model, ctx, q, a, full = setup
+    out = run_sequence(model, ctx, q, _cfg(budget=budget), answer_ids=a)
+    assert out.compressions == 0
+    torch.testing.assert_close(out.logits, full.logits, rtol=1e-4, atol=1e-4)
+    full_tokens = (200 + 6 + 20) * 2 * 2  # per sequence: every token in each of 2 layers x 2 KV heads
+    assert out.budget_effective_tokens == full_tokens < out.budget_tokens
+    per_entry = kv_bytes(1, 16, torch.float32)
+    assert out.bytes_full_cache == 2 * full_tokens * per_entry
+    assert out.peak("bytes_allocated") <= out.bytes_full_cache + _page_slack(2 * 2 * 2, 8, per_entry)
+
+
+def test_prefill_headroom_is_what_is_fed_not_the_chunk_option(setup) -> None:
+    """--chunk 2048 on a 200-token context: the headroom is the 200 tokens fed, so the pool
+    stays below the full cache plus page slack (it used to hold budget + 2048 per cell)."""
+    model, ctx, q, a, _ = setup
+    out = run_sequence(model, ctx, q, _cfg(chunk_size=2048), answer_ids=a)
+    assert out.compressions >= 1 and out.budget_effective_tokens == out.budget_tokens == 40 * 4
+    per_entry = kv_bytes(1, 16, torch.float32)
+    assert out.peak("bytes_allocated") <= out.bytes_full_cache + _page_slack(2 * 2 * 2, 8, per_entry)
+    assert out.peak("live_tokens") == 2 * 200 * 4  # the whole context was held once, as fed
+
+
+def test_pool_after_prefill_is_budget_plus_decode_headroom(setup) -> None:
+    """After the context the pool drops its prefill headroom: budget + one partial page per
+    cell + (question + compress_every) per cell, in whole pages."""
+    model, ctx, q, a, _ = setup
+    out = run_sequence(model, ctx, q, _cfg(), answer_ids=a)
+    resize = [t for t in out.trace if t.phase == "resize"]
+    assert len(resize) == 1
+    cells, bs, per_entry = 2 * 2 * 2, 8, kv_bytes(1, 16, torch.float32)
+    blocks = -(-2 * 40 * 4 // bs) + cells + cells * -(-(6 + 8) // bs)
+    assert resize[0].report.bytes_allocated == (blocks + 1) * bs * per_entry

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from evictlab.decode.audit import task_examples
-from evictlab.decode.loop import DecodeConfig, model_geometry, run_sequence
+from evictlab.decode.loop import DecodeConfig, run_sequence
 from evictlab.kv.budget import Budget, kv_bytes
 from evictlab.methods import ALLOCATORS, REGISTRY
+from evictlab.models.geometry import model_geometry
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -19,7 +20,7 @@ PER_CELL = 24
 
 @pytest.fixture(scope="module")
 def real():
-    from evictlab.capture.registry import load_model
+    from evictlab.models.loading import load_model
 
     torch.set_num_threads(1)  # far faster than 2 threads on a shared 2-core machine
     model, tok = load_model("smollm2-135m")
@@ -36,7 +37,8 @@ def test_method_runs_physically_within_budget(real, scorer: str, allocator: str)
     cfg = DecodeConfig(mode="physical", budget=Budget("tokens_per_cell", PER_CELL), scorer=scorer,
                        allocator=allocator, chunk_size=64, compress_every=2, window=16, sinks=4, recent=8)
     out = run_sequence(model, ctx, q, cfg, answer_ids=a, tokenizer=tok)
-    n_layers, _, hk, d, dtype = model_geometry(model)
+    geo = model_geometry(model)
+    n_layers, hk, d, dtype = geo.n_layers, geo.kv_heads, geo.head_dim, geo.dtype
     assert out.compressions >= 2
     assert torch.isfinite(out.logits).all()
     # Right after every compression the store holds exactly the budget, in K/V bytes...

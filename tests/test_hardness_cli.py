@@ -79,7 +79,7 @@ def test_reduce_then_decide_agrees_with_the_source(tmp_path: Path, monkeypatch, 
     for target, answer in ((9, "yes"), (10, "no"), (0, "yes")):
         k = 0 if target == 0 else 2
         src = write(tmp_path / "s.json", {**SOURCE, "k": k, "target": target})
-        run_cli(monkeypatch, capsys, "hardness", "reduce", str(src), "--out", str(tmp_path / "i.json"))
+        run_cli(monkeypatch, capsys, "hardness", "reduce", str(src), "--out", str(tmp_path / "i.json"), "--overwrite")
         code, out, _ = run_cli(monkeypatch, capsys, "hardness", "decide", str(tmp_path / "i.json"), "--json")
         assert code == 0 and json.loads(out)["answer"] == answer
 

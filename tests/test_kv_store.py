@@ -156,3 +156,32 @@ def test_budget_units_and_parse() -> None:
         Budget("tokens_per_cell", 0)
     with pytest.raises(InputError):
         Budget("bytes", 100).total_tokens(1, 1, 64, torch.float32)
+
+
+def test_for_budget_sizes_in_tokens_and_caps_by_what_can_be_held() -> None:
+    from evictlab.models.geometry import ModelGeometry, RopeSpec
+
+    g = ModelGeometry(n_layers=3, q_heads=4, kv_heads=2, head_dim=8, dtype=torch.float32, scaling=8 ** -0.5,
+                      windows=(None, None, 5), rope=(RopeSpec(1e4),) * 3)
+    cells = 3 * 2 * 2  # batch 2
+    store = PagedKVStore.for_budget(g, 2, kept_tokens=50, headroom_tokens_per_cell=10, block_size=4)
+    assert store.capacity_blocks == -(-100 // 4) + cells + cells * 3
+    # What can be held is less: 20 tokens per full-layer cell, 6 on the sliding layer.
+    capped = PagedKVStore.for_budget(g, 2, kept_tokens=50, headroom_tokens_per_cell=10, block_size=4,
+                                     max_cell_tokens=[20, 20, 6])
+    assert capped.capacity_blocks == 2 * 2 * (5 + 5 + 2)
+    huge = PagedKVStore.for_budget(g, 2, kept_tokens=10**9, headroom_tokens_per_cell=10**6, block_size=4,
+                                   max_cell_tokens=[20, 20, 6])
+    assert huge.capacity_blocks == capped.capacity_blocks
+    # reserve_headroom: the budget plus a new headroom, never below the blocks in use.
+    k = torch.randn(2, 2, 9, 8)
+    for layer in range(3):
+        store.append(layer, k, k, torch.arange(9))
+    in_use = store.blocks_in_use
+    store.reserve_headroom(1)
+    assert store.capacity_blocks == max(in_use, -(-100 // 4) + cells) + cells
+    assert store.blocks_in_use == in_use and store.cell_len.sum() == 3 * 2 * 2 * 9
+    with pytest.raises(InputError):
+        PagedKVStore(1, 1, 1, 4, capacity_blocks=4).reserve_headroom(1)
+    with pytest.raises(InputError):
+        PagedKVStore.for_budget(g, 1, kept_tokens=10, headroom_tokens_per_cell=1, max_cell_tokens=[1, 2])

@@ -1,6 +1,11 @@
-"""Allocators (sums, floors, caps, monotonicity, errors) and select_keep invariants."""
+"""Allocators (sums, floors, caps, monotonicity, errors), their inputs, factory and checker,
+and select_keep invariants."""
 
 from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import pytest
@@ -9,8 +14,25 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from evictlab.errors import InputError
-from evictlab.methods import ALLOCATORS, select_keep
-from evictlab.methods.allocators import adakv, pyramid_weights, pyramidkv, uniform
+from evictlab.methods import ALLOCATORS, AllocationError, AllocInputs, check_sizes, make_allocator, select_keep
+from evictlab.methods.allocators import pyramid_weights
+
+
+def allocate(name: str, scores, budget: int, *, floor: int, lengths=None, **params) -> np.ndarray:
+    """One allocator call on hand-made inputs (the allocator's raw output, unchecked)."""
+    return make_allocator(name, **params).allocate(AllocInputs.build(scores, budget, floor=floor, lengths=lengths))
+
+
+def uniform(scores, budget, n_layers, kv_heads, *, floor, lengths=None):  # noqa: ANN001, ANN201
+    return allocate("uniform", scores, budget, floor=floor, lengths=lengths)
+
+
+def pyramidkv(scores, budget, n_layers, kv_heads, *, floor, beta=20.0, lengths=None):  # noqa: ANN001, ANN201
+    return allocate("pyramidkv", scores, budget, floor=floor, lengths=lengths, beta=beta)
+
+
+def adakv(scores, budget, n_layers, kv_heads, *, floor, alpha=0.2, lengths=None):  # noqa: ANN001, ANN201
+    return allocate("adakv", scores, budget, floor=floor, lengths=lengths, alpha=alpha)
 
 
 def random_scores(n_layers: int, kv_heads: int, lengths: list[int], seed: int, batch: int = 1) -> list[torch.Tensor]:
@@ -35,7 +57,7 @@ def problems(draw: st.DrawFn) -> tuple[list[torch.Tensor], int, int, int, int]:
 @given(problem=problems())
 def test_sizes_sum_floor_cap(name: str, problem) -> None:
     scores, budget, n_layers, kv_heads, floor = problem
-    sizes = ALLOCATORS[name](scores, budget, n_layers, kv_heads, floor=floor)
+    sizes = allocate(name, scores, budget, floor=floor)
     lengths = np.array([[s.shape[-1]] * kv_heads for s in scores])
     assert sizes.dtype == np.int64 and sizes.shape == (n_layers, kv_heads)
     assert sizes.sum() == budget
@@ -50,8 +72,8 @@ def test_budget_monotone(name: str, problem) -> None:
     scores, budget, n_layers, kv_heads, floor = problem
     if budget >= sum(s.shape[-1] for s in scores) * kv_heads:
         return
-    a = ALLOCATORS[name](scores, budget, n_layers, kv_heads, floor=floor)
-    b = ALLOCATORS[name](scores, budget + 1, n_layers, kv_heads, floor=floor)
+    a = allocate(name, scores, budget, floor=floor)
+    b = allocate(name, scores, budget + 1, floor=floor)
     assert (b >= a).all() and b.sum() == a.sum() + 1
 
 
@@ -131,8 +153,8 @@ def test_lengths_exclude_padding() -> None:
     lengths = np.array([[30, 12, 5], [20, 30, 8]])
     for l in range(2):
         scores[l][torch.arange(30)[None, :] >= torch.as_tensor(lengths[l])[:, None]] = torch.finfo(torch.float32).min
-    for fn in ALLOCATORS.values():
-        sizes = fn(scores, 60, 2, 3, floor=6, lengths=lengths)
+    for name in ALLOCATORS:
+        sizes = allocate(name, scores, 60, floor=6, lengths=lengths)
         assert sizes.sum() == 60 and (sizes <= lengths).all() and (sizes >= np.minimum(6, lengths)).all()
     assert uniform(scores, 60, 2, 3, floor=6, lengths=lengths).tolist() == [[12, 12, 5], [12, 11, 8]]
     sizes = adakv(scores, 60, 2, 3, floor=2, alpha=0.3, lengths=lengths)
@@ -152,20 +174,23 @@ def test_adakv_batch_mean_and_array_input() -> None:
 @pytest.mark.parametrize("name", sorted(ALLOCATORS))
 def test_budget_errors_name_the_field(name: str) -> None:
     scores = random_scores(2, 2, [10], 0)
-    with pytest.raises(InputError, match="budget_tokens.*below the total floor"):
-        ALLOCATORS[name](scores, 4 * 3 - 1, 2, 2, floor=3)
-    with pytest.raises(InputError, match="budget_tokens.*above"):
-        ALLOCATORS[name](scores, 41, 2, 2, floor=3)
-    with pytest.raises(InputError, match="cell_scores"):
-        ALLOCATORS[name](scores, 20, 3, 2, floor=3)
-    with pytest.raises(InputError, match="cell_scores"):
-        ALLOCATORS[name](scores, 20, 2, 4, floor=3)
+    with pytest.raises(InputError, match="budget.*below the total floor"):
+        allocate(name, scores, 4 * 3 - 1, floor=3)
+    # The rule: a budget above everything held keeps everything (sizes = lengths).
+    inputs = AllocInputs.build(scores, 41, floor=3)
+    assert inputs.target == 40
+    sizes = check_sizes(inputs, make_allocator(name).allocate(inputs))
+    assert (sizes == 10).all()
+    with pytest.raises(InputError, match="scores"):
+        allocate(name, scores, 20, floor=3, lengths=np.full((3, 2), 10))
+    with pytest.raises(InputError, match="scores"):
+        allocate(name, scores, 20, floor=3, lengths=np.full((2, 4), 10))
 
 
 def test_allocators_deterministic() -> None:
     scores = random_scores(4, 2, [33], 9)
-    for fn in ALLOCATORS.values():
-        np.testing.assert_array_equal(fn(scores, 101, 4, 2, floor=4), fn(scores, 101, 4, 2, floor=4))
+    for name in ALLOCATORS:
+        np.testing.assert_array_equal(allocate(name, scores, 101, floor=4), allocate(name, scores, 101, floor=4))
 
 
 # ---------------------------------------------------------------- select_keep
@@ -232,3 +257,102 @@ def test_select_keep_errors() -> None:
         select_keep(torch.full((1, 1, 3), float("nan")), [1], torch.arange(3), sinks=0, recent=0)
     with pytest.raises(InputError, match="positions"):
         select_keep(torch.rand(1, 1, 3), [1], torch.arange(4), sinks=0, recent=0)
+
+
+# ---------------------------------------------------------------- contract: inputs, factory, checker
+
+
+def test_alloc_inputs_floors_clip_to_length_and_window() -> None:
+    scores = [torch.rand(1, 2, 30), torch.rand(1, 2, 30)]
+    lengths = np.array([[30, 3], [7, 30]])
+    inputs = AllocInputs.build(scores, 40, floor=12, lengths=lengths, windows=[None, 9])
+    assert inputs.floors.tolist() == [[12, 3], [7, 8]]  # min(floor, length, window - 1)
+    assert inputs.held == 70 and inputs.target == 40
+    assert AllocInputs.build(scores, 500, floor=0).target == 120  # everything held
+    assert AllocInputs.build(scores, 10, floor=0, head_dim=64, dtype_bytes=2).bytes_per_entry == 256
+    with pytest.raises(InputError, match="head_dim"):
+        _ = inputs.bytes_per_entry
+    with pytest.raises(InputError, match="floors"):
+        AllocInputs(tuple(scores), lengths, lengths + 1, (None, None), 40)
+    with pytest.raises(InputError, match="phase"):
+        AllocInputs.build(scores, 40, phase="later")
+    with pytest.raises(InputError, match="positions"):
+        AllocInputs.build(scores, 40, positions=(torch.zeros(1, 2, 5), torch.zeros(1, 2, 5)))
+
+
+def test_check_sizes_enforces_the_rule() -> None:
+    inputs = AllocInputs.build([torch.rand(1, 2, 10)], 12, floor=2)
+    ok = np.array([[6, 6]])
+    assert check_sizes(inputs, ok).tolist() == [[6, 6]]
+    for bad in (np.array([[6, 5]]), np.array([[11, 1]]), np.array([[1, 11]]), np.array([6, 6]), ok.astype(float)):
+        with pytest.raises(AllocationError):
+            check_sizes(inputs, bad, "test")
+
+
+def test_make_allocator_types_and_validates_parameters() -> None:
+    assert make_allocator("adakv", alpha="0.35").alpha == 0.35  # strings from the CLI are typed
+    assert make_allocator("pyramidkv", beta="4").beta == 4.0
+    with pytest.raises(InputError, match="unknown allocator 'nope'.*adakv, pyramidkv, uniform"):
+        make_allocator("nope")
+    with pytest.raises(InputError, match=r"allocator_param: allocator adakv has no parameter bet.*alpha"):
+        make_allocator("adakv", bet="1")
+    with pytest.raises(InputError, match=r"allocator_param: adakv parameter alpha='x' is not float"):
+        make_allocator("adakv", alpha="x")
+    with pytest.raises(InputError, match=r"allocator_param: adakv parameter alpha='1.5': 1.5 is outside"):
+        make_allocator("adakv", alpha="1.5")
+    with pytest.raises(InputError, match="takes no parameters"):
+        make_allocator("uniform", alpha="0.1")
+    with pytest.raises(InputError, match="beta"):  # direct construction validates too
+        ALLOCATORS["pyramidkv"](beta=0.5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        make_allocator("adakv").alpha = 0.5  # type: ignore[misc]
+
+
+def test_params_parsing_and_coercion() -> None:
+    from evictlab.methods import make_scorer, parse_assignments
+    from evictlab.methods.params import build
+
+    assert parse_assignments(["a=1", " b = x=y "], "--p") == {"a": "1", "b": "x=y"}
+    for bad in (["a"], ["=1"], ["a=1", "a=2"]):
+        with pytest.raises(InputError, match="--p"):
+            parse_assignments(bad, "--p")
+    s = make_scorer("compactor", sketch_dim="none", blend="0.5", seed="3")
+    assert (s.sketch_dim, s.blend, s.seed) == (None, 0.5, 3)
+    assert make_scorer("compactor", sketch_dim="8").sketch_dim == 8
+    assert make_scorer("snapkv", pooling="max").pooling == "max"
+    assert make_scorer("expected_attention", use_vnorm="False").use_vnorm is False
+    with pytest.raises(InputError, match="scorer_param: snapkv parameter pooling='mean' is not one of avg, max"):
+        make_scorer("snapkv", pooling="mean")
+    with pytest.raises(InputError, match="window='1.5' is not int"):
+        make_scorer("snapkv", window="1.5")
+    with pytest.raises(InputError, match="scorer_param: snapkv parameter kernel='4'"):
+        make_scorer("snapkv", kernel="4")  # the dataclass's own check, with the option's field
+
+    @dataclasses.dataclass(frozen=True)
+    class Toy:
+        path: Path | None = None
+        flag: bool = False
+        mode: Literal["a", "b"] = "a"
+        name: str = "toy"
+
+    t = build(Toy, {"path": "~/x", "flag": "yes", "mode": "b"}, kind="allocator", name="toy")
+    assert t.path == Path("~/x").expanduser() and t.flag is True and t.mode == "b"
+    with pytest.raises(InputError, match="has no parameter name"):  # name/needs are not parameters
+        build(Toy, {"name": "other"}, kind="allocator", name="toy")
+    with pytest.raises(InputError, match="flag=2 is not bool"):
+        build(Toy, {"flag": 2}, kind="allocator", name="toy")
+
+
+def test_route_params_to_the_methods_that_have_them() -> None:
+    from evictlab.methods.registry import route_params
+
+    out = route_params({"alpha": "0.3"}, ["adakv", "uniform", "pyramidkv"], "allocator")
+    assert out == {"adakv": {"alpha": "0.3"}, "uniform": {}, "pyramidkv": {}}
+    out = route_params({"pyramidkv.beta": "4", "alpha": "0.1"}, ["adakv", "pyramidkv"], "allocator")
+    assert out == {"adakv": {"alpha": "0.1"}, "pyramidkv": {"beta": "4"}}
+    with pytest.raises(InputError, match="no allocator among adakv, uniform has a parameter 'beta'"):
+        route_params({"beta": "4"}, ["adakv", "uniform"], "allocator")
+    with pytest.raises(InputError, match="'h2o' is not a scorer of the chosen methods"):
+        route_params({"h2o.window": "4"}, ["snapkv"], "scorer")
+    # One method: its own parameters decide (the factory's error lists them).
+    assert route_params({"windw": "3"}, ["snapkv"], "scorer") == {"snapkv": {"windw": "3"}}

@@ -11,8 +11,9 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from evictlab.capture.testing import tiny_model
-from evictlab.methods import ALLOCATORS, REGISTRY, ScoreInputs, make_scorer, rope_theta_of, select_keep
+from evictlab.methods import ALLOCATORS, REGISTRY, AllocInputs, ScoreInputs, make_allocator, make_scorer, select_keep
 from evictlab.methods.scorers import H2O, rope_rotate
+from evictlab.models.geometry import rope_theta_of
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "olmo2"])
@@ -80,8 +81,8 @@ def test_every_scorer_and_allocator_on_model_tensors() -> None:
             sc = scorer.score(inp)
             assert sc.shape == (1, 2, 48) and torch.isfinite(sc).all(), name
             scores.append(sc)
-        for alloc_name, alloc in ALLOCATORS.items():
-            sizes = alloc(scores, 2 * 2 * 20, 2, 2, floor=4 + 8)
+        for alloc_name in ALLOCATORS:
+            sizes = make_allocator(alloc_name).allocate(AllocInputs.build(scores, 2 * 2 * 20, floor=4 + 8))
             assert sizes.sum() == 80, (name, alloc_name)
             for li in range(2):
                 keep = select_keep(scores[li], sizes[li], pos[chunk], sinks=4, recent=8)

@@ -80,9 +80,9 @@ def test_registry_complete_and_protocol() -> None:
 
 
 def test_make_scorer_rejects_unknown() -> None:
-    with pytest.raises(InputError, match="method"):
+    with pytest.raises(InputError, match="scorer: unknown scorer 'nope'"):
         make_scorer("nope")
-    with pytest.raises(InputError, match="params"):
+    with pytest.raises(InputError, match="scorer_param: scorer snapkv has no parameter windw.*kernel, pooling, window"):
         make_scorer("snapkv", windw=3)
 
 

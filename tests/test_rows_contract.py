@@ -11,8 +11,10 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from evictlab.rows.store import RowBatch, RowStore, RowWriter
+from evictlab.rows.batch import RowBatch
+from evictlab.rows.reader import RowStore
 from evictlab.rows.synth import SynthConfig, synthesize
+from evictlab.rows.writer import RowWriter
 
 
 @st.composite

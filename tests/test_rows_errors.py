@@ -10,9 +10,10 @@ import polars as pl
 import pytest
 
 from evictlab.errors import CorruptFileError, InputError
-from evictlab.io import sha256_file
-from evictlab.rows.store import RowStore, RowWriter, write_npz
+from evictlab.io import sha256_file, write_npz
+from evictlab.rows.reader import RowStore
 from evictlab.rows.synth import SynthConfig, synthesize
+from evictlab.rows.writer import RowWriter
 
 D = 4
 
@@ -53,6 +54,15 @@ def _rewrite_shard(path: Path, k: int, edit) -> None:
     (path / "manifest.json").write_text(json.dumps(man))
 
 
+def _reseal_tables(path: Path) -> None:
+    """Record the current index/prompts checksums in the manifest, so only the content
+    checks (not the SHA-256) can catch a damage made to those files."""
+    man = _manifest(path)
+    man.update(index_sha256=sha256_file(path / "index.parquet"),
+               prompts_sha256=sha256_file(path / "prompts.parquet"))
+    (path / "manifest.json").write_text(json.dumps(man))
+
+
 def test_fixture_reads(ds: Path) -> None:
     assert _read_all(ds) == 62
     assert len(_manifest(ds)["shards"]) == 3
@@ -80,7 +90,7 @@ def test_unreadable_shard_without_checksum(ds: Path) -> None:
     f = ds / "shard-00000.npz"
     f.write_bytes(b"not a zip file at all" * 10)
     store = RowStore.open(ds)
-    with pytest.raises(CorruptFileError, match="shard-00000.npz.*cannot be loaded"):
+    with pytest.raises(CorruptFileError, match="shard-00000.npz.*cannot be read"):
         next(store.iter_batches(verify=False))
 
 
@@ -131,17 +141,60 @@ def test_manifest_not_json_or_missing(ds: Path, tmp_path: Path) -> None:
 
 def test_corrupt_index_and_prompts(ds: Path) -> None:
     (ds / "index.parquet").write_bytes(b"PAR1garbagePAR1")
-    with pytest.raises(CorruptFileError, match="index.parquet.*Parquet"):
+    with pytest.raises(CorruptFileError, match="index.parquet.*SHA-256"):
         RowStore.open(ds)
+    _reseal_tables(ds)  # past the checksum, the Parquet decoder's failure is reported
+    with pytest.raises(CorruptFileError, match="index.parquet.*cannot be read as Parquet"):
+        RowStore.open(ds)
+
+
+@pytest.mark.parametrize("name", ["index.parquet", "prompts.parquet"])
+def test_one_flipped_bit_in_a_table_is_a_corrupt_file_error(ds: Path, name: str) -> None:
+    """Most single-bit flips in a Parquet file decode to different numbers without any
+    error (and some make polars panic); the manifest's checksum catches every one."""
+    f = ds / name
+    raw = bytearray(f.read_bytes())
+    for pos in (8, len(raw) // 2, len(raw) - 12):
+        damaged = bytearray(raw)
+        damaged[pos] ^= 0x10
+        f.write_bytes(bytes(damaged))
+        with pytest.raises(CorruptFileError, match=f"{name}.*SHA-256.*Fix: re-create"):
+            RowStore.open(ds)
+
+
+def test_polars_panic_becomes_corrupt_file_error(tmp_path: Path, monkeypatch) -> None:
+    """The guarded reader converts every decoder failure, including pyo3's
+    PanicException (a BaseException), but never a KeyboardInterrupt."""
+    from evictlab.io import read_parquet
+
+    f = tmp_path / "t.parquet"
+    pl.DataFrame({"a": [1]}).write_parquet(f)
+
+    def boom(exc):
+        def read(*args, **kwargs):
+            raise exc
+        return read
+
+    monkeypatch.setattr(pl, "read_parquet", boom(pl.exceptions.PanicException("index out of bounds")))
+    with pytest.raises(CorruptFileError, match="t.parquet.*PanicException.*out of bounds.*Fix: redo"):
+        read_parquet(f, "redo it")
+    monkeypatch.setattr(pl, "read_parquet", boom(pl.exceptions.ComputeError("bad page")))
+    with pytest.raises(CorruptFileError, match="ComputeError"):
+        read_parquet(f, "redo it")
+    monkeypatch.setattr(pl, "read_parquet", boom(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        read_parquet(f, "redo it")
 
 
 def test_index_missing_column_and_prompts_truncated(ds: Path) -> None:
     idx = pl.read_parquet(ds / "index.parquet")
     idx.drop("scale").write_parquet(ds / "index.parquet")
+    _reseal_tables(ds)
     with pytest.raises(CorruptFileError, match="lacks columns.*scale"):
         RowStore.open(ds)
     idx.write_parquet(ds / "index.parquet")
     pl.read_parquet(ds / "prompts.parquet").head(1).write_parquet(ds / "prompts.parquet")
+    _reseal_tables(ds)
     with pytest.raises(CorruptFileError, match="prompts.parquet.*holds 1 prompts"):
         RowStore.open(ds)
 
@@ -152,6 +205,7 @@ def test_index_disagrees_with_shard(ds: Path) -> None:
         pl.when(pl.col("row_id") == 3).then(pl.col("key_hi") + 50).otherwise(pl.col("key_hi"))
         .alias("key_hi")
     ).write_parquet(ds / "index.parquet")
+    _reseal_tables(ds)
     with pytest.raises(CorruptFileError, match="shard-00000.npz.*disagrees with index"):
         _read_all(ds)
 

@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 from evictlab.cli import app
 from evictlab.errors import InputError
 from evictlab.rows.export import export_arrays, export_npz
-from evictlab.rows.store import RowStore, RowWriter
+from evictlab.rows.reader import RowStore
+from evictlab.rows.writer import RowWriter
 
 D = 3
 EXPORT_ARRAYS = {
@@ -121,16 +122,20 @@ def test_cli_synth_inspect_export(tmp_path: Path) -> None:
     assert rec["kind"] == "rows.synth" and rec["seed"] == 7
     r = runner.invoke(app, ["rows", "inspect", str(tmp_path / "a")])
     assert r.exit_code == 0, r.output
-    for needle in ("schema version  1", "models", "synthetic", "capture modes",
+    for needle in ("status          complete", "schema version  1", "models", "synthetic", "capture modes",
                    "rows            120 (query 0, logits 120)", "n range", "d range",
                    "8..8", "blocks          3"):
         assert needle in r.output, needle
     r = runner.invoke(app, ["rows", "inspect", str(tmp_path / "a"), "--json", "--verify"])
     s = json.loads(r.output)
     assert s["rows"] == 120 and s["n_max"] <= 16 and s["schema_version"] == 1
-    # existing output: refused, then replaced with --overwrite
+    # existing output: the same command has nothing to do; other settings are refused,
+    # then replace it with --overwrite
     r = runner.invoke(app, [*args, "--out", str(tmp_path / "a")])
+    assert r.exit_code == 0 and "nothing to do" in r.output
+    r = runner.invoke(app, [*args, "--out", str(tmp_path / "a"), "--seed", "8"])
     assert isinstance(r.exception, InputError) and r.exception.field == "--out"
+    assert "--seed: 7 there, 8 now" in str(r.exception)
     r = runner.invoke(app, [*args, "--out", str(tmp_path / "a"), "--overwrite", "--seed", "8"])
     assert r.exit_code == 0
     r = runner.invoke(app, ["rows", "export", str(tmp_path / "a"), "--out",

@@ -1,4 +1,4 @@
-"""Round trip, streaming and resume of the row dataset (evictlab.rows.store)."""
+"""Round trip, streaming and resume of the row dataset (evictlab.rows.writer, evictlab.rows.reader)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import polars as pl
 import pytest
 
 from evictlab.errors import InputError
+from evictlab.rows.batch import RowBatch
+from evictlab.rows.reader import RowStore
 from evictlab.rows.schema import META_COLUMNS
-from evictlab.rows.store import RowBatch, RowStore, RowWriter
+from evictlab.rows.writer import RowWriter
 
 D = 6
 
@@ -203,10 +205,14 @@ def test_resume_continues_without_duplicates(tmp_path: Path) -> None:
 
 def test_interrupted_commit_is_ignored_and_repaired(tmp_path: Path) -> None:
     """A crash after the shard/index/prompts were written but before the manifest:
-    readers see the previous commit, a resumed writer discards the orphan shard."""
+    the manifest still lists the old shards and says incomplete (a writer marks a complete
+    dataset incomplete before its first new file); readers refuse it unless they opt in,
+    then see the previous commit; a resumed writer discards the orphan shard."""
     path = tmp_path / "ds"
     _write_mixed(path, prompts=(0, 1))
-    old_manifest = (path / "manifest.json").read_text()
+    marked = json.loads((path / "manifest.json").read_text())
+    assert marked["complete"] is True
+    marked["complete"] = False  # what the writer writes before changing anything
     n_old = RowStore.open(path).n_rows
     with RowWriter(path, model="toy", capture_mode="query-agnostic", head_dim=D) as w:
         w.add_prompt(7, [1, 2])
@@ -215,13 +221,81 @@ def test_interrupted_commit_is_ignored_and_repaired(tmp_path: Path) -> None:
         w.end_prompt(7)
     new_manifest = json.loads((path / "manifest.json").read_text())
     orphan = path / new_manifest["shards"][-1]["file"]
-    (path / "manifest.json").write_text(old_manifest)  # roll back the commit point
-    store = RowStore.open(path)
+    (path / "manifest.json").write_text(json.dumps(marked))  # roll back the commit point
+    with pytest.raises(InputError, match="incomplete row dataset.*rerun the same"):
+        RowStore.open(path)
+    store = RowStore.open(path, allow_incomplete=True)
     assert store.n_rows == n_old and 7 not in store.prompts["prompt_id"].to_list()
+    assert not store.complete
     store.verify()
     w = RowWriter(path, model="toy", capture_mode="query-agnostic", head_dim=D)
     assert not orphan.exists() and 7 not in w.completed_prompts
     w.close()
+    assert RowStore.open(path).n_rows == n_old
+
+
+def test_writer_marks_complete_only_on_close(tmp_path: Path) -> None:
+    """complete is false from the first manifest (or, on a complete dataset, from the first
+    change) until close(); an exception inside `with` leaves it false."""
+    path = tmp_path / "ds"
+
+    def manifest() -> dict:
+        return json.loads((path / "manifest.json").read_text())
+
+    def add(w: RowWriter, pid: int) -> None:
+        w.add_prompt(pid, [pid])
+        w.add_logit_rows(w.add_block(pid, 0, 0, None, np.ones((3, D)), [0, 1, 2]),
+                         [np.zeros(3)], [0], [2])
+        w.end_prompt(pid)
+
+    w = RowWriter(path, model="toy", capture_mode="synthetic", head_dim=D, rows_per_shard=1,
+                  expected={"prompts": 3})
+    assert manifest()["complete"] is False and manifest()["expected"] == {"prompts": 3}
+    add(w, 0)
+    add(w, 1)  # both committed (rows_per_shard=1), still incomplete
+    assert manifest()["counts"]["prompts"] == 2 and manifest()["complete"] is False
+    with pytest.raises(InputError, match=r"incomplete row dataset \(2 of 3 prompts committed\)"):
+        RowStore.open(path)
+    add(w, 2)
+    w.close()
+    assert manifest()["complete"] is True
+    assert RowStore.open(path).n_rows == 3
+    # reopening a complete dataset without changes leaves the manifest as it was
+    before = (path / "manifest.json").read_bytes()
+    RowWriter(path, model="toy", capture_mode="synthetic", head_dim=D).close()
+    assert (path / "manifest.json").read_bytes() == before
+    with pytest.raises(RuntimeError):
+        with RowWriter(path, model="toy", capture_mode="synthetic", head_dim=D,
+                       rows_per_shard=1) as w:
+            add(w, 3)
+            raise RuntimeError("crash")
+    assert manifest()["complete"] is False and manifest()["counts"]["prompts"] == 4
+    assert RowStore.open(path, allow_incomplete=True).n_rows == 4
+    RowWriter(path, model="toy", capture_mode="synthetic", head_dim=D).close()
+    assert RowStore.open(path).n_rows == 4
+
+
+def test_dataset_without_completion_fields_still_opens(tmp_path: Path) -> None:
+    """Schema compatibility: a manifest written before `complete`, `expected` and the table
+    checksums existed (evictlab's first writer) reads as a complete dataset, and a writer
+    resuming it adds the fields."""
+    path = tmp_path / "ds"
+    expected = _write_mixed(path)
+    man = json.loads((path / "manifest.json").read_text())
+    for key in ("complete", "expected", "index_sha256", "prompts_sha256"):
+        man.pop(key, None)
+    (path / "manifest.json").write_text(json.dumps(man))
+    store = RowStore.open(path)
+    assert store.complete and store.summary()["complete"]
+    _check_rows(next(store.iter_batches(max_rows=1000)), expected, 0)
+    RowWriter(path, model="toy", capture_mode="query-agnostic", head_dim=D).close()
+    assert "complete" not in json.loads((path / "manifest.json").read_text())  # untouched
+    with RowWriter(path, model="toy", capture_mode="query-agnostic", head_dim=D) as w:
+        w.add_prompt(99, [])
+        w.end_prompt(99)
+    man = json.loads((path / "manifest.json").read_text())
+    assert man["complete"] is True and "prompts_sha256" in man and "index_sha256" in man
+    assert RowStore.open(path).prompts["prompt_id"].to_list()[-1] == 99
 
 
 def test_writer_protocol_errors(tmp_path: Path) -> None:

@@ -10,7 +10,8 @@ import polars as pl
 import pytest
 
 from evictlab.errors import InputError
-from evictlab.rows.store import RowBatch, RowStore
+from evictlab.rows.batch import RowBatch
+from evictlab.rows.reader import RowStore
 from evictlab.rows.synth import SynthConfig, synthesize
 
 
@@ -142,8 +143,11 @@ def test_bad_knobs_name_the_flag(tmp_path: Path, kwargs: dict, field: str) -> No
     assert not (tmp_path / "x").exists()
 
 
-def test_refuses_existing_output(tmp_path: Path) -> None:
+def test_existing_output_same_settings_is_kept_other_settings_refused(tmp_path: Path) -> None:
     cfg = SynthConfig(rows=5, keys=4, dim=4, seed=0)
     synthesize(tmp_path / "x", cfg)
-    with pytest.raises(InputError, match="--out"):
-        synthesize(tmp_path / "x", cfg)
+    before = (tmp_path / "x" / "manifest.json").read_bytes()
+    assert synthesize(tmp_path / "x", cfg).already_complete
+    assert (tmp_path / "x" / "manifest.json").read_bytes() == before
+    with pytest.raises(InputError, match="--out.*different settings.*--seed: 0 there, 1 now"):
+        synthesize(tmp_path / "x", SynthConfig(rows=5, keys=4, dim=4, seed=1))

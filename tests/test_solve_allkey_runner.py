@@ -14,7 +14,7 @@ import pytest
 
 from evictlab.core import reference as ref
 from evictlab.errors import InputError
-from evictlab.rows.store import RowStore
+from evictlab.rows.reader import RowStore
 from evictlab.rows.synth import SynthConfig, synthesize
 from evictlab.solve.runner import (
     CERT_COLUMNS, LS_COLUMNS, RESULT_COLUMNS, SolveConfig, parts_dir_for, solve_rows,

@@ -14,7 +14,8 @@ import pytest
 
 from evictlab.core import reference as ref
 from evictlab.errors import InputError
-from evictlab.rows.store import RowBatch, RowStore
+from evictlab.rows.batch import RowBatch
+from evictlab.rows.reader import RowStore
 from evictlab.rows.synth import SynthConfig, synthesize
 from evictlab.solve.runner import (
     CERT_COLUMNS, RESULT_COLUMNS, SolveConfig, parts_dir_for, record_path_for, solve_batch, solve_rows,

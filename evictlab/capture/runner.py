@@ -5,7 +5,7 @@ choose its query positions (:func:`query_positions`), run one forward pass with
 :class:`~evictlab.capture.hooks.AttentionCapture`, check every captured row against the
 attention module's own per-head output (:func:`~evictlab.capture.hooks.verify_layer`),
 then write one block per (layer, KV head) and one query row per (layer, query head,
-position) into :class:`evictlab.rows.store.RowWriter`, and end the prompt.
+position) into :class:`evictlab.rows.writer.RowWriter`, and end the prompt.
 
 Blocks hold only the keys the layer's rows see: on full-attention layers keys
 ``[0, max position]``; on sliding-window layers (Gemma 3) keys
@@ -39,9 +39,10 @@ from typing import Any
 
 import numpy as np
 
-from evictlab.capture.hooks import AttentionCapture, CaptureMismatchError, find_attention_sites, verify_layer
+from evictlab.capture.hooks import AttentionCapture, CaptureMismatchError, verify_layer
 from evictlab.capture.prompts import SOURCES, PromptTokens, build_prompt
 from evictlab.errors import InputError
+from evictlab.models.sites import find_attention_sites
 
 MODES = ("query-agnostic", "query-aware")
 #: Largest |mu - module output| / max(1, max|v|) accepted for a captured row (see
@@ -234,17 +235,18 @@ def run_capture(cfg: CaptureConfig, out: str | Path, *, model: Any = None, token
     """Capture ``cfg.prompts`` prompts into the row dataset at ``out`` (resuming if present).
 
     ``model``/``tokenizer`` may be passed pre-loaded (tests, notebooks); otherwise
-    ``cfg.model`` is loaded with :func:`evictlab.capture.registry.load_model`.
+    ``cfg.model`` is loaded with :func:`evictlab.models.loading.load_model`.
     """
     from tqdm.auto import tqdm
 
-    from evictlab.capture.registry import check_device, load_model
+    from evictlab.io import check_output_path
+    from evictlab.models.loading import check_device, load_model
     from evictlab.report.record import RunRecord
     from evictlab.rows.schema import RECORD_FILE
-    from evictlab.rows.store import RowWriter
+    from evictlab.rows.writer import RowWriter
 
     cfg.check()
-    out = Path(out)
+    out = check_output_path(out, "--out", directory=True)  # before the model is loaded
     _check_resume(out, cfg)
     record = RunRecord(kind="capture", config=asdict(cfg), model=model_label or cfg.model, seed=cfg.seed)
     device = check_device(cfg.device)
@@ -271,8 +273,11 @@ def run_capture(cfg: CaptureConfig, out: str | Path, *, model: Any = None, token
     t0 = time.perf_counter()
     written = skipped = rows_written = 0
     worst = 0.0
+    # The dataset is marked complete only when this block ends normally, after the last
+    # prompt; an exception or a kill leaves it incomplete (readers refuse it until resumed).
     with RowWriter(out, model=model_label or cfg.model, capture_mode=cfg.mode, head_dim=head_dim,
-                   source=source, rows_per_shard=cfg.rows_per_shard) as writer:
+                   source=source, rows_per_shard=cfg.rows_per_shard,
+                   expected={"prompts": cfg.prompts}) as writer:
         done = writer.completed_prompts
         bar = tqdm(range(cfg.prompts), desc=f"capture {cfg.model}", unit="prompt", disable=not progress)
         for i in bar:
@@ -289,7 +294,7 @@ def run_capture(cfg: CaptureConfig, out: str | Path, *, model: Any = None, token
             bar.set_postfix(rows=rows_written, rows_s=f"{rows_written / max(dt, 1e-9):.0f}")
         bar.close()
     seconds = time.perf_counter() - t0
-    from evictlab.rows.store import RowStore
+    from evictlab.rows.reader import RowStore
 
     total = RowStore.open(out).n_rows
     summary = CaptureSummary(out=str(out), rows_total=total, rows_written=rows_written,
@@ -301,7 +306,7 @@ def run_capture(cfg: CaptureConfig, out: str | Path, *, model: Any = None, token
 
 
 def _quantisation(name: str) -> str | None:
-    from evictlab.capture.registry import MODELS
+    from evictlab.models.registry import MODELS
 
     spec = MODELS.get(name)
     return spec.quantisation if spec else None

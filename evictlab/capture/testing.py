@@ -72,6 +72,23 @@ def tiny_model(family: str, seed: int = 0) -> tuple[Any, None]:
     return model, None
 
 
+def save_tiny_folder(folder: Any, family: str = "olmo2", seed: int = 0) -> None:
+    """Save the tiny model of ``family`` with a small word-level tokenizer as a local
+    Hugging Face folder (``config.json``, weights, tokenizer files), so the real command
+    line can load it with ``--model FOLDER`` (no download). Words outside the tokenizer's
+    15-word vocabulary map to ``[UNK]``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model, _ = tiny_model(family, seed=seed)
+    model.save_pretrained(str(folder))
+    vocab = {w: i for i, w in enumerate(["[UNK]", "<s>", "</s>", "The", "grass", "is", "green", ".",
+                                         "sky", "blue", "special", "magic", "number", "for", ":"])}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]").save_pretrained(str(folder))
+
+
 class ByteTokenizer:
     """A byte-level stand-in tokenizer for the tiny models (ids = UTF-8 bytes, BOS = 1).
 
@@ -95,7 +112,7 @@ def check_against_eager(model: Any, tokens: list[int], store: Any, layers: list[
 
     Runs ``model`` on ``tokens`` with ``output_attentions=True`` and its own o_proj
     pre-hooks (not :class:`~evictlab.capture.hooks.AttentionCapture`), then for every row of
-    ``store`` (a :class:`~evictlab.rows.store.RowStore` of that prompt) on ``layers``
+    ``store`` (a :class:`~evictlab.rows.reader.RowStore` of that prompt) on ``layers``
     returns ``(max |p - attentions|, max |mu - o_proj input| / max(1, max|v|))``. Keys
     outside a row's range count too (their eager weight must be 0). mu's error is
     relative to the largest value magnitude: float32 rounding of the model's own
@@ -105,7 +122,7 @@ def check_against_eager(model: Any, tokens: list[int], store: Any, layers: list[
     import polars as pl
     import torch
 
-    from evictlab.capture.hooks import find_attention_sites
+    from evictlab.models.sites import find_attention_sites
 
     head_out: dict[int, torch.Tensor] = {}
     handles = []

@@ -8,9 +8,14 @@ eviction, stock ``DynamicCache``) is the reference for KL and top-1 agreement.
 
 One row per (method, mode, budget) with:
 
-- ``method`` (``scorer`` or ``scorer+allocator``), ``scorer``, ``allocator``, ``mode``;
-- ``budget_tokens`` (kept entries per sequence, summed over cells), ``budget_per_cell``,
-  ``bytes_budget`` (analytic: budget_tokens x 2 x head_dim x dtype size);
+- ``method`` (``scorer`` or ``scorer+allocator``), ``scorer``, ``allocator``, ``mode``,
+  ``scorer_params`` / ``allocator_params`` (JSON of the parameters given), ``protocol``
+  (``query-agnostic`` or ``query-aware``), ``chunk_size``;
+- ``budget_unit`` and ``budget_value`` (as given), ``budget_tokens`` (kept entries per
+  sequence, summed over cells), ``budget_per_cell``, ``budget_effective_tokens``
+  (``min(budget_tokens, the full cache's entries)``: when smaller than ``budget_tokens`` the
+  budget is above the full cache and nothing is evicted), ``bytes_budget`` (analytic:
+  budget_tokens x 2 x head_dim x dtype size);
 - ``bytes_live``: K/V bytes held right after compressions (max over the run); for the
   masked store this is every entry appended so far (masking frees nothing);
 - ``bytes_live_peak``: the same, maximum at any step (includes the question/answer tokens
@@ -32,17 +37,20 @@ One row per (method, mode, budget) with:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import json
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import polars as pl
 import torch
 
-from evictlab.decode.loop import DecodeConfig, DecodeOutput, model_geometry, run_sequence
+from evictlab.decode.loop import DecodeConfig, DecodeOutput, run_sequence
 from evictlab.errors import InputError
 from evictlab.kv.budget import Budget, kv_bytes
+from evictlab.methods import parse_method
+from evictlab.methods.registry import route_params
+from evictlab.models.geometry import model_geometry
 
 
 @dataclass(frozen=True)
@@ -55,19 +63,6 @@ class Example:
     answer_ids: list[int]
 
 
-def parse_method(spec: str) -> tuple[str, str]:
-    """``"snapkv"`` -> ``("snapkv", "uniform")``; ``"snapkv+adakv"`` -> ``("snapkv", "adakv")``."""
-    from evictlab.methods import ALLOCATORS, REGISTRY
-
-    scorer, _, alloc = spec.partition("+")
-    alloc = alloc or "uniform"
-    if scorer not in REGISTRY:
-        raise InputError("--methods", f"unknown scorer {scorer!r}", f"use one of {sorted(REGISTRY)}")
-    if alloc not in ALLOCATORS:
-        raise InputError("--methods", f"unknown allocator {alloc!r}", f"use one of {sorted(ALLOCATORS)}")
-    return scorer, alloc
-
-
 def task_examples(tokenizer: Any, tasks: Sequence[str], n: int, context_tokens: int, seed: int) -> list[Example]:
     """Seeded synthetic examples (query-agnostic split of context and question)."""
     from evictlab.decode.tasks import encode_text, task_suite
@@ -76,6 +71,56 @@ def task_examples(tokenizer: Any, tasks: Sequence[str], n: int, context_tokens: 
     for p in task_suite(list(tasks), n, context_tokens, tokenizer, seed):
         ans = encode_text(tokenizer, " " + p.answer, special=False)
         out.append(Example(p.task, p.context_ids, p.question_ids, ans))
+    return out
+
+
+def _unique(items: Sequence[Any], field: str, what: str) -> None:
+    seen: set[Any] = set()
+    for x in items:
+        if x in seen:
+            raise InputError(field, f"{what} {x} is given twice", f"give each {what} once")
+        seen.add(x)
+
+
+def audit_configs(
+    methods: Sequence[str],
+    budgets: Sequence[Budget],
+    *,
+    base: DecodeConfig | None = None,
+    modes: Sequence[str] = ("masked", "physical"),
+    scorer_params: Mapping[str, Any] | None = None,
+    allocator_params: Mapping[str, Any] | None = None,
+) -> list[tuple[str, DecodeConfig]]:
+    """Every ``(method spec, config)`` of an audit, validated before anything runs.
+
+    Refuses (:class:`InputError`, neutral fields ``method``, ``budget``, ``mode``,
+    ``scorer_param``, ``allocator_param``): no method, no budget, an unknown or repeated
+    method, budget or mode, and parameters no chosen method has or with bad values
+    (``k=v`` goes to every chosen scorer/allocator with a parameter ``k``, ``name.k=v`` to
+    that one; see :func:`evictlab.methods.registry.route_params`).
+    """
+    base = base or DecodeConfig()
+    if not methods:
+        raise InputError("method", "no method given", "name at least one scorer or scorer+allocator")
+    if not budgets:
+        raise InputError("budget", "no budget given", "give at least one budget")
+    if not modes:
+        raise InputError("mode", "no mode given", "use masked and/or physical")
+    bad = [m for m in modes if m not in ("masked", "physical")]
+    if bad:
+        raise InputError("mode", f"unknown mode {bad[0]!r}", "use masked and/or physical")
+    _unique([m.strip() for m in methods], "method", "method")
+    _unique([f"{b.value} {b.unit}" for b in budgets], "budget", "budget")
+    _unique(list(modes), "mode", "mode")
+    parsed = [(spec.strip(), *parse_method(spec)) for spec in methods]
+    sp = route_params(scorer_params or {}, [s for _, s, _ in parsed], "scorer")
+    ap = route_params(allocator_params or {}, [a for _, _, a in parsed], "allocator")
+    out = []
+    for spec, scorer, alloc in parsed:
+        for budget in budgets:
+            for mode in modes:
+                out.append((spec, replace(base, mode=mode, budget=budget, scorer=scorer, allocator=alloc,
+                                          scorer_params=dict(sp[scorer]), allocator_params=dict(ap[alloc]))))
     return out
 
 
@@ -90,6 +135,11 @@ def _metrics(full: DecodeOutput, out: DecodeOutput, answer: torch.Tensor) -> dic
     }
 
 
+def _params_json(params: Mapping[str, Any]) -> str:
+    return json.dumps({k: str(v) if not isinstance(v, (int, float, bool, str, type(None))) else v
+                       for k, v in sorted(params.items())})
+
+
 def run_audit(
     model: torch.nn.Module,
     examples: Sequence[Example],
@@ -100,14 +150,26 @@ def run_audit(
     modes: Sequence[str] = ("masked", "physical"),
     tokenizer: Any = None,
     progress: Callable[[str], None] | None = None,
+    scorer_params: Mapping[str, Any] | None = None,
+    allocator_params: Mapping[str, Any] | None = None,
 ) -> pl.DataFrame:
     """Run every (method, budget, mode) on ``examples``; return one row per combination
-    (plus one ``mode="full"`` reference row). See the module docstring for the columns."""
+    (plus one ``mode="full"`` reference row). See the module docstring for the columns.
+
+    Everything is validated (:func:`audit_configs`, and each budget against the model's
+    always-kept floor) before the first run.
+    """
     if not examples:
-        raise InputError("--n", "no examples", "use at least one example")
+        raise InputError("n", "no examples", "use at least one example")
     base = base or DecodeConfig()
+    configs = audit_configs(methods, budgets, base=base, modes=modes, scorer_params=scorer_params,
+                            allocator_params=allocator_params)
     device = next(model.parameters()).device
-    n_layers, _, hk, d, dtype = model_geometry(model)
+    g = model_geometry(model)
+    cells = g.n_layers * g.kv_heads
+    shortest = min(len(ex.context_ids) + len(ex.question_ids) + len(ex.answer_ids) for ex in examples)
+    for _, cfg in configs:
+        cfg.budget_tokens(g, shortest)  # below the floor: refused before anything runs
     say = progress or (lambda _m: None)
 
     def tensors(ex: Example) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -115,54 +177,57 @@ def run_audit(
             return torch.tensor([x], dtype=torch.long, device=device)
         return t(ex.context_ids), t(ex.question_ids), t(ex.answer_ids)
 
+    protocol = "query-aware" if base.query_aware else "query-agnostic"
+    common = {"protocol": protocol, "chunk_size": base.chunk_size}
     say("full cache reference")
     fulls = [run_sequence(model, *tensors(ex)[:2], replace(base, mode="full"), answer_ids=tensors(ex)[2])
              for ex in examples]
     full_bytes = max(f.bytes_full_cache for f in fulls)
+    full_mets = [_metrics(f, f, tensors(ex)[2]) for f, ex in zip(fulls, examples)]
     rows: list[dict[str, Any]] = [{
-        "method": "full", "scorer": "none", "allocator": "none", "mode": "full",
-        "budget_tokens": None, "budget_per_cell": None, "bytes_budget": None,
+        "method": "full", "scorer": "none", "allocator": "none", "mode": "full", "scorer_params": "{}",
+        "allocator_params": "{}", **common, "budget_unit": None, "budget_value": None,
+        "budget_tokens": None, "budget_per_cell": None, "budget_effective_tokens": None, "bytes_budget": None,
         "bytes_live": full_bytes, "bytes_live_peak": full_bytes, "bytes_allocated": full_bytes,
         "bytes_index": 0, "bytes_transient": 0, "bytes_full_cache": full_bytes, "freed_fraction": 0.0,
         "peak_rss": max(f.peak_rss for f in fulls), "peak_rss_delta": None,
-        "exact_match": sum(_metrics(f, f, tensors(ex)[2])["exact_match"] for f, ex in zip(fulls, examples)) / len(fulls),
+        "exact_match": sum(m["exact_match"] for m in full_mets) / len(fulls),
         "kl": 0.0, "top1_agreement": 1.0,
-        "answer_ppl": sum(_metrics(f, f, tensors(ex)[2])["answer_ppl"] for f, ex in zip(fulls, examples)) / len(fulls),
+        "answer_ppl": sum(m["answer_ppl"] for m in full_mets) / len(fulls),
         "n_examples": len(examples), "wall_s": sum(f.wall_s for f in fulls),
     }]
-    for spec in methods:
-        scorer, alloc = parse_method(spec)
-        for budget in budgets:
-            for mode in modes:
-                if mode not in ("masked", "physical"):
-                    raise InputError("--modes", f"unknown mode {mode!r}", "use masked and/or physical")
-                say(f"{spec} {mode} budget={budget.value} {budget.unit}")
-                cfg = replace(base, mode=mode, budget=budget, scorer=scorer, allocator=alloc)
-                outs, mets = [], []
-                for ex, full in zip(examples, fulls):
-                    c, q, a = tensors(ex)
-                    rss_before = _rss()
-                    out = run_sequence(model, c, q, cfg, answer_ids=a, tokenizer=tokenizer)
-                    outs.append((out, rss_before))
-                    mets.append(_metrics(full, out, a))
-                btok = outs[0][0].budget_tokens
-                live = max(o.after_compression("bytes_live") or o.peak("bytes_live") for o, _ in outs)
-                rows.append({
-                    "method": spec, "scorer": scorer, "allocator": alloc, "mode": mode,
-                    "budget_tokens": btok, "budget_per_cell": btok / (n_layers * hk),
-                    "bytes_budget": kv_bytes(btok, d, dtype),
-                    "bytes_live": live,
-                    "bytes_live_peak": max(o.peak("bytes_live") for o, _ in outs),
-                    "bytes_allocated": max(o.peak("bytes_allocated") for o, _ in outs),
-                    "bytes_index": max(o.peak("bytes_index") for o, _ in outs),
-                    "bytes_transient": max(o.peak("bytes_transient") for o, _ in outs),
-                    "bytes_full_cache": full_bytes,
-                    "freed_fraction": min(_freed_fraction(o, n_layers * hk) for o, _ in outs),
-                    "peak_rss": max(o.peak_rss for o, _ in outs),
-                    "peak_rss_delta": max(o.peak_rss - r for o, r in outs),
-                    **{k: sum(m[k] for m in mets) / len(mets) for k in mets[0]},
-                    "n_examples": len(examples), "wall_s": sum(o.wall_s for o, _ in outs),
-                })
+    for spec, cfg in configs:
+        budget = cfg.budget
+        assert budget is not None
+        say(f"{spec} {cfg.mode} budget={budget.value} {budget.unit}")
+        outs, mets = [], []
+        for ex, full in zip(examples, fulls):
+            c, q, a = tensors(ex)
+            rss_before = _rss()
+            out = run_sequence(model, c, q, cfg, answer_ids=a, tokenizer=tokenizer)
+            outs.append((out, rss_before))
+            mets.append(_metrics(full, out, a))
+        btok = outs[0][0].budget_tokens
+        live = max(o.after_compression("bytes_live") or o.peak("bytes_live") for o, _ in outs)
+        rows.append({
+            "method": spec, "scorer": cfg.scorer, "allocator": cfg.allocator, "mode": cfg.mode,
+            "scorer_params": _params_json(cfg.scorer_params), "allocator_params": _params_json(cfg.allocator_params),
+            **common, "budget_unit": budget.unit, "budget_value": budget.value,
+            "budget_tokens": btok, "budget_per_cell": btok / cells,
+            "budget_effective_tokens": max(o.budget_effective_tokens for o, _ in outs),
+            "bytes_budget": kv_bytes(btok, g.head_dim, g.dtype),
+            "bytes_live": live,
+            "bytes_live_peak": max(o.peak("bytes_live") for o, _ in outs),
+            "bytes_allocated": max(o.peak("bytes_allocated") for o, _ in outs),
+            "bytes_index": max(o.peak("bytes_index") for o, _ in outs),
+            "bytes_transient": max(o.peak("bytes_transient") for o, _ in outs),
+            "bytes_full_cache": full_bytes,
+            "freed_fraction": min(_freed_fraction(o, cells) for o, _ in outs),
+            "peak_rss": max(o.peak_rss for o, _ in outs),
+            "peak_rss_delta": max(o.peak_rss - r for o, r in outs),
+            **{k: sum(m[k] for m in mets) / len(mets) for k in mets[0]},
+            "n_examples": len(examples), "wall_s": sum(o.wall_s for o, _ in outs),
+        })
     return pl.DataFrame(rows, infer_schema_length=None)
 
 
@@ -182,82 +247,3 @@ def _rss() -> int:
     import psutil
 
     return int(psutil.Process().memory_info().rss)
-
-
-def audit_figure(df: pl.DataFrame, path_stem: str | Path) -> list[Path]:
-    """Two panels from the audit table: K/V bytes held (live) and next-token KL, by method
-    and mode. Writes ``<stem>.png`` and ``<stem>.pdf`` atomically; returns the paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import seaborn as sns
-
-    from evictlab.io import atomic_path
-
-    d = df.filter(pl.col("mode") != "full").with_columns(
-        (pl.col("bytes_live") / 2**20).alias("MiB held (K/V)"),
-        (pl.col("method") + " @" + pl.col("budget_per_cell").round(0).cast(pl.Int64).cast(pl.Utf8)).alias("method @ budget/cell"),
-    ).to_pandas()
-    full_mib = float(df["bytes_full_cache"].max()) / 2**20
-    fig, axes = plt.subplots(1, 2, figsize=(11, 0.5 * max(4, d["method @ budget/cell"].nunique()) + 1.5))
-    sns.barplot(d, y="method @ budget/cell", x="MiB held (K/V)", hue="mode", ax=axes[0],
-                hue_order=["masked", "physical"], palette={"masked": "#c44e52", "physical": "#4c72b0"})
-    axes[0].axvline(full_mib, color="k", ls="--", lw=1, label="full cache")
-    axes[0].set_title("K/V bytes held after compression")
-    axes[0].legend(loc="lower right", fontsize=8)
-    sns.barplot(d, y="method @ budget/cell", x="kl", hue="mode", ax=axes[1], hue_order=["masked", "physical"],
-                palette={"masked": "#c44e52", "physical": "#4c72b0"})
-    axes[1].set_title("next-token KL to the full cache")
-    axes[1].set_xlabel("KL(full || compressed), nats")
-    axes[1].set_ylabel("")
-    fig.tight_layout()
-    paths = []
-    for ext in ("png", "pdf"):
-        dest = Path(f"{path_stem}.{ext}")
-        with atomic_path(dest, suffix=f".{ext}") as tmp:
-            fig.savefig(tmp, format=ext, dpi=150)
-        paths.append(dest)
-    plt.close(fig)
-    return paths
-
-
-def audit_markdown(df: pl.DataFrame, *, model: str, config: dict[str, Any], figure: str | None) -> str:
-    """A Markdown report of the audit table (masked entries are never counted as freed)."""
-    cols = ["method", "mode", "budget_per_cell", "budget_tokens", "bytes_budget", "bytes_live", "bytes_allocated",
-            "bytes_full_cache", "freed_fraction", "peak_rss", "exact_match", "kl", "top1_agreement"]
-    lines = [
-        f"# Masked vs physical KV eviction audit: {model}",
-        "",
-        "Each method runs at the same nominal budget twice: **masked** (full K/V tensors plus a keep",
-        "mask, the way kvpress applies per-head budgets) and **physical** (evictlab's paged store with",
-        "one block-table row per (layer, KV head); evicted entries are freed). Both attend to exactly",
-        "the same kept entries, so accuracy and KL agree; the bytes do not. A masked entry is never",
-        "counted as freed: the masked store's `bytes_live` is every K/V byte it still holds.",
-        "",
-        "Budgets count *kept* entries after a compression, summed over cells (a cell = one layer x KV",
-        "head); bytes = kept x 2 x head_dim x dtype size; index overhead is in `bytes_index`.",
-        "Protocol: query-agnostic unless `query_aware` is true below (the context is compressed before",
-        "the question is appended). `exact_match` = greedy decoding reproduces the answer tokens",
-        "exactly (computed teacher-forced); `kl` = next-token KL(full || compressed) over the answer",
-        "tokens, nats. Model weights may be quantised (Q4 GGUF for the registry models): this does",
-        "not change the comparison. `peak_rss` is one process's resident memory (all runs share it).",
-        "",
-        "| " + " | ".join(cols) + " |",
-        "|" + "---|" * len(cols),
-    ]
-    for r in df.iter_rows(named=True):
-        cells = []
-        for c in cols:
-            v = r.get(c)
-            if v is None:
-                cells.append("")
-            elif isinstance(v, float):
-                cells.append(f"{v:.4g}")
-            else:
-                cells.append(str(v))
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "## Configuration", "", "```", *(f"{k}: {v}" for k, v in sorted(config.items())), "```", ""]
-    if figure:
-        lines += [f"![audit]({figure})", ""]
-    return "\n".join(lines)

@@ -1,12 +1,19 @@
 """CLI commands ``evictlab audit`` and ``evictlab decode`` (thin: they call the library).
 
+Everything the user typed is checked before the model loads (methods, parameters,
+budgets, tasks, sizes). The library raises :class:`InputError` with neutral field names
+(``method``, ``scorer_param``, ``budget``, ...); :func:`_as_options` reports them under the
+option of the command the user ran (``decode --method``, ``audit --methods``).
 torch / transformers are imported inside the functions so ``evictlab --help`` stays fast.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -14,135 +21,231 @@ from evictlab.errors import InputError
 
 _DEFAULT_METHODS = "streaming_llm,h2o,snapkv,snapkv+adakv,snapkv+pyramidkv"
 
+# Neutral library field -> the option of each command that sets it.
+_COMMON = {
+    "scorer_param": "--scorer-param", "allocator_param": "--allocator-param",
+    "budget": "--budget", "budget.value": "--budget", "budget.unit": "--budget",
+    "task": "--task", "tasks": "--task", "--source": "--task",
+    "chunk_size": "--chunk", "compress_every": "--compress-every", "window": "--window",
+    "block_size": "--block-size", "sinks": "--sinks", "recent": "--recent",
+    "model": "--model", "model.config": "--model",
+}
+DECODE_OPTIONS = {**_COMMON, "method": "--method", "scorer": "--method", "allocator": "--method",
+                  "mode": "--mode", "answer_ids": "--max-new-tokens"}
+AUDIT_OPTIONS = {**_COMMON, "method": "--methods", "scorer": "--methods", "allocator": "--methods",
+                 "n": "--n"}
+
+_PARAM_HELP = ("method parameter as key=value, repeatable (e.g. {ex}); a key goes to every chosen {kind} "
+               "that has it, NAME.key=value to that {kind} only")
+# Options both commands share (one definition, one help text).
+_SCORER_PARAM = typer.Option([], "--scorer-param", help=_PARAM_HELP.format(ex="window=64", kind="scorer"))
+_ALLOCATOR_PARAM = typer.Option([], "--allocator-param", help=_PARAM_HELP.format(ex="alpha=0.3", kind="allocator"))
+_DEVICE = typer.Option("cpu", "--device", help="cpu or cuda")
+_SINKS = typer.Option(4, "--sinks", help="always-kept first entries per cell")
+_RECENT = typer.Option(16, "--recent", help="always-kept most recent entries per cell")
+_CHUNK = typer.Option(256, "--chunk", help="prefill chunk (tokens) between compressions")
+_COMPRESS_EVERY = typer.Option(16, "--compress-every", help="decode steps between compressions")
+_WINDOW = typer.Option(32, "--window", help="observation window (queries) for scorers")
+_BLOCK_SIZE = typer.Option(16, "--block-size", help="page size of the physical store (entries)")
+_QUERY_AWARE = typer.Option(False, "--query-aware", help="LABELLED OPTION: let rankings see the question")
+_THREADS = typer.Option(0, "--threads", help="torch CPU threads (0 = torch default)")
+_OVERWRITE = typer.Option(False, "--overwrite", help="replace an existing --out (and the files written beside it)")
+
+
+@contextlib.contextmanager
+def _as_options(options: dict[str, str]) -> Iterator[None]:
+    """Re-raise the library's :class:`InputError` under the command's option names."""
+    try:
+        yield
+    except InputError as exc:
+        option = options.get(exc.field)
+        if option is None:
+            raise
+        raise type(exc)(option, exc.problem, exc.fix) from None
+
+
+def _check_positive(**values: int) -> None:
+    for name, v in values.items():
+        if v <= 0:
+            raise InputError("--" + name.replace("_", "-"), f"must be positive, got {v}", "pass a positive integer")
+
+
+def _check_tasks(tasks: list[str]) -> None:
+    from evictlab.capture.prompts import TASKS
+
+    if not tasks:
+        raise InputError("--task", "no task given", f"use some of: {', '.join(TASKS)}")
+    for t in tasks:
+        if t not in TASKS:
+            raise InputError("--task", f"unknown task {t!r}", f"use some of: {', '.join(TASKS)}")
+    dup = sorted({t for t in tasks if tasks.count(t) > 1})
+    if dup:
+        raise InputError("--task", f"task {dup[0]} is given twice", "give each task once")
+
 
 def _base_config(sinks: int, recent: int, chunk: int, compress_every: int, window: int, block_size: int,
-                 query_aware: bool):  # noqa: ANN202 - returns DecodeConfig (lazy import)
+                 query_aware: bool, **kw: Any):  # noqa: ANN202 - returns DecodeConfig (lazy import)
     from evictlab.decode.loop import DecodeConfig
 
-    for name, v in (("--chunk", chunk), ("--compress-every", compress_every), ("--window", window),
-                    ("--block-size", block_size)):
-        if v <= 0:
-            raise InputError(name, f"must be positive, got {v}", "pass a positive integer")
     return DecodeConfig(sinks=sinks, recent=recent, chunk_size=chunk, compress_every=compress_every,
-                        window=window, block_size=block_size, query_aware=query_aware)
+                        window=window, block_size=block_size, query_aware=query_aware, **kw)
 
 
 def audit(
     model: str = typer.Option("smollm2-135m", help="registry name, local HF folder or hub id"),
-    budget: list[str] = typer.Option(["64"], help="kept budget; repeat for several: 64 (tokens per cell), 4096total, 2MiB"),
+    budget: list[str] = typer.Option(["64"], help="kept budget; repeat for several: 64 (tokens per cell), "
+                                     "4096total, 2MiB"),
     methods: str = typer.Option(_DEFAULT_METHODS, help="comma-separated scorer or scorer+allocator"),
+    scorer_param: list[str] = _SCORER_PARAM, allocator_param: list[str] = _ALLOCATOR_PARAM,
     task: str = typer.Option("needle", help="comma-separated tasks: needle, multi_needle, multi_key, variable_tracking"),
     n: int = typer.Option(2, help="examples per task"),
     context: int = typer.Option(1024, help="context tokens per example"),
     seed: int = typer.Option(0),
     out: Path = typer.Option(Path("audit.parquet"), help="Parquet table; .png/.pdf/.md/.run.json written beside it"),
-    device: str = typer.Option("cpu", help="cpu or cuda"),
-    sinks: int = typer.Option(4), recent: int = typer.Option(16),
-    chunk: int = typer.Option(256, help="prefill chunk (tokens) between compressions"),
-    compress_every: int = typer.Option(16, help="decode steps between compressions"),
-    window: int = typer.Option(32, help="observation window (queries) for scorers"),
-    block_size: int = typer.Option(16, help="page size of the physical store (entries)"),
-    query_aware: bool = typer.Option(False, "--query-aware", help="LABELLED OPTION: let rankings see the question"),
-    threads: int = typer.Option(0, help="torch CPU threads (0 = torch default)"),
+    device: str = _DEVICE, sinks: int = _SINKS, recent: int = _RECENT, chunk: int = _CHUNK,
+    compress_every: int = _COMPRESS_EVERY, window: int = _WINDOW, block_size: int = _BLOCK_SIZE,
+    query_aware: bool = _QUERY_AWARE, threads: int = _THREADS, overwrite: bool = _OVERWRITE,
 ) -> None:
     """Each method at the same budget, masked vs physically enforced, side by side."""
-    import torch
     from rich.console import Console
 
-    from evictlab.capture.registry import load_model
-    from evictlab.decode.audit import audit_figure, audit_markdown, run_audit, task_examples
-    from evictlab.io import atomic_path, atomic_write_text
+    from evictlab.io import check_output_file
     from evictlab.kv.budget import Budget
+    from evictlab.methods import parse_assignments
     from evictlab.report.record import RunRecord
 
-    if threads > 0:
-        torch.set_num_threads(threads)
-    budgets = [Budget.parse(b) for b in budget]
-    method_list = [m.strip() for m in methods.split(",") if m.strip()]
-    tasks = [t.strip() for t in task.split(",") if t.strip()]
-    base = _base_config(sinks, recent, chunk, compress_every, window, block_size, query_aware)
-    record = RunRecord(kind="decode.audit", model=model, seed=seed, config={
-        "budgets": budget, "methods": method_list, "tasks": tasks, "n": n, "context": context,
-        "device": device, **base.to_dict()})
-    console = Console(stderr=True)
-    lm, tok = load_model(model, device=device)
-    examples = task_examples(tok, tasks, n, context, seed)
-    total = 1 + len(method_list) * len(budgets) * 2
-    done = [0]
+    with _as_options(AUDIT_OPTIONS):
+        # Everything the user typed, checked before the model loads.
+        out = check_output_file(out, "--out", overwrite=overwrite)
+        _check_positive(n=n, context=context)
+        if threads < 0:
+            raise InputError("--threads", f"must be >= 0, got {threads}", "pass 0 (torch default) or a thread count")
+        budgets = [Budget.parse(b) for b in budget]
+        method_list = [m.strip() for m in methods.split(",") if m.strip()]
+        tasks = [t.strip() for t in task.split(",") if t.strip()]
+        _check_tasks(tasks)
+        sp = parse_assignments(scorer_param, "--scorer-param")
+        ap = parse_assignments(allocator_param, "--allocator-param")
+        from evictlab.decode.audit import audit_configs, run_audit, task_examples
 
-    def progress(msg: str) -> None:
-        done[0] += 1
-        console.print(f"[{done[0]}/{total}] {msg}")
+        base = _base_config(sinks, recent, chunk, compress_every, window, block_size, query_aware)
+        audit_configs(method_list, budgets, base=base, scorer_params=sp, allocator_params=ap)
+        record = RunRecord(kind="decode.audit", model=model, seed=seed, config={
+            "budgets": budget, "methods": method_list, "tasks": tasks, "n": n, "context": context,
+            "device": device, "scorer_param": sp, "allocator_param": ap, **base.to_dict()})
 
-    df = run_audit(lm, examples, method_list, budgets, base=base, tokenizer=tok, progress=progress)
-    with atomic_path(out, suffix=".parquet") as tmp:
-        df.write_parquet(tmp)
-    stem = out.with_suffix("")
-    figs = audit_figure(df, stem)
-    md = audit_markdown(df, model=model, config=record.config, figure=figs[0].name)
-    atomic_write_text(stem.with_suffix(".md"), md)
-    record.write(stem.with_suffix(".run.json"), outputs=[str(out), *map(str, figs), str(stem.with_suffix(".md"))])
+        import torch
+
+        from evictlab.models.loading import load_model
+
+        if threads > 0:
+            torch.set_num_threads(threads)
+        console = Console(stderr=True)
+        lm, tok = load_model(model, device=device)
+        examples = task_examples(tok, tasks, n, context, seed)
+        total = 1 + len(method_list) * len(budgets) * 2
+        done = [0]
+
+        def progress(msg: str) -> None:
+            done[0] += 1
+            console.print(f"[{done[0]}/{total}] {msg}")
+
+        df = run_audit(lm, examples, method_list, budgets, base=base, tokenizer=tok, progress=progress,
+                       scorer_params=sp, allocator_params=ap)
+    _write_audit(df, out, model, record)
     console.print(df.select("method", "mode", "budget_per_cell", "bytes_live", "bytes_allocated",
                             "bytes_full_cache", "kl", "exact_match"))
     typer.echo(str(out))
 
 
+def _write_audit(df: Any, out: Path, model: str, record: Any) -> None:
+    """Figure and report first, then the table, then the run record: each file is atomic,
+    and the record (written last) marks a finished audit."""
+    from evictlab.io import atomic_path, atomic_write_text
+    from evictlab.plots.audit import audit_bars
+    from evictlab.report.audit import audit_markdown
+
+    stem = out.with_suffix("")
+    fig = audit_bars(df, stem)
+    md = audit_markdown(df, model=model, config=record.config, figure=fig.png.name)
+    atomic_write_text(stem.with_suffix(".md"), md)
+    with atomic_path(out, suffix=".parquet") as tmp:
+        df.write_parquet(tmp)
+    record.write(stem.with_suffix(".run.json"),
+                 outputs=[str(out), str(fig.png), str(fig.pdf), str(stem.with_suffix(".md"))])
+
+
 def decode(
     model: str = typer.Option("smollm2-135m", help="registry name, local HF folder or hub id"),
     method: str = typer.Option("snapkv", help="scorer or scorer+allocator"),
+    scorer_param: list[str] = _SCORER_PARAM, allocator_param: list[str] = _ALLOCATOR_PARAM,
     task: str = typer.Option("needle", help="needle, multi_needle, multi_key or variable_tracking"),
     budget: str = typer.Option("64", help="kept budget: 64 (tokens per cell), 4096total or 2MiB"),
     mode: str = typer.Option("physical", help="physical, masked (audit of others) or full"),
     context: int = typer.Option(1024, help="context tokens"),
-    max_new_tokens: int = typer.Option(16),
+    max_new_tokens: int = typer.Option(16, help="greedy tokens to generate"),
     seed: int = typer.Option(0),
     out: Path = typer.Option(Path("decode.json"), help="result JSON; the run record goes beside it"),
-    device: str = typer.Option("cpu", help="cpu or cuda"),
-    sinks: int = typer.Option(4), recent: int = typer.Option(16),
-    chunk: int = typer.Option(256), compress_every: int = typer.Option(16), window: int = typer.Option(32),
-    block_size: int = typer.Option(16),
-    query_aware: bool = typer.Option(False, "--query-aware", help="LABELLED OPTION: let rankings see the question"),
-    threads: int = typer.Option(0, help="torch CPU threads (0 = torch default)"),
+    device: str = _DEVICE, sinks: int = _SINKS, recent: int = _RECENT, chunk: int = _CHUNK,
+    compress_every: int = _COMPRESS_EVERY, window: int = _WINDOW, block_size: int = _BLOCK_SIZE,
+    query_aware: bool = _QUERY_AWARE, threads: int = _THREADS, overwrite: bool = _OVERWRITE,
 ) -> None:
     """Run one method on one task example (greedy), with a progress bar and a run record."""
-    from dataclasses import replace
-
-    import torch
-    from tqdm import tqdm
-
-    from evictlab.capture.registry import load_model
-    from evictlab.decode.audit import parse_method
-    from evictlab.decode.loop import run_sequence
-    from evictlab.decode.tasks import build_prompt, decode_ids, score_exact_match
-    from evictlab.capture.prompts import make_task
-    from evictlab.io import atomic_write_json
+    from evictlab.io import check_output_file
     from evictlab.kv.budget import Budget
+    from evictlab.methods import parse_assignments, parse_method
     from evictlab.report.record import RunRecord
 
-    if mode not in ("physical", "masked", "full"):
-        raise InputError("--mode", f"unknown mode {mode!r}", "use physical, masked or full")
-    if threads > 0:
-        torch.set_num_threads(threads)
-    scorer, alloc = parse_method(method)
-    cfg = replace(_base_config(sinks, recent, chunk, compress_every, window, block_size, query_aware),
-                  mode=mode, scorer=scorer, allocator=alloc, budget=None if mode == "full" else Budget.parse(budget))
-    record = RunRecord(kind="decode.decode", model=model, seed=seed,
-                       config={"task": task, "context": context, "max_new_tokens": max_new_tokens,
-                               "device": device, **cfg.to_dict()})
-    lm, tok = load_model(model, device=device)
-    prompt = build_prompt(make_task(task, context, tok, seed), tok,
-                          "query-aware" if query_aware else "query-agnostic")
-    dev = next(lm.parameters()).device
-    ctx = torch.tensor([prompt.context_ids], device=dev)
-    q = torch.tensor([prompt.question_ids], device=dev)
-    t0 = time.perf_counter()
-    with tqdm(total=ctx.shape[1] + q.shape[1] + max_new_tokens, unit="tok", desc=f"{method} {mode}") as bar:
-        res = run_sequence(lm, ctx, q, cfg, max_new_tokens=max_new_tokens, progress=bar.update, tokenizer=tok)
+    with _as_options(DECODE_OPTIONS):
+        # Everything the user typed, checked before the model loads.
+        out = check_output_file(out, "--out", overwrite=overwrite)
+        _check_positive(context=context, max_new_tokens=max_new_tokens)
+        if threads < 0:
+            raise InputError("--threads", f"must be >= 0, got {threads}", "pass 0 (torch default) or a thread count")
+        _check_tasks([task])
+        scorer, alloc = parse_method(method)
+        cfg = _base_config(sinks, recent, chunk, compress_every, window, block_size, query_aware, mode=mode,
+                           scorer=scorer, allocator=alloc, budget=None if mode == "full" else Budget.parse(budget),
+                           scorer_params=parse_assignments(scorer_param, "--scorer-param"),
+                           allocator_params=parse_assignments(allocator_param, "--allocator-param"))
+        if mode != "full" and "future" in getattr(cfg.build_scorers(None)[0], "needs", ()):
+            raise InputError("--method", f"{scorer} needs the true future tokens, which greedy decoding does not have",
+                             "use it in `evictlab audit` (teacher-forced), or pick another scorer")
+        record = RunRecord(kind="decode.decode", model=model, seed=seed,
+                           config={"task": task, "context": context, "max_new_tokens": max_new_tokens,
+                                   "device": device, **cfg.to_dict()})
+
+        import torch
+        from tqdm import tqdm
+
+        from evictlab.capture.prompts import make_task
+        from evictlab.decode.loop import run_sequence
+        from evictlab.decode.tasks import build_prompt, decode_ids, score_exact_match
+        from evictlab.models.loading import load_model
+
+        if threads > 0:
+            torch.set_num_threads(threads)
+        lm, tok = load_model(model, device=device)
+        prompt = build_prompt(make_task(task, context, tok, seed), tok,
+                              "query-aware" if query_aware else "query-agnostic")
+        dev = next(lm.parameters()).device
+        ctx = torch.tensor([prompt.context_ids], device=dev)
+        q = torch.tensor([prompt.question_ids], device=dev)
+        if mode != "full":  # a budget below the always-kept floor: refused before the run starts
+            from evictlab.models.geometry import model_geometry
+
+            cfg.budget_tokens(model_geometry(lm), ctx.shape[1] + q.shape[1] + max_new_tokens)
+        t0 = time.perf_counter()
+        with tqdm(total=ctx.shape[1] + q.shape[1] + max_new_tokens, unit="tok", desc=f"{method} {mode}") as bar:
+            res = run_sequence(lm, ctx, q, cfg, max_new_tokens=max_new_tokens, progress=bar.update, tokenizer=tok)
     text = decode_ids(tok, res.tokens[0].tolist())
     final = res.trace[-1].report if res.trace else None
     result = {
         "method": method, "mode": mode, "task": task, "answer": prompt.answer, "prediction": text,
+        "scorer_params": cfg.to_dict()["scorer_params"], "allocator_params": cfg.to_dict()["allocator_params"],
+        "protocol": "query-aware" if query_aware else "query-agnostic", "chunk_size": chunk,
         "exact_match": score_exact_match(text, prompt.answer), "budget_tokens": res.budget_tokens,
+        "budget_effective_tokens": res.budget_effective_tokens,
         "bytes_full_cache": res.bytes_full_cache,
         "bytes_live_after_compression": res.after_compression("bytes_live"),
         "bytes_allocated_peak": res.peak("bytes_allocated"),
@@ -150,7 +253,13 @@ def decode(
         "compressions": res.compressions, "peak_rss": res.peak_rss,
         "tokens_per_s": (ctx.shape[1] + q.shape[1] + max_new_tokens) / (time.perf_counter() - t0),
     }
+    from evictlab.io import atomic_write_json
+
     atomic_write_json(out, result)
     record.write(out.with_suffix(".run.json"), outputs=[str(out)])
+    if res.budget_tokens is not None and res.budget_effective_tokens is not None \
+            and res.budget_effective_tokens < res.budget_tokens:
+        typer.echo(f"note: the budget ({res.budget_tokens} kept entries) is above the full cache "
+                   f"({res.budget_effective_tokens} entries): nothing was evicted", err=True)
     typer.echo(f"{method} [{mode}] answer={prompt.answer!r} prediction={text.strip()!r} "
                f"exact_match={result['exact_match']}")

@@ -1,15 +1,16 @@
 """The decode loop: chunked prefill that compresses as it goes, then decoding that
 compresses every N steps, on a stock transformers model (through :mod:`evictlab.kv.cache`).
 
-Protocol (query-agnostic by default, SPEC section 6):
+Protocol (query-agnostic by default):
 
 1. The **context** is fed in chunks of ``chunk_size`` tokens. After each chunk, if the
    cache holds more than the budget, it is compressed to the budget: every cell is scored
    (the scorer sees the cell's keys and the context's queries: the last ``window`` of
    them, or, for scorers with ``uses_all_queries`` (H2O, Compactor, ExpectedAttention),
-   every query processed since the previous compression), an
-   allocator turns the budget into per-cell sizes, :func:`select_keep` picks the kept
-   entries, and the store evicts the rest. So the cache never holds more than
+   every query processed since the previous compression), the allocator turns the budget
+   into per-cell sizes (:class:`~evictlab.methods.base.AllocInputs` in,
+   :func:`~evictlab.methods.base.check_sizes` on the way out), :func:`select_keep` picks
+   the kept entries, and the store evicts the rest. So the cache never holds more than
    ``budget + chunk_size`` entries per cell (peak KV memory bounded).
 2. The **question** is appended only after the context was compressed: no ranking ever
    sees it. With ``query_aware=True`` (a labelled option, to measure the margin) the
@@ -18,50 +19,70 @@ Protocol (query-agnostic by default, SPEC section 6):
    top-1 agreement, and all-argmax-correct is exactly greedy exact match) or greedy argmax
    tokens; every ``compress_every`` steps the cache is compressed back to the budget.
 
+One driver (:func:`_drive`) runs these steps for every mode: an *engine* does the forwards
+and, when it evicts, the compressions. ``mode="full"`` is the reference (:class:`FullCache`:
+the stock ``DynamicCache``, nothing evicted, exactly the model's own output);
+``"physical"`` and ``"masked"`` are :class:`EvictionRunner` over a paged or a masked store.
+
 The budget counts kept entries after a compression; between compressions a cell may hold
-up to ``chunk_size`` (prefill) or ``question + compress_every`` (decoding) more. The paged
-pool is sized to exactly that and raises :class:`BudgetExceededError` rather than grow.
+up to one prefill chunk (never more than the context fed) or ``question + compress_every``
+(decoding) more. The paged pool is sized in tokens by
+:meth:`~evictlab.kv.paged.PagedKVStore.for_budget` (the budget plus that headroom, capped
+by what the run can ever hold, so a budget above the context allocates no more than the
+full cache plus one partial page per cell) and raises :class:`BudgetExceededError` rather
+than grow. ``DecodeOutput.budget_effective_tokens`` states the budget that can bind:
+``min(budget, full cache)``.
 
-Scorers are built with :func:`evictlab.methods.make_scorer` from the model's config (so
-the RoPE-undoing scorers use the model's RoPE base). Scoring is done per (batch item, KV
-head) cell, because after ragged eviction cells hold different keys at different positions
-(``ScoreInputs.positions`` is one vector). The scorer state (``ScoreInputs.state``) is one
-dict per (layer, batch item, KV head). Allocators receive per-layer scores
-``(batch, kv_heads, S_l)`` padded with the float32 minimum past a shorter head's length,
-plus ``lengths=`` (each cell's real length), so padding never counts as available keys.
+Scorers are built with :func:`evictlab.methods.make_scorer` per layer from the model's
+:class:`~evictlab.models.geometry.ModelGeometry` (so the RoPE-undoing scorers use each
+layer's RoPE base). Scoring is done per (batch item, KV head) cell, because after ragged
+eviction cells hold different keys at different positions (``ScoreInputs.positions`` is one
+vector). The scorer state (``ScoreInputs.state``) is one dict per (layer, batch item, KV
+head). Allocators receive per-layer scores ``(batch, kv_heads, S_l)`` padded with the
+float32 minimum past a shorter head's length, with each cell's real length, so padding
+never counts as available keys.
 
-Sliding-window layers (Gemma 3's ``"sliding_attention"`` layers, see :func:`layer_windows`):
-a query at position ``t`` attends only keys with ``t - pos < window``. :func:`attach_model`
-adds that bound to the mask of those layers (so a multi-token chunk is exact), and every
-compression first drops, from the cells of those layers, the entries no later query can
-attend (``pos <= next - window``: physically freed in the paged store, masked in the masked
-one), so a sliding cell holds at most ``window - 1`` entries after a compression. The budget
-is then spread by the allocator over the cells' real lengths: a sliding cell keeps
-``min(window - 1, its size)`` and what it cannot hold goes to the other cells.
+Sliding-window layers (Gemma 3's ``"sliding_attention"`` layers,
+:attr:`ModelGeometry.windows`): a query at position ``t`` attends only keys with
+``t - pos < window``. :func:`attach_model` adds that bound to the mask of those layers (so a
+multi-token chunk is exact), and every compression first drops, from the cells of those
+layers, the entries no later query can attend (``pos <= next - window``: physically freed in
+the paged store, masked in the masked one), so a sliding cell holds at most ``window - 1``
+entries after a compression. The budget is then spread by the allocator over the cells'
+real lengths: a sliding cell keeps ``min(window - 1, its size)`` and what it cannot hold
+goes to the other cells.
+
+Errors on user input are :class:`InputError` with neutral field names (``method``,
+``scorer``, ``allocator``, ``scorer_param``, ``allocator_param``, ``budget``, ``mode``,
+``chunk_size``, ...); the ``decode`` and ``audit`` commands report them under their own
+option names.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import time
-from collections.abc import Iterator
-from types import SimpleNamespace
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from pathlib import Path
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
 
 from evictlab.errors import BudgetExceededError, InputError
 from evictlab.kv.base import KVStore
-from evictlab.kv.budget import Budget, ByteReport
+from evictlab.kv.budget import Budget, ByteReport, kv_bytes
 from evictlab.kv.cache import EvictionCache, attach
 from evictlab.kv.masked import MaskedKVStore
 from evictlab.kv.paged import PagedKVStore
+from evictlab.methods.base import AllocInputs, Allocator, Phase, Scorer, check_sizes
+from evictlab.models.geometry import ModelGeometry, model_geometry
+from evictlab.models.sites import find_attention_sites
 
 Mode = Literal["physical", "masked", "full"]
+MODES: tuple[str, ...] = ("physical", "masked", "full")
+
 
 @dataclass
 class DecodeConfig:
@@ -69,7 +90,12 @@ class DecodeConfig:
 
     ``mode``: ``"physical"`` (paged store, evicted entries freed), ``"masked"`` (full tensors +
     keep mask: the audit of others), or ``"full"`` (no eviction, stock ``DynamicCache``; the
-    reference). ``budget`` is required unless ``mode == "full"``.
+    reference). ``budget`` is required unless ``mode == "full"``. ``scorer_params`` and
+    ``allocator_params`` are the method's parameters (strings from the command line are
+    typed by the method's dataclass fields, see :mod:`evictlab.methods.params`).
+
+    Validated on construction (:class:`InputError` with the field's name): the mode, the
+    sizes, and the method (names and parameters, by building it once).
     """
 
     mode: Mode = "physical"
@@ -86,9 +112,72 @@ class DecodeConfig:
     block_size: int = 16
     query_aware: bool = False
 
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise InputError("mode", f"unknown mode {self.mode!r}", "use physical, masked or full")
+        for name in ("chunk_size", "compress_every", "window", "block_size"):
+            if int(getattr(self, name)) <= 0:
+                raise InputError(name, f"must be positive, got {getattr(self, name)}", "pass a positive integer")
+        for name in ("sinks", "recent"):
+            if int(getattr(self, name)) < 0:
+                raise InputError(name, f"must be >= 0, got {getattr(self, name)}", "pass 0 or more")
+        if self.budget is not None and not isinstance(self.budget, Budget):
+            raise InputError("budget", f"{self.budget!r} is not a Budget", "pass Budget.parse('64') or similar")
+        # Build the method once: unknown names/parameters and bad values fail here, and the
+        # parameters are kept typed (what the run record shows).
+        scorer = self.build_scorers(None)[0]
+        self.scorer_params = {k: getattr(scorer, k) for k in self.scorer_params}
+        allocator = self.build_allocator()
+        self.allocator_params = {k: getattr(allocator, k) for k in self.allocator_params}
+
+    @property
+    def method(self) -> str:
+        """The method spec: ``scorer+allocator`` (``scorer`` alone for uniform)."""
+        return self.scorer if self.allocator == "uniform" else f"{self.scorer}+{self.allocator}"
+
+    def build_scorers(self, geometry: ModelGeometry | None) -> list[Scorer]:
+        """One scorer per layer (one object per distinct RoPE base; with ``geometry=None``
+        one scorer with the dataclass defaults). An explicit ``rope_theta`` wins."""
+        from evictlab.methods import make_scorer
+
+        if geometry is None:
+            return [make_scorer(self.scorer, **self.scorer_params)]
+        by_rope: dict[Any, Scorer] = {}
+        for r in geometry.rope:
+            if r not in by_rope:
+                by_rope[r] = make_scorer(self.scorer, rope=r, **self.scorer_params)
+        return [by_rope[r] for r in geometry.rope]
+
+    def floors(self, geometry: ModelGeometry, total_tokens: int) -> np.ndarray:
+        """int64 ``(n_layers, kv_heads)``: the entries ``select_keep`` always keeps per cell
+        (sinks + recent), clipped to ``total_tokens`` and to ``window - 1`` on sliding
+        layers (a sliding cell never holds more after a compression)."""
+        keep = self.sinks + self.recent
+        return np.array([[min(keep, total_tokens, w - 1 if w else total_tokens)] * geometry.kv_heads
+                         for w in geometry.windows], dtype=np.int64)
+
+    def budget_tokens(self, geometry: ModelGeometry, total_tokens: int) -> int:
+        """Kept entries per sequence for ``geometry``; :class:`InputError` (field ``budget``)
+        when there is no budget or it is below the summed always-kept floors."""
+        if self.budget is None:
+            raise InputError("budget", "a budget is required in physical and masked modes", "pass a budget")
+        tokens = self.budget.total_tokens(geometry.n_layers, geometry.kv_heads, geometry.head_dim, geometry.dtype)
+        floor_total = int(self.floors(geometry, total_tokens).sum())
+        if tokens < floor_total:
+            raise InputError("budget", f"{tokens} kept tokens per sequence is below the {floor_total} always-kept "
+                             f"sinks + recent entries ({geometry.cells} cells)", "raise the budget or lower sinks/recent")
+        return tokens
+
+    def build_allocator(self) -> Allocator:
+        from evictlab.methods import make_allocator
+
+        return make_allocator(self.allocator, **self.allocator_params)
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["budget"] = None if self.budget is None else {"unit": self.budget.unit, "value": self.budget.value}
+        for key in ("scorer_params", "allocator_params"):
+            d[key] = {k: str(v) if isinstance(v, Path) else v for k, v in d[key].items()}
         return d
 
 
@@ -96,7 +185,7 @@ class DecodeConfig:
 class StepTrace:
     """Accounting after one forward (or compression) of the loop."""
 
-    phase: str  # "prefill", "compress", "question", "decode"
+    phase: str  # "prefill", "compress", "resize", "question", "decode"
     seen: int
     report: ByteReport
     rss: int
@@ -108,8 +197,11 @@ class DecodeOutput:
 
     ``logits``: float32 ``(batch, T, vocab)``: row t predicts decode token t (row 0 comes from
     the last question position). ``tokens``: int64 ``(batch, T)`` the decode-phase tokens
-    (the forced answer, or greedy argmax). ``trace``: one :class:`StepTrace` per phase step.
-    ``budget_tokens``: kept entries per sequence (None in full mode).
+    (the forced answer, or greedy argmax). ``trace``: one :class:`StepTrace` per phase step
+    (empty in full mode). ``budget_tokens``: kept entries per sequence (None in full mode);
+    ``budget_effective_tokens``: ``min(budget_tokens, entries a cache without eviction
+    holds at the end)``: when it is below ``budget_tokens`` the budget is above the full
+    cache and nothing is evicted (sliding layers still drop out-of-window entries).
     """
 
     logits: torch.Tensor
@@ -124,6 +216,7 @@ class DecodeOutput:
     #: per layer, the kept positions ``(batch, kv_heads, S)`` (-1 = padding) right after the
     #: context phase, before the question (query-agnostic) is appended; empty in full mode.
     context_kept: list[torch.Tensor] = field(default_factory=list)
+    budget_effective_tokens: int | None = None
 
     def peak(self, attr: str) -> int:
         """Max of ``ByteReport.<attr>`` over the trace (0 for full mode)."""
@@ -134,91 +227,47 @@ class DecodeOutput:
         return max((getattr(t.report, attr) for t in self.trace if t.phase == "compress"), default=0)
 
 
-def _text_config(model: torch.nn.Module) -> Any:
-    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-
-
-def model_geometry(model: torch.nn.Module) -> tuple[int, int, int, int, torch.dtype]:
-    """``(n_layers, q_heads, kv_heads, head_dim, dtype)`` from a transformers model config.
-
-    Raises :class:`InputError` for attention kinds the loop cannot make exact (see
-    :func:`layer_windows`)."""
-    cfg = _text_config(model)
-    hq = cfg.num_attention_heads
-    hk = getattr(cfg, "num_key_value_heads", None) or hq
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
-    layer_windows(model)  # validates the layer types
-    return cfg.num_hidden_layers, hq, hk, d, next(model.parameters()).dtype
-
-
-def layer_windows(model: torch.nn.Module) -> list[int | None]:
-    """Per layer, the sliding window ``w`` of a sliding-attention layer (a query at position
-    ``t`` attends keys with ``t - pos < w``, transformers' ``sliding_window_overlay``), or
-    ``None`` for a full-attention layer.
-
-    Read from the config's ``layer_types`` (Gemma 3, Qwen2: ``"sliding_attention"`` /
-    ``"full_attention"``); a config without ``layer_types`` but with a ``sliding_window``
-    (Mistral) slides on every layer. Other layer types (chunked, linear attention) and
-    bidirectional attention are an :class:`InputError`.
-    """
-    cfg = _text_config(model)
-    n = cfg.num_hidden_layers
-    window = getattr(cfg, "sliding_window", None)
-    types = list(getattr(cfg, "layer_types", None) or [])
-    if getattr(cfg, "use_bidirectional_attention", False):
-        raise InputError("model", "bidirectional attention is not causal decoding", "use a causal decoder model")
-    if not types:
-        slides = bool(window) and getattr(cfg, "use_sliding_window", True) is not False
-        return [int(window) if slides else None] * n
-    bad = sorted({t for t in types[:n] if t not in ("full_attention", "sliding_attention")})
-    if bad or len(types) < n:
-        raise InputError("model", f"layer types {bad or types} are not supported by the eviction loop",
-                         "use a model whose layers are full_attention or sliding_attention")
-    if "sliding_attention" in types[:n] and not window:
-        raise InputError("model", "sliding_attention layers without a sliding_window in the config",
-                         "set config.sliding_window")
-    return [int(window) if t == "sliding_attention" else None for t in types[:n]]
-
-
 @contextlib.contextmanager
 def attach_model(model: torch.nn.Module, cache: EvictionCache,
-                 windows: list[int | None] | None = None) -> Iterator[EvictionCache]:
+                 windows: list[int | None] | tuple[int | None, ...] | None = None) -> Iterator[EvictionCache]:
     """:func:`evictlab.kv.cache.attach` plus the sliding window on sliding layers.
 
     ``attach``'s pre-hook replaces each layer's mask by a causal mask over the store's slot
-    positions; on a layer with window ``w`` (``windows``, default :func:`layer_windows`) a
-    second pre-hook, registered after it so it runs after it, also masks every slot with
-    ``q_pos - slot_pos >= w``: the bound the model's own sliding mask applies, per query,
-    which a chunk of several queries needs even after out-of-window entries were dropped.
-    Hooks are removed on exit.
+    positions; on a layer with window ``w`` (``windows``, default the model's
+    :attr:`ModelGeometry.windows`) a second pre-hook, registered after it so it runs after
+    it, also masks every slot with ``q_pos - slot_pos >= w``: the bound the model's own
+    sliding mask applies, per query, which a chunk of several queries needs even after
+    out-of-window entries were dropped. Hooks are removed on exit.
     """
-    from evictlab.kv.cache import _attention_modules
-
-    windows = layer_windows(model) if windows is None else windows
+    windows = model_geometry(model).windows if windows is None else windows
     with attach(model, cache):
         handles: list[Any] = []
 
-        def window_hook(module: torch.nn.Module, args: tuple[Any, ...],
-                        kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-            layer = module.layer_idx
-            w = windows[layer]
-            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            seen = cache.layers[layer].seen
-            q_pos = torch.arange(seen, seen + hidden.shape[1], device=hidden.device)
-            slot_pos = cache.store.layout_positions(layer, q_pos).to(hidden.device)
-            mask = kwargs.get("attention_mask")
-            if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[-1] != slot_pos.shape[-1]:
-                raise RuntimeError(f"layer {layer}: expected attach()'s (batch, q_heads, q_len, {slot_pos.shape[-1]}) "
-                                   f"mask to add the sliding window to, got {type(mask).__name__}")
-            far = slot_pos[:, :, None, :] <= (q_pos - w)[None, None, :, None]  # q_pos - slot_pos >= w
-            far = far.repeat_interleave(mask.shape[1] // far.shape[1], dim=1)
-            kwargs["attention_mask"] = mask.masked_fill(far, torch.finfo(mask.dtype).min)
-            return args, kwargs
+        def make_window_hook(layer: int, w: int):  # noqa: ANN202 - closure over the layer
+            def window_hook(module: torch.nn.Module, args: tuple[Any, ...],
+                            kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+                hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+                seen = cache.layers[layer].seen
+                q_pos = torch.arange(seen, seen + hidden.shape[1], device=hidden.device)
+                slot_pos = cache.store.layout_positions(layer, q_pos).to(hidden.device)
+                mask = kwargs.get("attention_mask")
+                if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[-1] != slot_pos.shape[-1]:
+                    raise RuntimeError(f"layer {layer}: expected attach()'s (batch, q_heads, q_len, "
+                                       f"{slot_pos.shape[-1]}) mask to add the sliding window to, got "
+                                       f"{type(mask).__name__}")
+                far = slot_pos[:, :, None, :] <= (q_pos - w)[None, None, :, None]  # q_pos - slot_pos >= w
+                far = far.repeat_interleave(mask.shape[1] // far.shape[1], dim=1)
+                kwargs["attention_mask"] = mask.masked_fill(far, torch.finfo(mask.dtype).min)
+                return args, kwargs
+
+            return window_hook
 
         try:
-            for m in _attention_modules(model):
-                if windows[m.layer_idx] is not None:
-                    handles.append(m.register_forward_pre_hook(window_hook, with_kwargs=True))
+            for site in find_attention_sites(model):
+                w = windows[site.layer]
+                if w is not None:
+                    handles.append(site.module.register_forward_pre_hook(make_window_hook(site.layer, w),
+                                                                         with_kwargs=True))
             yield cache
         finally:
             for h in handles:
@@ -231,97 +280,172 @@ def _rss() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
-def _scorer(cfg: DecodeConfig, model: torch.nn.Module) -> Any:
-    """The scorer of ``cfg``, built by ``make_scorer`` from the model's (text) config, so
-    scorers that undo RoPE get the model's RoPE base (scaled RoPE types are refused)."""
-    return _layer_scorers(cfg, model)[0]
+# --------------------------------------------------------------------------- engines
 
 
-def _layer_scorers(cfg: DecodeConfig, model: torch.nn.Module) -> list[Any]:
-    """One scorer per layer, built by ``make_scorer`` from the model's (text) config.
+class Engine(Protocol):
+    """What the driver (:func:`_drive`) needs from a run: forwards through one cache, and
+    hooks that may compress it. Each hook returns the trace phase to record after it
+    (``"compress"``, ``"resize"``), or None. ``report`` gives the store's bytes (None: no
+    store to account, the full-cache reference)."""
 
-    Usually the same object for every layer. A config whose ``rope_parameters`` are given
-    per layer type (Gemma 3: base 10000 on sliding layers, 1e6 on full ones) gets one scorer
-    per layer type, each with its type's RoPE base (an explicit ``rope_theta`` wins).
-    """
-    from evictlab.methods import REGISTRY, make_scorer
+    cache: Any
+    compressions: int
+    budget_tokens: int | None  # kept entries per sequence (None: nothing is evicted)
+    context_kept: list[torch.Tensor]  # see DecodeOutput.context_kept
 
-    if cfg.scorer not in REGISTRY:
-        raise InputError("--method", f"unknown scorer {cfg.scorer!r}", f"use one of {sorted(REGISTRY)}")
-    config = _text_config(model)
-    n = config.num_hidden_layers
-    rp = getattr(config, "rope_parameters", None)
-    types = list(getattr(config, "layer_types", None) or [])[:n]
-    if (isinstance(rp, dict) and len(types) == n and "rope_theta" not in rp
-            and all(isinstance(rp.get(t), dict) for t in types)):
-        by_type = {t: make_scorer(cfg.scorer, SimpleNamespace(rope_parameters=rp[t]), **dict(cfg.scorer_params))
-                   for t in dict.fromkeys(types)}
-        return [by_type[t] for t in types]
-    return [make_scorer(cfg.scorer, config, **dict(cfg.scorer_params))] * n
+    def session(self) -> contextlib.AbstractContextManager[None]: ...
+    def forward(self, ids: torch.Tensor) -> torch.Tensor: ...
+    def report(self) -> ByteReport | None: ...
+    def after_chunk(self, chunk: torch.Tensor, phase: Phase) -> str | None: ...
+    def end_context(self) -> str | None: ...
+    def after_decode_step(self, step: int, tokens: list[torch.Tensor]) -> str | None: ...
 
 
-def _allocator(cfg: DecodeConfig) -> Callable[..., np.ndarray]:
-    from evictlab.methods import ALLOCATORS
+class FullCache:
+    """The reference engine: the stock ``DynamicCache`` (sliding layers keep their window,
+    as transformers does), no hooks, nothing evicted: exactly the model's own output."""
 
-    if cfg.allocator not in ALLOCATORS:
-        raise InputError("--allocator", f"unknown allocator {cfg.allocator!r}", f"use one of {sorted(ALLOCATORS)}")
-    return ALLOCATORS[cfg.allocator]
+    def __init__(self, model: torch.nn.Module) -> None:
+        from transformers import DynamicCache
+
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+        self.compressions = 0
+        self.budget_tokens: int | None = None
+        self.context_kept: list[torch.Tensor] = []
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        yield
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, cache=self.cache, use_cache=True).logits
+
+    def report(self) -> ByteReport | None:
+        return None
+
+    def after_chunk(self, chunk: torch.Tensor, phase: Phase) -> str | None:
+        return None
+
+    def end_context(self) -> str | None:
+        return None
+
+    def after_decode_step(self, step: int, tokens: list[torch.Tensor]) -> str | None:
+        return None
 
 
 class EvictionRunner:
-    """Owns one store + cache for one batch of sequences and runs the protocol on it."""
+    """The evicting engine: one store + cache for one batch of sequences, compressed to the
+    budget by the scorer and the allocator.
 
-    def __init__(self, model: torch.nn.Module, cfg: DecodeConfig, batch: int, *, capacity_tokens_per_cell: int,
-                 total_tokens: int, scorer: Any = None, layer_scorers: list[Any] | None = None) -> None:
+    ``headroom_tokens_per_cell``: entries a cell may gain between compressions during the
+    prefill (the store's initial headroom); ``total_tokens``: tokens the run feeds (clips
+    the always-kept floor); ``max_cell_tokens``: per layer, the most entries one cell can
+    ever hold (caps the paged pool; None = no cap); ``tokenizer``: for a reconstruction
+    scorer's prompt (see :func:`run_sequence`).
+    """
+
+    def __init__(self, model: torch.nn.Module, cfg: DecodeConfig, batch: int, *, headroom_tokens_per_cell: int,
+                 total_tokens: int, max_cell_tokens: list[int] | None = None,
+                 layer_scorers: list[Scorer] | None = None, tokenizer: Any = None,
+                 decode_headroom_tokens_per_cell: int | None = None) -> None:
         self.model = model
         self.cfg = cfg
         self.batch = batch
-        self.n_layers, self.q_heads, self.kv_heads, self.head_dim, self.dtype = model_geometry(model)
+        self.geometry = g = model_geometry(model)
+        self.n_layers, self.q_heads, self.kv_heads, self.head_dim, self.dtype = (
+            g.n_layers, g.q_heads, g.kv_heads, g.head_dim, g.dtype)
         #: per layer: the sliding window, or None (full attention)
-        self.windows = layer_windows(model)
+        self.windows = list(g.windows)
         self.device = next(model.parameters()).device
-        self.scaling = float(self.head_dim) ** -0.5
-        mods = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
-        if mods:
-            self.scaling = float(mods[0].scaling)
-        if cfg.budget is None:
-            raise InputError("--budget", "a budget is required in physical and masked modes", "pass --budget")
-        self.budget_tokens = cfg.budget.total_tokens(self.n_layers, self.kv_heads, self.head_dim, self.dtype)
-        cells = self.n_layers * self.kv_heads
-        # A sliding cell never holds more than window - 1 entries after a compression.
-        floor_total = self.kv_heads * sum(min(cfg.sinks + cfg.recent, total_tokens, w - 1 if w else total_tokens)
-                                          for w in self.windows)
-        if self.budget_tokens < floor_total:
-            raise InputError("--budget", f"{self.budget_tokens} kept tokens per sequence is below the "
-                             f"{floor_total} always-kept sinks + recent entries ({cells} cells)",
-                             "raise the budget or lower --sinks/--recent")
+        self.scaling = g.scaling
+        self.budget_tokens = cfg.budget_tokens(g, total_tokens)
+        self.floors = cfg.floors(g, total_tokens)
         store: KVStore
         if cfg.mode == "physical":
-            bs = cfg.block_size
-            blocks = (math.ceil(self.budget_tokens * batch / bs) + cells * batch
-                      + cells * batch * math.ceil(capacity_tokens_per_cell / bs))
-            store = PagedKVStore(self.n_layers, batch, self.kv_heads, self.head_dim, capacity_blocks=blocks,
-                                 block_size=bs, dtype=self.dtype, device=self.device)
+            store = PagedKVStore.for_budget(g, batch, kept_tokens=self.budget_tokens,
+                                            headroom_tokens_per_cell=headroom_tokens_per_cell,
+                                            max_cell_tokens=max_cell_tokens, block_size=cfg.block_size,
+                                            device=self.device)
         elif cfg.mode == "masked":
-            store = MaskedKVStore(self.n_layers, batch, self.kv_heads, self.head_dim, dtype=self.dtype,
-                                  device=self.device, initial_capacity=max(16, min(total_tokens, 1024)))
+            cap = max(max_cell_tokens) if max_cell_tokens else min(total_tokens, 1024)
+            store = MaskedKVStore(g.n_layers, batch, g.kv_heads, g.head_dim, dtype=g.dtype, device=self.device,
+                                  initial_capacity=max(16, cap))
         else:
-            raise InputError("mode", f"unknown mode {cfg.mode!r}", "use physical, masked or full")
+            raise InputError("mode", f"mode {cfg.mode!r} does not evict", "use physical or masked")
         self.store = store
-        if layer_scorers is None:
-            layer_scorers = [scorer] * self.n_layers if scorer is not None else _layer_scorers(cfg, model)
         #: the scorer of each layer (one object for all layers unless RoPE differs by layer type)
-        self.layer_scorers = list(layer_scorers)
+        self.layer_scorers = list(layer_scorers) if layer_scorers is not None else cfg.build_scorers(g)
         self.scorer = self.layer_scorers[0]
+        self.allocator = cfg.build_allocator()
         #: True: the scorer gets every query since its previous call (consumed by each
         #: compression); False: the last ``cfg.window`` queries (a sliding window).
         self.all_queries = bool(getattr(self.scorer, "uses_all_queries", False))
         self.cache = EvictionCache(store)
         self.cache.query_window = None if self.all_queries else cfg.window
-        self.allocate = _allocator(cfg)
         self.states: dict[tuple[int, int, int], dict[str, Any]] = {}
         self.extra_queries: dict[int, torch.Tensor] | None = None
         self.compressions = 0
+        needs = getattr(self.scorer, "needs", frozenset())
+        #: KVzip-style: reconstruction passes before each compression
+        self.recon = "reconstruction" in needs
+        self.tokenizer = tokenizer
+        if self.recon:
+            _check_recon_tokenizer(g, self.scorer, tokenizer)
+        self._pending: list[torch.Tensor] = []  # chunks fed since the last reconstruction
+        self.decode_headroom = decode_headroom_tokens_per_cell
+        #: per layer, the kept positions right after the context (see DecodeOutput)
+        self.context_kept: list[torch.Tensor] = []
+
+    # -- engine hooks (see _drive) ------------------------------------------------------
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        with attach_model(self.model, self.cache, self.windows):
+            yield
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """One forward of ``ids`` ``(batch, q_len)`` through the model with the cache; returns logits."""
+        out = self.model(input_ids=ids, cache=self.cache, use_cache=True)
+        return out.logits
+
+    def report(self) -> ByteReport | None:
+        return self.store.bytes()
+
+    def after_chunk(self, chunk: torch.Tensor, phase: Phase) -> str | None:
+        """After a prefill chunk: reconstruction passes if a compression follows, then compress."""
+        if self.recon:
+            self._pending.append(chunk)
+            if self.live_per_sequence() > self.budget_tokens:
+                # A compression follows: reconstruct every chunk fed since the last one,
+                # one pass (prompt + chunk) per chunk, as KVzip chunks long contexts.
+                passes = [self.reconstruction_queries(_recon_ids(self.scorer, c, self.tokenizer))
+                          for c in self._pending]
+                self.extra_queries = {l: torch.cat([p[l] for p in passes], 2) for l in range(self.n_layers)}
+                self._pending = []
+        self.compress(phase)
+        return "compress"
+
+    def end_context(self) -> str | None:
+        """After the context: record the kept positions; the paged pool drops its prefill
+        headroom and keeps the decode headroom."""
+        resized = None
+        if isinstance(self.store, PagedKVStore) and self.decode_headroom is not None:
+            self.store.reserve_headroom(self.decode_headroom)
+            resized = "resize"
+        self.context_kept = [self.store.gather(l)[2].cpu() for l in range(self.n_layers)]
+        return resized
+
+    def after_decode_step(self, step: int, tokens: list[torch.Tensor]) -> str | None:
+        """Every ``compress_every`` decode steps: (a reconstruction pass over the last
+        ``window`` tokens, for KVzip) then compress."""
+        if step % self.cfg.compress_every:
+            return None
+        if self.recon:
+            recent_ids = tokens_out_tensor(tokens, self.cfg.window)
+            self.extra_queries = self.reconstruction_queries(_recon_ids(self.scorer, recent_ids, self.tokenizer))
+        self.compress("decode")
+        return "compress"
 
     # -- compression ---------------------------------------------------------------------
     def live_per_sequence(self) -> int:
@@ -352,7 +476,7 @@ class EvictionRunner:
             dropped += int(dead.sum())
         return dropped
 
-    def compress(self) -> None:
+    def compress(self, phase: Phase = "prefill") -> None:
         """Drop out-of-window entries of sliding layers (:meth:`drop_out_of_window`), then
         bring every sequence down to ``budget_tokens`` kept entries (no-op if under)."""
         self.drop_out_of_window()
@@ -392,12 +516,12 @@ class EvictionRunner:
                     sc[b, h, :n] = out.reshape(-1).float()
             layer_scores.append(sc)
             cell_pos.append(pos)
-        floor = self.cfg.sinks + self.cfg.recent
-        sizes = np.asarray(self.allocate(layer_scores, self.budget_tokens, self.n_layers, self.kv_heads, floor=floor,
-                                         lengths=lengths, **self.cfg.allocator_params), dtype=np.int64)
-        if sizes.shape != lengths.shape or (sizes > lengths).any() or int(sizes.sum()) != self.budget_tokens:
-            raise RuntimeError(f"allocator {self.cfg.allocator!r} returned sizes (sum {int(sizes.sum())}) that do not "
-                               f"sum to the budget {self.budget_tokens} within the cells' lengths")
+        g = self.geometry
+        alloc_inputs = AllocInputs(
+            tuple(layer_scores), lengths, np.minimum(self.floors, lengths), tuple(self.windows), self.budget_tokens,
+            phase=phase, positions=tuple(cell_pos), next_position=self.cache.seen, head_dim=g.head_dim,
+            dtype_bytes=g.dtype_bytes, geometry=g)
+        sizes = check_sizes(alloc_inputs, self.allocator.allocate(alloc_inputs), f"allocator {self.cfg.allocator!r}")
         for l in range(self.n_layers):
             keep: list[list[torch.Tensor]] = []
             for b in range(self.batch):
@@ -414,19 +538,15 @@ class EvictionRunner:
             raise BudgetExceededError(f"after compression {self.live_per_sequence()} entries are held per sequence, "
                                       f"above the budget of {self.budget_tokens}")
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """One forward of ``ids`` ``(batch, q_len)`` through the model with the cache; returns logits."""
-        out = self.model(input_ids=ids, cache=self.cache, use_cache=True)
-        return out.logits
-
     def reconstruction_queries(self, ids: torch.Tensor) -> dict[int, torch.Tensor]:
         """KVzip-style: feed ``ids`` after the cache, record its queries, then drop its entries.
 
         ``ids`` is a reconstruction pass (KVzip: its "repeat" prompt, then context tokens
         again; see :func:`_recon_ids`), appended at positions after every held key; its
         post-RoPE queries are returned per layer ``(batch, q_heads, q_len, d)``, and the
-        appended entries are removed again (:meth:`keep` on the physical store frees their
-        blocks), so the pass leaves the cache and the position counter as they were.
+        appended entries are discarded again (:meth:`KVStore.discard_recent`: freed in the
+        paged store, and not part of the audited cache in the masked one), so the pass leaves
+        the cache and the position counter as they were.
         """
         saved_window = self.cache.query_window
         saved = dict(self.cache.queries)
@@ -436,29 +556,65 @@ class EvictionRunner:
         out = {l: self.cache.queries[l][0] for l in range(self.n_layers)}
         q_len = ids.shape[1]
         for l in range(self.n_layers):
-            lens = self.store.lengths(l)
-            keep = [[torch.arange(int(lens[b, h]) - q_len) for h in range(self.kv_heads)] for b in range(self.batch)]
-            self.store.keep(l, keep)
+            self.store.discard_recent(l, q_len)
             self.cache.layers[l].seen -= q_len
-        if isinstance(self.store, MaskedKVStore):
-            # Masked entries of a scoring pass are not part of the cache being audited.
-            for l in range(self.n_layers):
-                self.store.n[l] -= q_len
         self.cache.queries.clear()
         self.cache.queries.update(saved)
         self.cache.query_window = saved_window
         return out
 
 
-def _oracle_queries(model: torch.nn.Module, ids: torch.Tensor, n_future: int, window: int) -> dict[int, torch.Tensor]:
+def _oracle_queries(model: torch.nn.Module, ids: torch.Tensor, n_future: int) -> dict[int, torch.Tensor]:
     """True future queries (labelled oracle): the last ``n_future`` positions of a dense pass."""
-    n_layers, _, hk, d, dtype = model_geometry(model)
-    store = MaskedKVStore(n_layers, ids.shape[0], hk, d, dtype=dtype, device=ids.device, initial_capacity=ids.shape[1])
+    g = model_geometry(model)
+    store = MaskedKVStore(g.n_layers, ids.shape[0], g.kv_heads, g.head_dim, dtype=g.dtype, device=ids.device,
+                          initial_capacity=ids.shape[1])
     cache = EvictionCache(store)
     cache.query_window = n_future
-    with attach_model(model, cache):
+    with attach_model(model, cache, g.windows):
         model(input_ids=ids, cache=cache, use_cache=True)
-    return {l: cache.queries[l][0] for l in range(n_layers)}
+    return {l: cache.queries[l][0] for l in range(g.n_layers)}
+
+
+def _drive(engine: Engine, context_ids: torch.Tensor, question_ids: torch.Tensor, answer_ids: torch.Tensor | None,
+           steps: int, chunk_size: int, query_aware: bool, tick: Callable[[int], None],
+           note: Callable[[str], None]) -> tuple[list[torch.Tensor], list[torch.Tensor], float]:
+    """The protocol, for every engine: chunked context (+ question if query-aware), the
+    question, then ``steps`` decode steps. Returns per-step logits and tokens and the
+    decode phase's start time. Each forward and each engine hook is recorded by ``note``."""
+    n = context_ids.shape[1]
+    ctx = torch.cat([context_ids, question_ids], 1) if query_aware else context_ids
+    last = None
+    for start in range(0, ctx.shape[1], chunk_size):
+        chunk = ctx[:, start:start + chunk_size]
+        last = engine.forward(chunk)[:, -1]
+        note("prefill")
+        phase = engine.after_chunk(chunk, "question" if start + chunk.shape[1] > n else "prefill")
+        if phase:
+            note(phase)
+        tick(chunk.shape[1])
+    phase = engine.end_context()
+    if phase:
+        note(phase)
+    if not query_aware:
+        last = engine.forward(question_ids)[:, -1]
+        note("question")
+        tick(question_ids.shape[1])
+    logits_out: list[torch.Tensor] = []
+    tokens_out: list[torch.Tensor] = []
+    t_dec = time.perf_counter()
+    for t in range(steps):
+        logits_out.append(last.float())
+        tok = answer_ids[:, t] if answer_ids is not None else last.argmax(-1)
+        tokens_out.append(tok)
+        if t + 1 < steps:
+            last = engine.forward(tok[:, None])[:, -1]
+            note("decode")
+            phase = engine.after_decode_step(t + 1, tokens_out)
+            if phase:
+                note(phase)
+        tick(1)
+    return logits_out, tokens_out, t_dec
 
 
 def run_sequence(
@@ -483,131 +639,86 @@ def run_sequence(
     tiny test models (ids = UTF-8 bytes), as in :func:`evictlab.decode.tasks.encode_text`.
     """
     t0 = time.perf_counter()
-    rss0 = _rss()
-    peak = rss0
+    peak = _rss()
     b, n = context_ids.shape
     m = question_ids.shape[1]
     T = answer_ids.shape[1] if answer_ids is not None else max_new_tokens
     if T <= 0:
         raise InputError("answer_ids", "nothing to decode", "pass answer_ids or max_new_tokens > 0")
-    n_layers, _, hk, d, dtype = model_geometry(model)
-    from evictlab.kv.budget import kv_bytes
-
+    g = model_geometry(model)
     total = n + m + T
     # What a cache without eviction holds at the end: every entry on full-attention layers,
     # the last window - 1 on sliding ones (transformers' DynamicSlidingWindowLayer, used by
     # mode="full", keeps exactly that).
-    held_full = sum(min(total, w - 1) if w else total for w in layer_windows(model))
-    bytes_full = kv_bytes(held_full * hk * b, d, dtype)
+    full_tokens = g.full_cache_tokens(total)
+    bytes_full = kv_bytes(full_tokens * b, g.head_dim, g.dtype)
     trace: list[StepTrace] = []
-    logits_out: list[torch.Tensor] = []
-    tokens_out: list[torch.Tensor] = []
     tick = progress or (lambda _k: None)
 
+    engine: Engine
     if cfg.mode == "full":
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=model.config)
-        with torch.no_grad():
-            for start in range(0, n, cfg.chunk_size):
-                model(input_ids=context_ids[:, start:start + cfg.chunk_size], cache=cache, use_cache=True)
-                tick(min(cfg.chunk_size, n - start))
-            last = model(input_ids=question_ids, cache=cache, use_cache=True).logits[:, -1]
-            tick(m)
-            peak = max(peak, _rss())
-            t_dec = time.perf_counter()
-            for t in range(T):
-                logits_out.append(last.float())
-                tok = answer_ids[:, t] if answer_ids is not None else last.argmax(-1)
-                tokens_out.append(tok)
-                if t + 1 < T:
-                    last = model(input_ids=tok[:, None], cache=cache, use_cache=True).logits[:, -1]
-                peak = max(peak, _rss())
-                tick(1)
-        return DecodeOutput(torch.stack(logits_out, 1), torch.stack(tokens_out, 1), trace, None, bytes_full,
-                            peak, time.perf_counter() - t0, 0, time.perf_counter() - t_dec)
-
-    scorers = _layer_scorers(cfg, model)
-    scorer = scorers[0]
-    recon = "reconstruction" in getattr(scorer, "needs", frozenset())
-    future = "future" in getattr(scorer, "needs", frozenset())
-    prompt_len = 0
-    if recon:
-        _check_recon_tokenizer(model, scorer, tokenizer)
-        prompt_len = _recon_ids(scorer, context_ids[:, :0], tokenizer).shape[1]
-    # Headroom per cell between compressions: a prefill chunk (plus, during a reconstruction
-    # pass, its prompt and a chunk again), or the question plus the decode steps before the
-    # next compression.
-    recon_head = cfg.chunk_size + prompt_len if recon else 0
-    head = max(cfg.chunk_size + recon_head, m + cfg.compress_every + (cfg.chunk_size if cfg.query_aware else 0))
-    runner = EvictionRunner(model, cfg, b, capacity_tokens_per_cell=head, total_tokens=total, layer_scorers=scorers)
-    if future:
-        if answer_ids is None:
-            raise InputError("--method", "the oracle needs the true future tokens", "run it teacher-forced (with an answer)")
-        full_ids = torch.cat([context_ids, question_ids, answer_ids], 1)
-        with torch.no_grad():
-            runner.extra_queries = _oracle_queries(model, full_ids, m + T, cfg.window)
+        engine, query_aware = FullCache(model), False
+    else:
+        engine, query_aware = _evicting_engine(model, cfg, context_ids, question_ids, answer_ids, T, g, tokenizer), \
+            cfg.query_aware
 
     def note(phase: str) -> None:
         nonlocal peak
         r = _rss()
         peak = max(peak, r)
-        trace.append(StepTrace(phase, runner.cache.seen, runner.store.bytes(), r))
+        report = engine.report()
+        if report is not None:
+            trace.append(StepTrace(phase, engine.cache.seen, report, r))
 
-    with torch.no_grad(), attach_model(model, runner.cache, runner.windows):
-        # 1. Context, chunk by chunk, compressing as it goes.
-        ctx = context_ids if not cfg.query_aware else torch.cat([context_ids, question_ids], 1)
-        pending: list[torch.Tensor] = []  # chunks not yet reconstructed (KVzip)
-        for start in range(0, ctx.shape[1], cfg.chunk_size):
-            chunk = ctx[:, start:start + cfg.chunk_size]
-            last = runner.forward(chunk)[:, -1]
-            note("prefill")
-            if recon:
-                pending.append(chunk)
-                if runner.live_per_sequence() > runner.budget_tokens:
-                    # A compression follows: reconstruct every chunk fed since the last one,
-                    # one pass (prompt + chunk) per chunk, as KVzip chunks long contexts.
-                    passes = [runner.reconstruction_queries(_recon_ids(scorer, c, tokenizer)) for c in pending]
-                    runner.extra_queries = {l: torch.cat([p[l] for p in passes], 2) for l in range(runner.n_layers)}
-                    pending = []
-            runner.compress()
-            note("compress")
-            tick(chunk.shape[1])
-        if isinstance(runner.store, PagedKVStore):
-            # Release the prefill headroom: the pool becomes the budget (plus one partial
-            # page per cell) plus the decode headroom.
-            cells = runner.n_layers * runner.kv_heads * b
-            dec_head = (0 if cfg.query_aware else m) + cfg.compress_every
-            if recon:  # a decode-time reconstruction pass: prompt + the last `window` tokens
-                dec_head += cfg.window + prompt_len
-            budget_blocks = math.ceil(runner.budget_tokens * b / cfg.block_size) + cells
-            runner.store.resize(max(runner.store.blocks_in_use, budget_blocks) + cells * math.ceil(dec_head / cfg.block_size))
-            note("resize")
-        context_kept = [runner.store.gather(l)[2].cpu() for l in range(runner.n_layers)]
-        # 2. The question, after the context was compressed (query-agnostic).
-        if not cfg.query_aware:
-            last = runner.forward(question_ids)[:, -1]
-            note("question")
-            tick(m)
-        # 3. Decoding, compressing every `compress_every` steps.
-        t_dec = time.perf_counter()
-        for t in range(T):
-            logits_out.append(last.float())
-            tok = answer_ids[:, t] if answer_ids is not None else last.argmax(-1)
-            tokens_out.append(tok)
-            if t + 1 < T:
-                last = runner.forward(tok[:, None])[:, -1]
-                note("decode")
-                if (t + 1) % cfg.compress_every == 0:
-                    if recon:
-                        recent_ids = tokens_out_tensor(tokens_out, cfg.window)
-                        runner.extra_queries = runner.reconstruction_queries(_recon_ids(scorer, recent_ids, tokenizer))
-                    runner.compress()
-                    note("compress")
-            tick(1)
-    return DecodeOutput(torch.stack(logits_out, 1), torch.stack(tokens_out, 1), trace, runner.budget_tokens,
-                        bytes_full, peak, time.perf_counter() - t0, runner.compressions, time.perf_counter() - t_dec,
-                        context_kept)
+    with torch.no_grad(), engine.session():
+        logits_out, tokens_out, t_dec = _drive(engine, context_ids, question_ids, answer_ids, T, cfg.chunk_size,
+                                               query_aware, tick, note)
+    budget = engine.budget_tokens
+    return DecodeOutput(torch.stack(logits_out, 1), torch.stack(tokens_out, 1), trace, budget, bytes_full, peak,
+                        time.perf_counter() - t0, engine.compressions, time.perf_counter() - t_dec,
+                        list(engine.context_kept), None if budget is None else min(budget, full_tokens))
+
+
+def _evicting_engine(model: torch.nn.Module, cfg: DecodeConfig, context_ids: torch.Tensor,
+                     question_ids: torch.Tensor, answer_ids: torch.Tensor | None, T: int, g: ModelGeometry,
+                     tokenizer: Any) -> EvictionRunner:
+    """An :class:`EvictionRunner` whose store is sized, in tokens, by what this run feeds.
+
+    Headroom per cell between compressions: a prefill chunk, never more than the context
+    fed (plus, around a reconstruction pass, its prompt and a chunk again); after the
+    context, the question plus the decode steps before the next compression (plus a
+    decode-time reconstruction pass: prompt + the last ``window`` tokens). A cell never
+    holds more than the tokens fed (plus one reconstruction pass), or, on a sliding layer,
+    ``window - 1`` plus the headroom: that caps the pool.
+    """
+    b, n = context_ids.shape
+    m = question_ids.shape[1]
+    scorers = cfg.build_scorers(g)
+    needs = getattr(scorers[0], "needs", frozenset())
+    recon = "reconstruction" in needs
+    prompt_len = 0
+    if recon:
+        _check_recon_tokenizer(g, scorers[0], tokenizer)
+        prompt_len = _recon_ids(scorers[0], context_ids[:, :0], tokenizer).shape[1]
+    prefill_fed = n + (m if cfg.query_aware else 0)
+    chunk = min(cfg.chunk_size, prefill_fed)
+    prefill_head = chunk + (chunk + prompt_len if recon else 0)
+    decode_steps = min(cfg.compress_every, T - 1)
+    decode_recon = recon and T - 1 >= cfg.compress_every
+    decode_head = (0 if cfg.query_aware else m) + decode_steps + (cfg.window + prompt_len if decode_recon else 0)
+    fed = n + m + T - 1
+    recon_pass = prompt_len + max(chunk, min(cfg.window, T)) if recon else 0
+    max_cell = [fed + recon_pass if w is None else min(fed + recon_pass, w - 1 + max(prefill_head, decode_head))
+                for w in g.windows]
+    runner = EvictionRunner(model, cfg, b, headroom_tokens_per_cell=prefill_head, total_tokens=n + m + T,
+                            max_cell_tokens=max_cell, layer_scorers=scorers, tokenizer=tokenizer,
+                            decode_headroom_tokens_per_cell=decode_head)
+    if "future" in needs:
+        if answer_ids is None:
+            raise InputError("method", "the oracle needs the true future tokens", "run it teacher-forced (with an answer)")
+        with torch.no_grad():
+            runner.extra_queries = _oracle_queries(model, torch.cat([context_ids, question_ids, answer_ids], 1), m + T)
+    return runner
 
 
 def tokens_out_tensor(tokens: list[torch.Tensor], window: int) -> torch.Tensor:
@@ -628,15 +739,14 @@ class _PromptEncoder:
         return encode_text(self.tokenizer, text, special=add_special_tokens)
 
 
-def _check_recon_tokenizer(model: torch.nn.Module, scorer: Any, tokenizer: Any) -> None:
+def _check_recon_tokenizer(geometry: ModelGeometry, scorer: Any, tokenizer: Any) -> None:
     """Without a tokenizer the reconstruction prompt is UTF-8 bytes: only right for a byte vocab."""
     if tokenizer is not None or getattr(scorer, "reconstruction_ids", None) is None:
         return
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    if getattr(cfg, "vocab_size", None) != 256:
+    if geometry.vocab_size != 256:
         raise InputError("tokenizer", f"{getattr(scorer, 'name', 'the scorer')}'s reconstruction prompt needs the "
                          f"model's tokenizer (None means the 256-token byte vocabulary of the tiny test models, "
-                         f"this model has {getattr(cfg, 'vocab_size', '?')} tokens)",
+                         f"this model has {geometry.vocab_size or '?'} tokens)",
                          "pass tokenizer=... to run_sequence / run_audit")
 
 

@@ -4,7 +4,7 @@ held-out Shakespeare windows for perplexity.
 The examples themselves come from :mod:`evictlab.capture.prompts` (``make_task``, the
 Shakespeare corpus); this module only turns them into what the decode loop consumes:
 context ids and question ids *separately*, because the query-agnostic protocol compresses
-the context before the question is appended (SPEC section 6).
+the context before the question is appended (docs/kv.md, the decode loop).
 
 Tokenizer None means the byte-level vocabulary of the tiny test models
 (:func:`evictlab.capture.testing.tiny_model`, 256 ids): token ids are the UTF-8 bytes.

@@ -32,7 +32,7 @@ _METHOD_CHOICES = ("both", "cpsat", "dp")
 def check_command(
     trials: int = typer.Option(100, "--trials", help="Number of source instances (half planted yes, half proved no)."),
     size: int = typer.Option(8, "--size", help="Number of source values n (the image has 2n+1)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of numpy.random.default_rng."),
+    seed: int = typer.Option(0, "--seed", min=0, help="Seed of numpy.random.default_rng."),
     magnitude: Optional[int] = typer.Option(
         None, "--magnitude", help="Values drawn from [-M, M]; default 2^n (at least 8), capped for CP-SAT."
     ),
@@ -40,6 +40,7 @@ def check_command(
         None, "--time-limit", help="CP-SAT seconds per decision; default none (always a proof)."
     ),
     out: Optional[Path] = typer.Option(None, "--out", help="Folder for trials.parquet and run_record.json."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace trials.parquet and run_record.json in --out."),
 ) -> None:
     """Decide source and image with CP-SAT and the exact DP; exit 1 on any disagreement."""
     from rich.console import Console
@@ -48,10 +49,16 @@ def check_command(
 
     from evictlab.hardness.check import SOLVERS, Summary, run_check
     from evictlab.hardness.generators import balanced
+    from evictlab.io import check_output_file
     from evictlab.report.record import RunRecord
 
     if time_limit is not None and not time_limit > 0:
         raise InputError("--time-limit", f"must be positive, got {time_limit}", "pass a positive number of seconds or omit it")
+    if out is not None and out.exists():  # refused before the run, not after it
+        if not out.is_dir():
+            raise InputError("--out", f"{out} is a file", "pass a folder (new or existing) for --out")
+        for name in ("trials.parquet", "run_record.json"):
+            check_output_file(out / name, "--out", overwrite=overwrite)
     record = RunRecord(kind="hardness-check", seed=seed,
                        config={"trials": trials, "size": size, "magnitude": magnitude, "time_limit": time_limit})
     instances = balanced(seed, trials, size, magnitude)  # validates trials/size/magnitude first
@@ -94,12 +101,14 @@ def check_command(
 def reduce_command(
     source: Path = typer.Argument(..., help='k-subset-sum JSON: {"problem": "k-subset-sum", "values": [...], "k": .., "target": ..}'),
     out: Path = typer.Option(..., "--out", help='Where to write the image: {"problem": "zero-es", "values": [...], "s": ..}'),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out file."),
 ) -> None:
     """Write the ZERO-ES image of a k-subset-sum instance (same answer, polynomial size)."""
     from evictlab.hardness.instances import SOURCE_PROBLEM, load_instance, within_cpsat_limits
     from evictlab.hardness.reduction import reduce_instance
-    from evictlab.io import atomic_write_json
+    from evictlab.io import atomic_write_json, check_output_file
 
+    check_output_file(out, "--out", overwrite=overwrite)
     src = load_instance(source, expect=SOURCE_PROBLEM)
     image = reduce_instance(src)  # type: ignore[arg-type]
     atomic_write_json(out, image.to_json())

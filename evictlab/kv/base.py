@@ -65,6 +65,15 @@ class KVStore(ABC):
         """Keep only ``keep[b][h]`` (sorted int64 indices into cell (layer, b, h)'s live
         entries, in their order); every other live entry of that cell is evicted."""
 
+    def discard_recent(self, layer: int, count: int) -> None:
+        """Remove the last ``count`` appended entries of every cell of ``layer`` (entries of a
+        scoring pass that are not part of the cache, e.g. KVzip's reconstruction pass).
+        The default keeps every other live entry; a store that holds evicted entries must
+        also stop holding these."""
+        lens = self.lengths(layer)
+        self.keep(layer, [[torch.arange(int(lens[b, h]) - count) for h in range(self.kv_heads)]
+                          for b in range(self.batch)])
+
     @abstractmethod
     def bytes(self) -> ByteReport:
         """Current byte accounting (see :class:`evictlab.kv.budget.ByteReport`)."""

@@ -1,4 +1,4 @@
-"""KV budgets and byte accounting (SPEC section 6).
+"""KV budgets and byte accounting (definitions: docs/kv.md, docs/theory.md).
 
 One convention everywhere: a budget counts what is **kept** after a compression, summed
 over the cells of one sequence. A cell is (layer, KV head); all query heads of a GQA group

@@ -15,7 +15,8 @@ No model code is copied. Two pieces:
    after eviction). It also records post-RoPE queries for the scorers: a forward hook on
    the module's ``q_norm`` (if it has one, e.g. OLMo2/Gemma3) or ``q_proj`` output, rotated
    with the modeling module's own ``apply_rotary_pos_emb`` and the ``position_embeddings``
-   the pre-hook saw. Hooks are removed in ``finally``.
+   the pre-hook saw. The hook points are :func:`evictlab.models.sites.find_attention_sites`'s.
+   Hooks are removed in ``finally``.
 
 Positions: a layer's next token position is the number of tokens it has seen (not the
 number it holds), so ``get_seq_length`` returns tokens seen and the model's default
@@ -26,7 +27,6 @@ padding): every sequence of a batch is at the same position.
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,6 +36,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from evictlab.errors import InputError
 from evictlab.kv.attention import position_mask
 from evictlab.kv.base import KVStore
+from evictlab.models.sites import AttentionSite, find_attention_sites, to_heads_layout
 
 
 class _StoreLayer(CacheLayerMixin):
@@ -128,61 +129,57 @@ class EvictionCache(Cache):
         return self.queries.pop(layer, None) if consume else self.queries.get(layer)
 
 
-def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """Attention modules (those with ``layer_idx`` and ``q_proj``/``k_proj``), by layer."""
-    mods = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj") and hasattr(m, "k_proj")]
-    return sorted(mods, key=lambda m: m.layer_idx)
-
-
 @contextlib.contextmanager
 def attach(model: torch.nn.Module, cache: EvictionCache) -> Iterator[EvictionCache]:
-    """Register the mask pre-hooks and query hooks on ``model`` for ``cache``; remove on exit."""
-    mods = _attention_modules(model)
-    if len(mods) != cache.store.n_layers:
-        raise InputError("model", f"found {len(mods)} attention modules for a {cache.store.n_layers}-layer store",
-                         "build the store from this model's config")
+    """Register the mask pre-hooks and query hooks on ``model`` for ``cache``; remove on exit.
+
+    Hooks go on the attention sites of :func:`evictlab.models.sites.find_attention_sites`
+    (the module, and its ``q_norm`` or ``q_proj``).
+    """
+    sites = find_attention_sites(model)
+    if len(sites) != cache.store.n_layers:
+        raise InputError("model", f"found {len(sites)} attention modules for a {cache.store.n_layers}-layer store",
+                         "build the store from this model's geometry")
     handles: list[Any] = []
 
-    def pre_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        layer = module.layer_idx
-        q_len = hidden.shape[1]
-        seen = cache.layers[layer].seen
-        new_pos = torch.arange(seen, seen + q_len, device=hidden.device)
-        slot_pos = cache.store.layout_positions(layer, new_pos)
-        n_rep = module.config.num_attention_heads // module.config.num_key_value_heads
-        kwargs["attention_mask"] = position_mask(slot_pos, new_pos, n_rep, hidden.dtype)
-        if "position_embeddings" in kwargs and kwargs["position_embeddings"] is not None:
-            cache._pe[layer] = kwargs["position_embeddings"]
-        return args, kwargs
+    def make_pre_hook(site: AttentionSite):  # noqa: ANN202 - closure over the site
+        layer, n_rep = site.layer, site.n_q_heads // site.n_kv_heads
 
-    def make_q_hook(module: torch.nn.Module):  # noqa: ANN202 - closure over the module
-        rope = getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb", None)
+        def pre_hook(module: torch.nn.Module, args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            q_len = hidden.shape[1]
+            seen = cache.layers[layer].seen
+            new_pos = torch.arange(seen, seen + q_len, device=hidden.device)
+            slot_pos = cache.store.layout_positions(layer, new_pos)
+            kwargs["attention_mask"] = position_mask(slot_pos, new_pos, n_rep, hidden.dtype)
+            if "position_embeddings" in kwargs and kwargs["position_embeddings"] is not None:
+                cache._pe[layer] = kwargs["position_embeddings"]
+            return args, kwargs
 
-        def q_hook(_sub: torch.nn.Module, _inp: Any, out: torch.Tensor) -> None:
+        return pre_hook
+
+    def make_q_hook(site: AttentionSite):  # noqa: ANN202 - closure over the site
+        layer = site.layer
+
+        def q_hook(_sub: torch.nn.Module, inp: Any, out: torch.Tensor) -> None:
             if not cache.recording:
                 return
-            layer = module.layer_idx
-            if out.dim() == 4:  # a per-head q_norm: (b, heads, q_len, d) (Gemma 3) or (b, q_len, heads, d)
-                from evictlab.capture.hooks import _to_bhld
-
-                q = _to_bhld(out, _inp[0], module.config.num_attention_heads, module.head_dim)
-            else:
-                q = out.reshape(out.shape[0], out.shape[1], -1, module.head_dim).transpose(1, 2)
+            # q_proj (b, q_len, heads * d), or a per-head q_norm in either 4-D layout
+            q = to_heads_layout(out, inp[0], site.n_q_heads, site.head_dim)
             q_len = q.shape[2]
-            if rope is not None and layer in cache._pe:
+            if layer in cache._pe:
                 cos, sin = cache._pe[layer]
-                q, _ = rope(q, q, cos, sin)
+                q, _ = site.rope(q, q, cos, sin)
             seen = cache.layers[layer].seen
             cache.record_queries(layer, q, torch.arange(seen, seen + q_len, device=q.device))
 
         return q_hook
 
     try:
-        for m in mods:
-            handles.append(m.register_forward_pre_hook(pre_hook, with_kwargs=True))
-            target = m.q_norm if hasattr(m, "q_norm") else m.q_proj
-            handles.append(target.register_forward_hook(make_q_hook(m)))
+        for site in sites:
+            handles.append(site.module.register_forward_pre_hook(make_pre_hook(site), with_kwargs=True))
+            handles.append(site.q_src.register_forward_hook(make_q_hook(site)))
         yield cache
     finally:
         for h in handles:

@@ -117,6 +117,15 @@ class MaskedKVStore(KVStore):
                 new[live[idx]] = True
                 mask[bi, hi, :n] = new
 
+    def discard_recent(self, layer: int, count: int) -> None:
+        """Forget the last ``count`` appended entries of ``layer`` entirely (not even held:
+        a scoring pass is not part of the cache being audited)."""
+        n = self.n[layer]
+        if not 0 <= count <= n:
+            raise InputError("count", f"{count} entries to discard from {n}", "discard at most what was appended")
+        self.keep_mask[layer][:, :, n - count:n] = False
+        self.n[layer] = n - count
+
     def bytes(self) -> ByteReport:
         per_entry = 2 * self.head_dim * dtype_size(self.dtype)
         cells = self.batch * self.kv_heads

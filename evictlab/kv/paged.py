@@ -26,8 +26,11 @@ The pool is allocated once with a fixed capacity (``capacity_blocks``) and never
 an append that needs a block when none is free raises :class:`BudgetExceededError`.
 :meth:`PagedKVStore.keep` compacts a cell in place (its kept entries move to the front of
 its own blocks; the transient copy is one layer's kept entries) and returns emptied blocks
-to the free list. :meth:`PagedKVStore.resize` reallocates the pool to a new capacity,
-copying only blocks in use (used after prefill to drop the prefill headroom); it lays each
+to the free list. :meth:`PagedKVStore.for_budget` sizes the pool in tokens (a budget, a headroom per cell and
+what the run can hold at most: the block arithmetic stays here), and
+:meth:`PagedKVStore.reserve_headroom` resizes it to the budget plus a new headroom (used
+after prefill to drop the prefill headroom). :meth:`PagedKVStore.resize` reallocates the
+pool to a new capacity in blocks, copying only blocks in use; it lays each
 cell out as one contiguous run of blocks with a gap of free blocks after it, and appends
 take the adjacent free block when they can, so :meth:`PagedKVStore.cell_views` can hand
 attention zero-copy per-cell views (fragmented cells fall back to a per-cell gather).
@@ -44,6 +47,7 @@ import torch
 from evictlab.errors import BudgetExceededError, InputError
 from evictlab.kv.base import KVStore
 from evictlab.kv.budget import ByteReport, dtype_size
+from evictlab.models.geometry import ModelGeometry
 
 
 class CellView(NamedTuple):
@@ -93,6 +97,73 @@ class PagedKVStore(KVStore):
         self._layout: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         #: position of each cell's last live entry (its largest), -1 when empty
         self.cell_last = np.full((n_layers, batch, kv_heads), -1, dtype=np.int64)
+        # Set by for_budget: the kept entries per sequence and the cap on blocks ever in use.
+        self._kept_tokens: int | None = None
+        self._max_cell_blocks: int | None = None
+
+    @classmethod
+    def for_budget(
+        cls,
+        geometry: ModelGeometry,
+        batch: int,
+        *,
+        kept_tokens: int,
+        headroom_tokens_per_cell: int,
+        max_cell_tokens: Sequence[int] | None = None,
+        block_size: int = 16,
+        device: str | torch.device = "cpu",
+    ) -> PagedKVStore:
+        """A store for ``batch`` sequences of a model, sized in tokens (the blocks are ours).
+
+        ``kept_tokens``: entries per sequence kept after a compression (the budget);
+        ``headroom_tokens_per_cell``: entries a cell may gain between two compressions;
+        ``max_cell_tokens``: per layer, the most entries one cell of that layer can ever hold
+        at once (what the run feeds, or a sliding window plus the headroom), None if unknown.
+        The pool gets the smaller of two upper bounds on the blocks ever in use:
+
+        - the budget: ``ceil(kept x batch / block_size)`` blocks, plus one partial block per
+          cell, plus ``ceil(headroom / block_size)`` blocks per cell;
+        - what can be held: ``sum over cells of ceil(max_cell_tokens / block_size)``.
+
+        So a budget above what the run can ever hold allocates no more than the full cache
+        plus one partial block per cell (and the null block), and the headroom is never
+        more than what is fed. The pool never grows (:class:`BudgetExceededError`).
+        """
+        if kept_tokens <= 0 or headroom_tokens_per_cell < 0:
+            raise InputError("kept_tokens", f"{kept_tokens} kept and {headroom_tokens_per_cell} headroom tokens",
+                             "pass a positive budget and a non-negative headroom")
+        cap = None
+        if max_cell_tokens is not None:
+            if len(max_cell_tokens) != geometry.n_layers:
+                raise InputError("max_cell_tokens", f"{len(max_cell_tokens)} values for {geometry.n_layers} layers",
+                                 "pass one maximum per layer")
+            cap = batch * geometry.kv_heads * sum(cls.blocks_for(t, block_size) for t in max_cell_tokens)
+        cells = geometry.n_layers * batch * geometry.kv_heads
+        blocks = cls._plan(cells, int(kept_tokens) * batch, headroom_tokens_per_cell, block_size, cap, in_use=0)
+        store = cls(geometry.n_layers, batch, geometry.kv_heads, geometry.head_dim, capacity_blocks=blocks,
+                    block_size=block_size, dtype=geometry.dtype, device=device)
+        store._kept_tokens, store._max_cell_blocks = int(kept_tokens), cap
+        return store
+
+    @classmethod
+    def _plan(cls, cells: int, kept: int, headroom: int, block_size: int, cap: int | None, in_use: int) -> int:
+        """Pool blocks for ``kept`` entries (all sequences) plus ``headroom`` per cell (see
+        :meth:`for_budget`), capped by ``cap``, never below the ``in_use`` blocks."""
+        blocks = max(in_use, cls.blocks_for(kept, block_size) + cells) + cells * cls.blocks_for(headroom, block_size)
+        if cap is not None:
+            blocks = min(blocks, cap)
+        return max(1, blocks, in_use)
+
+    def reserve_headroom(self, tokens_per_cell: int) -> None:
+        """Resize the pool to the kept budget plus ``tokens_per_cell`` per cell (a pool made
+        by :meth:`for_budget`); after prefill this releases the prefill headroom. Copies only
+        the blocks in use (see :meth:`resize`)."""
+        if self._kept_tokens is None:
+            raise InputError("store", "reserve_headroom needs a pool sized by PagedKVStore.for_budget",
+                             "build the store with for_budget, or call resize(capacity_blocks)")
+        cells = self.n_layers * self.batch * self.kv_heads
+        self.resize(self._plan(cells, self._kept_tokens * self.batch, tokens_per_cell, self.block_size,
+                               self._max_cell_blocks, self.blocks_in_use))
 
     def _alloc_pools(self, capacity_blocks: int) -> None:
         self.kv_pool = torch.zeros(2, capacity_blocks + 1, self.block_size, self.head_dim, dtype=self.dtype,

@@ -1,75 +1,38 @@
-"""Allocators: pure functions from per-cell statistics and a budget to per-cell sizes.
+"""Allocators: small frozen dataclasses that turn per-cell scores and a budget into sizes.
 
-A cell is one (layer, KV head). Every allocator has the signature
+A cell is one (layer, KV head). Every allocator is an :class:`~evictlab.methods.base.Allocator`
+with validated parameters and one ``allocate(inputs: AllocInputs) -> sizes``, int64
+``(n_layers, kv_heads)``, obeying the one allocation rule (checked by the decode loop with
+:func:`~evictlab.methods.base.check_sizes`): the sizes sum exactly to ``inputs.target``
+(the budget, or everything held when that is less) and ``floors <= sizes <= lengths`` in
+every cell, where ``lengths`` are the entries each cell holds and ``floors`` the entries
+:func:`~evictlab.methods.base.select_keep` always keeps (sinks + recency window, clipped).
 
-    allocate(cell_scores, budget_tokens, n_layers, kv_heads, *, floor, **params)
-        -> np.ndarray int64 (n_layers, kv_heads)
-
-and guarantees, for a feasible budget, ``sizes.sum() == budget_tokens`` and
-``min(floor, length_c) <= sizes[c] <= length_c`` where ``length_c`` is the number of keys the
-cell holds: the last axis of its scores, or ``lengths[l, h]`` when the caller passes
-``lengths=`` (int ``(n_layers, kv_heads)``; then only the first ``lengths[l, h]`` entries of a
-cell's scores are real, the rest padding, as the decode loop pads ragged heads). ``floor``
-is the keys :func:`select_keep` always keeps (sinks + recency window). Budgets below the
-total floor or above the total length raise :class:`InputError`.
-
-``cell_scores`` is a list of ``n_layers`` tensors ``(b, hk, s_l)`` or ``(hk, s_l)`` (layers may
-hold different lengths), or one array ``(n_layers, hk, s)``. Uniform and PyramidKV read only
-its shape (the lengths); AdaKV reads the values. With ``b > 1`` the scores are averaged over
-the batch, because the store keeps one size per cell for the whole batch.
+Uniform and PyramidKV read only the lengths and floors; AdaKV reads the scores. With
+``batch > 1`` the scores are averaged over the batch, because the store keeps one size per
+cell for the whole batch. Integer rounding is :func:`fit` (Sainte-Lague), shared by all.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
-import torch
 
 from evictlab.errors import InputError
+from evictlab.methods.base import AllocInputs, Allocator
 
-__all__ = ["adakv", "pyramidkv", "uniform", "cell_lengths"]
-
-CellScores = Sequence[torch.Tensor] | Sequence[np.ndarray] | np.ndarray
-
-
-def _as_layer_arrays(cell_scores: CellScores, n_layers: int, kv_heads: int) -> list[np.ndarray]:
-    """Normalise to ``n_layers`` float64 arrays ``(kv_heads, s_l)`` (batch-averaged)."""
-    layers = [cell_scores[i] for i in range(len(cell_scores))]
-    if len(layers) != n_layers:
-        raise InputError("cell_scores", f"{len(layers)} layers given, n_layers={n_layers}",
-                         "pass one score tensor per layer")
-    out = []
-    for i, x in enumerate(layers):
-        a = x.detach().to("cpu", torch.float64).numpy() if isinstance(x, torch.Tensor) else np.asarray(x, np.float64)
-        if a.ndim == 3:
-            a = a.mean(axis=0)
-        if a.ndim != 2 or a.shape[0] != kv_heads:
-            raise InputError(f"cell_scores[{i}]", f"shape {a.shape}, expected (batch, {kv_heads}, seq) "
-                             f"or ({kv_heads}, seq)", "pass per-KV-head scores (combine GQA groups first)")
-        if np.isnan(a).any():
-            raise InputError(f"cell_scores[{i}]", "contains NaN", "fix the scorer")
-        out.append(a)
-    return out
+__all__ = ["AdaKV", "PyramidKV", "Uniform", "fit", "pyramid_weights"]
 
 
-def cell_lengths(cell_scores: CellScores, n_layers: int, kv_heads: int) -> np.ndarray:
-    """int64 ``(n_layers, kv_heads)`` available keys per cell (the scores' last axis)."""
-    layers = _as_layer_arrays(cell_scores, n_layers, kv_heads)
-    return np.array([[a.shape[1]] * kv_heads for a in layers], dtype=np.int64)
+def _number(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InputError(name, f"{value!r} is not a number", f"pass a number for {name}")
+    return float(value)
 
 
-def _check_budget(budget: int, floors: np.ndarray, lengths: np.ndarray, floor: int) -> None:
-    if budget < floors.sum():
-        raise InputError("budget_tokens", f"{budget} is below the total floor {int(floors.sum())} "
-                         f"({floors.size} cells x min(floor={floor}, length))",
-                         "raise the budget or lower sinks/recent")
-    if budget > lengths.sum():
-        raise InputError("budget_tokens", f"{budget} is above the {int(lengths.sum())} keys held",
-                         "use a budget at most the cache size (or skip compression)")
-
-
-def _fit(weights: np.ndarray, budget: int, floors: np.ndarray, caps: np.ndarray) -> np.ndarray:
+def fit(weights: np.ndarray, budget: int, floors: np.ndarray, caps: np.ndarray) -> np.ndarray:
     """Integer sizes ``floors + extra`` summing to ``budget``, extra proportional to weights.
 
     The extra ``E = budget - floors.sum()`` tokens are apportioned by the Sainte-Lague
@@ -91,39 +54,6 @@ def _fit(weights: np.ndarray, budget: int, floors: np.ndarray, caps: np.ndarray)
     return (lo + np.bincount(cell[winners], minlength=w.size)).reshape(weights.shape)
 
 
-def _floors_lengths(
-    cell_scores: CellScores, n_layers: int, kv_heads: int, floor: int, lengths: np.ndarray | None
-) -> tuple[np.ndarray, np.ndarray]:
-    """Per-cell floors ``min(floor, length)`` and lengths, both int64 ``(n_layers, kv_heads)``."""
-    if floor < 0:
-        raise InputError("floor", f"{floor} is negative", "pass sinks + recent >= 0")
-    full = cell_lengths(cell_scores, n_layers, kv_heads)
-    if lengths is None:
-        lengths = full
-    else:
-        lengths = np.asarray(lengths, dtype=np.int64)
-        if lengths.shape != full.shape or (lengths < 0).any() or (lengths > full).any():
-            raise InputError("lengths", f"shape {lengths.shape} or values outside [0, score length]",
-                             f"pass int ({n_layers}, {kv_heads}) lengths no longer than each cell's scores")
-    return np.minimum(floor, lengths), lengths
-
-
-def uniform(
-    cell_scores: CellScores, budget_tokens: int, n_layers: int, kv_heads: int, *, floor: int,
-    lengths: np.ndarray | None = None,
-) -> np.ndarray:
-    """The same number of kept tokens in every cell: ``budget / (n_layers * kv_heads)``.
-
-    Every cell first gets ``min(floor, length)``; the rest is shared equally, the remainder
-    one token each to the first cells (layer-major order); a cell shorter than its share
-    keeps everything and its surplus is shared by the others. Reads only the scores' shape.
-    """
-    floors, lengths = _floors_lengths(cell_scores, n_layers, kv_heads, floor, lengths)
-    _check_budget(budget_tokens, floors, lengths, floor)
-    # With equal floors, sharing the extra above the floor equally is the equal split.
-    return _fit(np.ones((n_layers, kv_heads)), budget_tokens, floors, lengths)
-
-
 def pyramid_weights(n_layers: int, beta: float) -> np.ndarray:
     """PyramidKV's per-layer shares, mean 1, decreasing linearly with depth.
 
@@ -137,33 +67,50 @@ def pyramid_weights(n_layers: int, beta: float) -> np.ndarray:
     return hi - (hi - lo) * np.arange(n_layers) / (n_layers - 1)
 
 
-def pyramidkv(
-    cell_scores: CellScores, budget_tokens: int, n_layers: int, kv_heads: int, *, floor: int, beta: float = 20.0,
-    lengths: np.ndarray | None = None,
-) -> np.ndarray:
+@dataclass(frozen=True)
+class Uniform(Allocator):
+    """The same number of kept entries in every cell: ``budget / (n_layers * kv_heads)``.
+
+    Every cell first gets its floor; the rest is shared equally, the remainder one entry
+    each to the first cells (layer-major order); a cell shorter than its share keeps
+    everything and its surplus is shared by the others. Reads only lengths and floors.
+    """
+
+    name: ClassVar[str] = "uniform"
+
+    def allocate(self, inputs: AllocInputs) -> np.ndarray:
+        # With equal floors, sharing the extra above the floor equally is the equal split.
+        return fit(np.ones((inputs.n_layers, inputs.kv_heads)), inputs.target, inputs.floors, inputs.lengths)
+
+
+@dataclass(frozen=True)
+class PyramidKV(Allocator):
     """PyramidKV: more budget in lower layers, linearly decreasing with depth.
 
-    Each cell keeps its floor; the extra ``E = budget - total floor`` is split over layers in
+    Each cell keeps its floor; the extra ``E = target - total floor`` is split over layers in
     proportion to :func:`pyramid_weights` (``w_0 = 2 - 1/beta`` down to ``w_{L-1} = 1/beta``,
     mean 1), and within a layer equally over its KV heads, rounded by the Sainte-Lague
-    divisor method (:func:`_fit`; a capped cell's surplus goes to the others). ``beta >= 1``;
-    ``beta = 1`` is uniform-above-floor. Reads only shapes.
+    divisor method (:func:`fit`; a capped cell's surplus goes to the others). ``beta >= 1``;
+    ``beta = 1`` is uniform-above-floor. Reads only lengths and floors.
     """
-    if beta < 1:
-        raise InputError("beta", f"{beta} < 1", "use beta >= 1 (20 in PyramidKV)")
-    floors, lengths = _floors_lengths(cell_scores, n_layers, kv_heads, floor, lengths)
-    _check_budget(budget_tokens, floors, lengths, floor)
-    w = np.repeat(pyramid_weights(n_layers, beta)[:, None], kv_heads, axis=1)
-    return _fit(w, budget_tokens, floors, lengths)
+
+    beta: float = 20.0
+    name: ClassVar[str] = "pyramidkv"
+
+    def __post_init__(self) -> None:
+        if _number(self.beta, "beta") < 1:
+            raise InputError("beta", f"{self.beta} < 1", "use beta >= 1 (20 in PyramidKV)")
+
+    def allocate(self, inputs: AllocInputs) -> np.ndarray:
+        w = np.repeat(pyramid_weights(inputs.n_layers, self.beta)[:, None], inputs.kv_heads, axis=1)
+        return fit(w, inputs.target, inputs.floors, inputs.lengths)
 
 
-def adakv(
-    cell_scores: CellScores, budget_tokens: int, n_layers: int, kv_heads: int, *, floor: int, alpha: float = 0.2,
-    lengths: np.ndarray | None = None,
-) -> np.ndarray:
+@dataclass(frozen=True)
+class AdaKV(Allocator):
     """AdaKV: within each layer, heads compete for the layer's budget by their scores.
 
-    1. Layers get equal budgets ``B_l`` (as :func:`uniform` at layer granularity).
+    1. Layers get equal budgets ``B_l`` (as :class:`Uniform` at layer granularity).
     2. Safeguard: head ``h`` of layer ``l`` first gets ``s_h = min(len_h, max(floor_h,
        floor(alpha * B_l / hk)))`` slots, taken by its own top-``s_h`` scores.
     3. The remaining ``B_l - sum_h s_h`` slots go to the layer's highest scores among all
@@ -173,32 +120,38 @@ def adakv(
     This is AdaKV (Feng et al., 2024) with ``alpha`` its safeguard fraction (0.2 there).
     Scores must be comparable across heads (attention probabilities are). Ties go to the
     later key, then the lower head. The floor counts the head's top scores, not literally its
-    sink/recent keys, because an allocator sees no positions: sizes are exact, the choice of
-    keys is :func:`select_keep`'s.
+    sink/recent keys, because sizes are exact and the choice of keys is
+    :func:`~evictlab.methods.base.select_keep`'s.
     """
-    if not 0.0 <= alpha <= 1.0:
-        raise InputError("alpha", f"{alpha} is outside [0, 1]", "use a fraction, e.g. 0.2")
-    layers = _as_layer_arrays(cell_scores, n_layers, kv_heads)
-    floors, lengths = _floors_lengths(cell_scores, n_layers, kv_heads, floor, lengths)
-    _check_budget(budget_tokens, floors, lengths, floor)
-    layer_budget = _fit(np.ones((n_layers, 1)), budget_tokens, floors.sum(1, keepdims=True),
-                        lengths.sum(1, keepdims=True))[:, 0]
-    sizes = np.zeros((n_layers, kv_heads), dtype=np.int64)
-    for l, sc in enumerate(layers):
-        b_l = int(layer_budget[l])
-        safe = np.minimum(lengths[l], np.maximum(floors[l], int(alpha * b_l / kv_heads)))
-        seq = sc.shape[1]
-        valid = np.arange(seq)[None, :] < lengths[l][:, None]  # padding past a head's length
-        sc = np.where(valid, sc, -np.inf)
-        # Per head, rank keys by (score desc, later first); the first safe[h] are reserved.
-        rank_order = np.lexsort((-np.arange(seq)[None, :].repeat(kv_heads, 0), -sc), axis=1)
-        open_mask = valid.copy()
-        for h in range(kv_heads):
-            open_mask[h, rank_order[h, : safe[h]]] = False
-        rest = b_l - int(safe.sum())
-        heads, keys = np.nonzero(open_mask)
-        vals = sc[heads, keys]
-        # Global top-`rest`: score desc, then later key, then lower head.
-        order = np.lexsort((heads, -keys, -vals))[:rest]
-        sizes[l] = safe + np.bincount(heads[order], minlength=kv_heads)
-    return sizes
+
+    alpha: float = 0.2
+    name: ClassVar[str] = "adakv"
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= _number(self.alpha, "alpha") <= 1.0:
+            raise InputError("alpha", f"{self.alpha} is outside [0, 1]", "use a fraction, e.g. 0.2")
+
+    def allocate(self, inputs: AllocInputs) -> np.ndarray:
+        layers = inputs.layer_scores()
+        floors, lengths, kv_heads = inputs.floors, inputs.lengths, inputs.kv_heads
+        layer_budget = fit(np.ones((inputs.n_layers, 1)), inputs.target, floors.sum(1, keepdims=True),
+                           lengths.sum(1, keepdims=True))[:, 0]
+        sizes = np.zeros((inputs.n_layers, kv_heads), dtype=np.int64)
+        for l, sc in enumerate(layers):
+            b_l = int(layer_budget[l])
+            safe = np.minimum(lengths[l], np.maximum(floors[l], int(self.alpha * b_l / kv_heads)))
+            seq = sc.shape[1]
+            valid = np.arange(seq)[None, :] < lengths[l][:, None]  # padding past a head's length
+            sc = np.where(valid, sc, -np.inf)
+            # Per head, rank keys by (score desc, later first); the first safe[h] are reserved.
+            rank_order = np.lexsort((-np.arange(seq)[None, :].repeat(kv_heads, 0), -sc), axis=1)
+            open_mask = valid.copy()
+            for h in range(kv_heads):
+                open_mask[h, rank_order[h, : safe[h]]] = False
+            rest = b_l - int(safe.sum())
+            heads, keys = np.nonzero(open_mask)
+            vals = sc[heads, keys]
+            # Global top-`rest`: score desc, then later key, then lower head.
+            order = np.lexsort((heads, -keys, -vals))[:rest]
+            sizes[l] = safe + np.bincount(heads[order], minlength=kv_heads)
+        return sizes

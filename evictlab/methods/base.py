@@ -2,8 +2,10 @@
 
 A *scorer* looks at one layer's held keys (and the queries that just attended to them) and
 returns one importance score per (batch item, KV head, key): higher = keep. An *allocator*
-turns per-cell statistics into a number of kept tokens per cell, where a cell is one
-(layer, KV head). :func:`select_keep` turns scores and sizes into kept indices.
+(:class:`Allocator`) turns per-cell scores, held lengths, floors and the budget
+(:class:`AllocInputs`) into a number of kept entries per cell, where a cell is one
+(layer, KV head); :func:`check_sizes` enforces the one allocation rule.
+:func:`select_keep` turns scores and sizes into kept indices.
 
 GQA: storage is per KV head, so the ``q_heads // kv_heads`` query heads of a group share one
 kept set. Every scorer reduces its per-query-head statistics to one score per KV head and
@@ -18,16 +20,25 @@ keys, ``q`` queries, ``d`` head dim):
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 from evictlab.errors import InputError
 
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from evictlab.models.geometry import ModelGeometry
+
 __all__ = [
+    "AllocInputs",
+    "AllocationError",
     "Allocator",
+    "Phase",
+    "check_sizes",
     "ScoreInputs",
     "Scorer",
     "attention_probs",
@@ -94,14 +105,198 @@ class Scorer(Protocol):
     def score(self, inputs: ScoreInputs) -> torch.Tensor: ...
 
 
-Allocator = Callable[..., np.ndarray]
-"""``allocate(cell_scores, budget_tokens, n_layers, kv_heads, *, floor, **params)``.
+Phase = Literal["prefill", "question", "decode"]
+"""When a compression runs: after a context chunk (``"prefill"``), after the chunk that
+held question tokens (``"question"``: query-aware runs only), or during decoding."""
 
-``cell_scores``: a list of ``n_layers`` tensors ``(b, hk, s_l)`` (or ``(hk, s_l)``), or an
-array ``(n_layers, hk, s)``. Returns int64 ``(n_layers, kv_heads)`` kept tokens per cell,
-summing exactly to ``budget_tokens``, each ``>= min(floor, length)`` and ``<= length`` (the
-cell's available keys, the last axis of its scores). See :mod:`evictlab.methods.allocators`.
-"""
+
+@dataclass(frozen=True)
+class AllocInputs:
+    """Everything an allocator may use at one compression of one batch of sequences.
+
+    A cell is one (layer, KV head); all batch items of a cell hold the same number of
+    entries (the store keeps one size per cell for the whole batch).
+
+    Attributes:
+        scores: per layer ``l``, ``(batch, kv_heads, S_l)`` float scores of the held
+            entries, higher = keep (the scorer's output), ``S_l`` = the layer's longest
+            cell. Slots ``j >= lengths[l, h]`` are padding: their value means nothing
+            (the decode loop writes the float32 minimum); use ``lengths``.
+        lengths: int64 ``(n_layers, kv_heads)``, entries each cell holds now.
+        floors: int64 ``(n_layers, kv_heads)``, entries each cell must keep (the sinks and
+            the recency window :func:`select_keep` always keeps), clipped to the cell's
+            length and to ``window - 1`` on sliding layers.
+        windows: per layer, the sliding window ``w`` or None (full attention).
+        budget: kept entries per sequence, summed over cells (the :class:`~evictlab.kv.
+            budget.Budget` in tokens).
+        phase: when this compression runs (:data:`Phase`).
+        positions: per layer ``(batch, kv_heads, S_l)`` int64 absolute token positions of
+            the held entries, ``-1`` on padding; None when the caller has none.
+        next_position: absolute position ``t`` of the next token (every held position is
+            ``< t``; ``t - positions`` is an entry's age). None when unknown.
+        head_dim: per-head size ``d`` (bytes of one entry = ``2 x d x dtype_bytes``); None
+            when unknown (hand-made inputs).
+        dtype_bytes: bytes per K/V element; None when unknown.
+        geometry: the model's :class:`~evictlab.models.geometry.ModelGeometry` when the
+            decode loop runs the allocator (None for hand-made inputs), for allocators that
+            must check a fitted profile against the model.
+
+    The rule every allocator obeys (checked by :func:`check_sizes`): sizes are int64
+    ``(n_layers, kv_heads)`` summing exactly to :attr:`target` = ``min(budget, everything
+    held)``, with ``floors <= sizes <= lengths`` in every cell.
+    """
+
+    scores: tuple[torch.Tensor, ...]
+    lengths: np.ndarray
+    floors: np.ndarray
+    windows: tuple[int | None, ...]
+    budget: int
+    phase: Phase = "prefill"
+    positions: tuple[torch.Tensor, ...] | None = None
+    next_position: int | None = None
+    head_dim: int | None = None
+    dtype_bytes: int | None = None
+    geometry: ModelGeometry | None = None
+
+    def __post_init__(self) -> None:
+        n, hk = self.lengths.shape if self.lengths.ndim == 2 else (-1, -1)
+        if n < 1 or self.lengths.dtype != np.int64 or self.floors.dtype != np.int64:
+            raise InputError("lengths", f"expected int64 (n_layers, kv_heads), got {self.lengths.dtype} "
+                             f"{self.lengths.shape} (floors {self.floors.dtype})", "pass int64 arrays")
+        if self.floors.shape != self.lengths.shape:
+            raise InputError("floors", f"shape {self.floors.shape}, lengths {self.lengths.shape}",
+                             "pass one floor per cell")
+        if len(self.scores) != n or len(self.windows) != n:
+            raise InputError("scores", f"{len(self.scores)} score layers and {len(self.windows)} windows for "
+                             f"{n} layers", "pass one score tensor and one window per layer")
+        for l, sc in enumerate(self.scores):
+            if sc.ndim != 3 or sc.shape[1] != hk:
+                raise InputError(f"scores[{l}]", f"shape {tuple(sc.shape)}, expected (batch, {hk}, seq)",
+                                 "pass per-KV-head scores (combine GQA groups first)")
+            if sc.shape[2] < int(self.lengths[l].max()):
+                raise InputError("lengths", f"layer {l}: a cell holds {int(self.lengths[l].max())} entries but the "
+                                 f"scores cover {sc.shape[2]}", "pass lengths no longer than each layer's scores")
+            if self.positions is not None and tuple(self.positions[l].shape) != tuple(sc.shape):
+                raise InputError(f"positions[{l}]", f"shape {tuple(self.positions[l].shape)} differs from the "
+                                 f"scores' {tuple(sc.shape)}", "pass positions laid out like the scores")
+        if (self.lengths < 0).any() or (self.floors < 0).any() or (self.floors > self.lengths).any():
+            raise InputError("floors", "must satisfy 0 <= floors <= lengths in every cell",
+                             "clip the floors to the cells' lengths")
+        if int(self.budget) < int(self.floors.sum()):
+            raise InputError("budget", f"{self.budget} is below the total floor {int(self.floors.sum())} "
+                             f"({self.floors.size} cells x min(sinks + recent, length))",
+                             "raise the budget or lower sinks/recent")
+        if self.phase not in ("prefill", "question", "decode"):
+            raise InputError("phase", f"unknown phase {self.phase!r}", "use prefill, question or decode")
+
+    @classmethod
+    def build(
+        cls,
+        scores: Sequence[torch.Tensor | np.ndarray] | np.ndarray,
+        budget: int,
+        *,
+        floor: int = 0,
+        lengths: np.ndarray | None = None,
+        windows: Sequence[int | None] | None = None,
+        **kw: Any,
+    ) -> AllocInputs:
+        """Inputs from per-layer scores ``(batch, hk, s_l)`` or ``(hk, s_l)`` (or one
+        ``(n_layers, hk, s)`` array), one ``floor`` for every cell (clipped to each cell's
+        length and to ``window - 1`` on sliding layers). ``lengths`` defaults to each
+        layer's last axis. Other fields by keyword."""
+        layers = []
+        for x in scores:
+            t = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x))
+            layers.append(t[None] if t.ndim == 2 else t)
+        hk = layers[0].shape[1] if layers else 0
+        if lengths is None:
+            lengths = np.array([[t.shape[-1]] * hk for t in layers], dtype=np.int64).reshape(len(layers), hk)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        windows = tuple(windows) if windows is not None else (None,) * len(layers)
+        if floor < 0:
+            raise InputError("floor", f"{floor} is negative", "pass sinks + recent >= 0")
+        floors = np.minimum(floor, lengths)
+        if len(windows) == floors.shape[0]:  # else __post_init__ refuses the windows
+            cap = np.array([[w - 1 if w else np.iinfo(np.int64).max] for w in windows], dtype=np.int64)
+            floors = np.minimum(floors, cap)
+        return cls(tuple(layers), lengths, floors.astype(np.int64), windows, int(budget), **kw)
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.lengths.shape[0])
+
+    @property
+    def kv_heads(self) -> int:
+        return int(self.lengths.shape[1])
+
+    @property
+    def held(self) -> int:
+        """Entries held now, summed over cells."""
+        return int(self.lengths.sum())
+
+    @property
+    def target(self) -> int:
+        """What the sizes must sum to: the budget, or everything held when that is less."""
+        return min(int(self.budget), self.held)
+
+    @property
+    def bytes_per_entry(self) -> int:
+        """Bytes of one kept entry of one cell (K and V); InputError if the inputs lack them."""
+        if self.head_dim is None or self.dtype_bytes is None:
+            raise InputError("head_dim", "the entry size is unknown (no head_dim / dtype_bytes given)",
+                             "pass head_dim= and dtype_bytes= (the decode loop always does)")
+        return 2 * int(self.head_dim) * int(self.dtype_bytes)
+
+    def layer_scores(self) -> list[np.ndarray]:
+        """Per layer, float64 ``(kv_heads, S_l)`` scores averaged over the batch (NaN refused)."""
+        out = []
+        for l, x in enumerate(self.scores):
+            a = x.detach().to("cpu", torch.float64).numpy().mean(axis=0)
+            if np.isnan(a).any():
+                raise InputError(f"scores[{l}]", "contains NaN", "fix the scorer")
+            out.append(a)
+        return out
+
+
+class AllocationError(RuntimeError):
+    """An allocator returned sizes that break the allocation rule (a bug in the allocator)."""
+
+
+def check_sizes(inputs: AllocInputs, sizes: np.ndarray, who: str = "allocator") -> np.ndarray:
+    """Enforce the allocation rule on ``sizes``; return them as int64 ``(n_layers, kv_heads)``.
+
+    The rule: the sizes sum exactly to ``inputs.target`` (the budget, or everything held
+    when that is less) and ``inputs.floors <= sizes <= inputs.lengths`` in every cell.
+    Raises :class:`AllocationError` naming ``who`` otherwise.
+    """
+    arr = np.asarray(sizes)
+    if arr.shape != inputs.lengths.shape or not np.issubdtype(arr.dtype, np.integer):
+        raise AllocationError(f"{who} returned {arr.dtype} sizes of shape {arr.shape}, expected int64 "
+                              f"{inputs.lengths.shape}")
+    arr = arr.astype(np.int64)
+    if int(arr.sum()) != inputs.target:
+        raise AllocationError(f"{who} returned sizes summing to {int(arr.sum())}, expected {inputs.target} "
+                              f"(budget {inputs.budget}, held {inputs.held})")
+    if (arr < inputs.floors).any() or (arr > inputs.lengths).any():
+        raise AllocationError(f"{who} returned sizes outside [floors, lengths] in some cell")
+    return arr
+
+
+@dataclass(frozen=True)
+class Allocator(ABC):
+    """A per-cell budget method: ``allocate(inputs) -> sizes``.
+
+    Subclasses are frozen dataclasses whose fields are the method's parameters, validated
+    in ``__post_init__`` (an :class:`InputError` naming the parameter), with a class-level
+    ``name`` (the registry name). ``allocate`` returns int64 ``(n_layers, kv_heads)`` kept
+    entries per cell obeying the rule of :class:`AllocInputs` (see :func:`check_sizes`).
+    """
+
+    name: ClassVar[str] = ""
+
+    @abstractmethod
+    def allocate(self, inputs: AllocInputs) -> np.ndarray:
+        """Kept entries per cell, int64 ``(n_layers, kv_heads)``."""
 
 
 def combine_groups(x: torch.Tensor, kv_heads: int, how: Literal["mean", "max"] = "mean") -> torch.Tensor:

@@ -2,6 +2,11 @@
 
 A record holds the command line, git commit (and whether the tree was dirty), package
 versions, model, seeds, config and wall time. It is JSON, written atomically.
+
+``version_drift`` lists every installed package whose version differs from the pin in the
+top-level ``constraints.txt`` (the versions the test suite last passed with):
+``{name: {"installed": ..., "pinned": ...}}``, empty when everything matches, null when
+there is no constraints file (evictlab installed without its source tree).
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ import datetime as _dt
 import importlib.metadata as _md
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -23,6 +29,9 @@ _PACKAGES = (
     "evictlab", "numpy", "scipy", "numba", "ortools", "torch", "polars", "scikit-learn",
     "seaborn", "transformers", "gguf", "accelerate",
 )
+
+#: The pinned versions, at the top of the source tree (see README, "Install").
+CONSTRAINTS = Path(__file__).resolve().parents[2] / "constraints.txt"
 
 
 def git_state(cwd: str | os.PathLike[str] | None = None) -> dict[str, Any]:
@@ -54,6 +63,63 @@ def package_versions() -> dict[str, str | None]:
     return out
 
 
+def _canonical(name: str) -> str:
+    """A distribution name as pip compares them (PEP 503: case and -_. runs folded)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _public(version: str) -> str:
+    """The version without a local label: torch 2.13.0+cpu is the 2.13.0 release."""
+    return version.split("+", 1)[0]
+
+
+def read_constraints(path: str | os.PathLike[str] | None = None) -> dict[str, str] | None:
+    """``{canonical name: pinned version}`` from a pip constraints file, or None if it is absent."""
+    path = Path(path) if path is not None else CONSTRAINTS
+    if not path.is_file():
+        return None
+    pins: dict[str, str] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        line = line.split("#", 1)[0].split(";", 1)[0].strip()
+        name, sep, version = line.partition("==")
+        if sep and name.strip() and version.strip():
+            pins[_canonical(name.split("[", 1)[0].strip())] = version.strip()
+    return pins
+
+
+def installed_versions() -> dict[str, str]:
+    """``{canonical name: version}`` of every distribution importable here."""
+    out: dict[str, str] = {}
+    for dist in _md.distributions():
+        name = dist.metadata["Name"]
+        if name:
+            out.setdefault(_canonical(name), dist.version)
+    return out
+
+
+def version_drift(path: str | os.PathLike[str] | None = None) -> dict[str, dict[str, str]] | None:
+    """Installed packages whose version differs from ``constraints.txt`` (None: no such file).
+
+    Only installed packages are compared (a pinned package that is not installed, such as a
+    test-only one, is not drift); local labels (``+cpu``) are ignored.
+    """
+    pins = read_constraints(path)
+    if pins is None:
+        return None
+    installed = installed_versions()
+    return {name: {"installed": installed[name], "pinned": pinned}
+            for name, pinned in sorted(pins.items())
+            if name in installed and _public(installed[name]) != _public(pinned)}
+
+
+def drift_lines(drift: dict[str, dict[str, str]] | None) -> list[str]:
+    """Human-readable lines for a report or a terminal (empty when nothing drifted)."""
+    if not drift:
+        return []
+    return [f"{name} {v['installed']} installed, {v['pinned']} pinned in constraints.txt"
+            for name, v in drift.items()]
+
+
 @dataclass
 class RunRecord:
     """A record of one run; call :meth:`write` when the run finishes."""
@@ -74,6 +140,7 @@ class RunRecord:
             "wall_time_s": round(time.perf_counter() - self._t0, 3),
             "git": git_state(),
             "packages": package_versions(),
+            "version_drift": version_drift(),
             "python": sys.version.split()[0],
             "platform": platform.platform(),
             "model": self.model,

@@ -1,4 +1,4 @@
-"""The attention-row dataset: schema, writer/reader, synthetic generator, export.
+"""The attention-row dataset: schema, batch, writer, reader, synthetic generator, export.
 
 Format: ``docs/formats.md``. Public API (imported lazily, so ``evictlab --help`` stays fast)::
 
@@ -12,9 +12,9 @@ from typing import Any
 
 _EXPORTS = {
     "SCHEMA_VERSION": "evictlab.rows.schema",
-    "RowBatch": "evictlab.rows.store",
-    "RowStore": "evictlab.rows.store",
-    "RowWriter": "evictlab.rows.store",
+    "RowBatch": "evictlab.rows.batch",
+    "RowStore": "evictlab.rows.reader",
+    "RowWriter": "evictlab.rows.writer",
     "SynthConfig": "evictlab.rows.synth",
     "synthesize": "evictlab.rows.synth",
     "export_npz": "evictlab.rows.export",

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
 from evictlab.errors import InputError
+
+if TYPE_CHECKING:
+    from evictlab.rows.reader import RowStore
 
 app = typer.Typer(help="The attention-row dataset: generate, inspect, export.",
                   no_args_is_help=True, add_completion=False)
@@ -41,13 +43,18 @@ def synth(
                                  help="Row n uniform in [ceil(keys*(1-spread)), keys]."),
     rows_per_shard: int = typer.Option(16384, "--rows-per-shard", help="Rows per array shard."),
     overwrite: bool = typer.Option(False, "--overwrite",
-                                   help="Replace an existing row dataset at --out."),
+                                   help="Replace a row dataset at --out that has other settings."),
 ) -> None:
-    """Write a seeded synthetic row dataset (same arguments -> identical shard files)."""
+    """Write a seeded synthetic row dataset (same arguments -> identical shard files).
+
+    Resumable: rerunning an interrupted command continues where it stopped, with the same
+    final files as an uninterrupted run. The parent folder of --out must exist.
+    """
     from tqdm import tqdm
 
+    from evictlab.io import check_output_path, exclusive_lock
     from evictlab.report.record import RunRecord
-    from evictlab.rows.schema import MANIFEST_FILE, RECORD_FILE
+    from evictlab.rows.schema import RECORD_FILE
     from evictlab.rows.synth import SynthConfig, synthesize
 
     cfg = SynthConfig(rows=rows, keys=keys, dim=dim, seed=seed, kind=kind, alpha=alpha,
@@ -56,15 +63,18 @@ def synth(
                       rows_per_block=rows_per_block, spread=spread,
                       rows_per_shard=rows_per_shard)
     record = RunRecord(kind="rows.synth", config=cfg.validate(), model="synthetic", seed=seed)
-    if overwrite and out.exists():
-        if not (out / MANIFEST_FILE).exists():
-            raise InputError("--out", f"{out} exists but is not a row dataset",
-                             "refusing to delete it; choose another --out")
-        shutil.rmtree(out)
-    with tqdm(total=rows, unit="row", desc="synth", disable=None) as bar:
-        synthesize(out, cfg, progress=bar.update)
-    record.write(out / RECORD_FILE, output=str(out))
-    typer.echo(f"wrote {rows} rows (n <= {keys}, d = {dim}, kind {kind}) to {out}")
+    check_output_path(out, "--out", directory=True)
+    with exclusive_lock(out, "--out"):  # also covers the run record
+        with tqdm(total=rows, unit="row", desc="synth", disable=None) as bar:
+            summary = synthesize(out, cfg, progress=bar.update, overwrite=overwrite)
+        if summary.already_complete:
+            typer.echo(f"{out} already holds this dataset ({summary.rows} rows, complete); "
+                       "nothing to do (pass --overwrite to write it again)")
+            return
+        record.write(out / RECORD_FILE, output=str(out),
+                     summary={"rows": summary.rows, "rows_resumed": summary.rows_resumed})
+    resumed = f", resumed after {summary.rows_resumed} committed rows" if summary.rows_resumed else ""
+    typer.echo(f"wrote {rows} rows (n <= {keys}, d = {dim}, kind {kind}) to {out}{resumed}")
 
 
 @app.command("inspect")
@@ -75,15 +85,20 @@ def inspect(
                                 help="Also check every shard's checksum and every stored number."),
 ) -> None:
     """Counts, n and d ranges, models, schema version and capture modes of a dataset."""
-    from evictlab.rows.store import RowStore
+    from evictlab.rows.reader import RowStore, progress_text, writer_command
 
-    store = RowStore.open(path, allow_empty=True)
+    store = RowStore.open(path, allow_empty=True, allow_incomplete=True)
     s = store.verify() if verify else store.summary()
+    warning = None if store.complete else _incomplete_warning(store)
+    if warning:
+        typer.secho(f"warning: {warning}", err=True, fg=typer.colors.YELLOW)
     if as_json:
         typer.echo(json.dumps(s, indent=2, sort_keys=True))
         return
     lines = [
         ("path", s["path"]),
+        ("status", "complete" if s["complete"] else f"INCOMPLETE ({progress_text(store.manifest)} "
+         f"committed; rerun the same {writer_command(store.manifest)} command to resume)"),
         ("schema version", s["schema_version"]),
         ("models", ", ".join(s["models"])),
         ("capture modes", ", ".join(s["capture_modes"])),
@@ -99,10 +114,20 @@ def inspect(
         ("created", s["created"]),
     ]
     if verify:
-        lines.append(("verified", "all shards: size, sha256, structure, finite numbers"))
+        lines.append(("verified", "all committed shards: size, sha256, structure, finite numbers"))
     width = max(len(k) for k, _ in lines)
     for k, v in lines:
         typer.echo(f"{k:<{width}}  {v}")
+
+
+def _incomplete_warning(store: RowStore) -> str:
+    """One line on an unfinished dataset: how far it got and how to finish it."""
+    from evictlab.rows.reader import progress_text, writer_command
+
+    man = store.manifest
+    return (f"{store.path} is incomplete ({progress_text(man)} committed); "
+            f"the run writing it was interrupted or is still running. Other commands refuse it "
+            f"until it is finished: rerun the same {writer_command(man)} command to resume it")
 
 
 def _ranges(xs: list[int]) -> str:
@@ -127,8 +152,10 @@ def export(
     limit: Optional[int] = typer.Option(None, "--limit", help="Export only the first N rows."),
     max_gib: float = typer.Option(4.0, "--max-gib",
                                   help="Refuse if the dense arrays would exceed this size."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out file."),
 ) -> None:
     """Export rows as dense padded arrays (p, values, n, ids, key_index, prompt_tokens)."""
+    from evictlab.io import check_output_path, exclusive_lock
     from evictlab.report.record import RunRecord
     from evictlab.rows.export import export_npz
 
@@ -136,6 +163,9 @@ def export(
         raise InputError("--max-gib", f"must be > 0, got {max_gib}", "pass e.g. --max-gib 4")
     record = RunRecord(kind="rows.export", config={"path": str(path), "limit": limit,
                                                    "max_gib": max_gib})
-    info = export_npz(path, out, limit=limit, max_bytes=int(max_gib * 2**30))
-    record.write(out.with_name(out.name + ".record.json"), output=str(out), summary=info)
+    check_output_path(out, "--out", directory=False)
+    with exclusive_lock(out, "--out"):  # also covers the run record
+        info = export_npz(path, out, limit=limit, max_bytes=int(max_gib * 2**30),
+                          overwrite=overwrite)
+        record.write(out.with_name(out.name + ".record.json"), output=str(out), summary=info)
     typer.echo(f"wrote {info['rows']} rows (n_max {info['n_max']}, d {info['head_dim']}) to {out}")

@@ -26,14 +26,14 @@ name               dtype, shape              meaning
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import polars as pl
 
 from evictlab.errors import InputError
-from evictlab.rows.store import RowStore, write_npz
+from evictlab.io import check_output_path, exclusive_lock, write_npz
+from evictlab.rows.reader import RowStore
 
 #: Refuse exports whose dense arrays would exceed this many bytes unless raised.
 DEFAULT_MAX_BYTES = 4 << 30
@@ -83,14 +83,23 @@ def export_arrays(store: RowStore, limit: int | None = None,
 
 
 def export_npz(path: str | os.PathLike[str], out: str | os.PathLike[str],
-               limit: int | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> dict[str, Any]:
-    """Export the dataset at ``path`` to ``out`` (``.npz``, atomic); return a summary."""
-    out = Path(out)
+               limit: int | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
+               overwrite: bool = False) -> dict[str, Any]:
+    """Export the dataset at ``path`` to ``out`` (``.npz``, atomic); return a summary.
+
+    ``out``'s parent folder must exist; an existing ``out`` is replaced only with
+    ``overwrite``. The write holds ``out``'s lock, so two exports to one file cannot race.
+    """
+    out = check_output_path(out, "--out", directory=False)
     if out.suffix != ".npz":
         raise InputError("--out", f"{out} does not end in .npz", "name the file FILE.npz")
-    store = RowStore.open(path)
-    arrays = export_arrays(store, limit=limit, max_bytes=max_bytes)
-    write_npz(out, arrays)
+    with exclusive_lock(out, "--out"):
+        if out.exists() and not overwrite:
+            raise InputError("--out", f"{out} already exists",
+                             "pass --overwrite to replace it, or choose another --out")
+        store = RowStore.open(path)
+        arrays = export_arrays(store, limit=limit, max_bytes=max_bytes)
+        write_npz(out, arrays)
     return {
         "out": str(out), "rows": int(arrays["n"].shape[0]), "n_max": int(arrays["p"].shape[1]),
         "head_dim": store.head_dim, "prompts_rows": int(arrays["prompt_tokens"].shape[0]),

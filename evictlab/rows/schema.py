@@ -8,8 +8,10 @@ A dataset is a directory::
     shard-00000.npz ...    array shards (arrays: :data:`SHARD_ARRAYS`)
 
 The manifest is the commit point: a shard, and the index rows that point into it, count
-only once the manifest lists the shard. This module holds the names, dtypes and the
-manifest check; :mod:`evictlab.rows.store` does the reading and writing.
+only once the manifest lists the shard. Its ``complete`` flag says whether the run that
+wrote the dataset finished (readers refuse an incomplete dataset). This module holds the
+names, dtypes and the manifest check; :mod:`evictlab.rows.writer` writes and
+:mod:`evictlab.rows.reader` reads.
 """
 
 from __future__ import annotations
@@ -32,6 +34,13 @@ MANIFEST_FILE = "manifest.json"
 INDEX_FILE = "index.parquet"
 PROMPTS_FILE = "prompts.parquet"
 RECORD_FILE = "run_record.json"
+
+#: Names of the files a writer writes (shards by prefix), for cleaning up after a crash.
+DATASET_FILES = (MANIFEST_FILE, INDEX_FILE, PROMPTS_FILE, "shard-")
+
+#: The fix named by every error about a damaged dataset file.
+REGEN_FIX = ("re-create the dataset: rerun the command that wrote it (`evictlab rows synth ... "
+             "--overwrite`, or `evictlab capture` into a new --out)")
 
 #: Capture modes a manifest may declare. "synthetic" marks generated rows (no model).
 CAPTURE_MODES = ("query-agnostic", "query-aware", "synthetic")
@@ -99,7 +108,7 @@ def check_manifest(man: Any, path: Path) -> dict[str, Any]:
 
     Raises :class:`CorruptFileError` naming ``path`` on anything a reader cannot trust.
     """
-    fix_regen = "re-run the capture or `evictlab rows synth` that produced this dataset"
+    fix_regen = REGEN_FIX
     if not isinstance(man, dict) or man.get("format") != FORMAT_NAME:
         raise CorruptFileError(
             str(path), f"is not an evictlab row-dataset manifest (format != {FORMAT_NAME!r})",
@@ -129,6 +138,17 @@ def check_manifest(man: Any, path: Path) -> dict[str, Any]:
         )
     if man["head_dim"] < 1:
         raise CorruptFileError(f"{path}: head_dim", "must be >= 1", fix_regen)
+    # Optional keys (absent in datasets written before they existed; see is_complete).
+    if "complete" in man and not isinstance(man["complete"], bool):
+        raise CorruptFileError(f"{path}: complete", "is not true/false", fix_regen)
+    expected = man.get("expected", {})
+    if not isinstance(expected, dict) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in expected.values()):
+        raise CorruptFileError(f"{path}: expected", "is not a map of non-negative integers",
+                               fix_regen)
+    for key in ("index_sha256", "prompts_sha256"):
+        if key in man and not isinstance(man[key], str):
+            raise CorruptFileError(f"{path}: {key}", "is not a hex string", fix_regen)
     for key in ("rows", "prompts", "blocks", "query_rows", "logit_rows"):
         if not isinstance(man["counts"].get(key), int) or man["counts"][key] < 0:
             raise CorruptFileError(
@@ -148,3 +168,14 @@ def check_manifest(man: Any, path: Path) -> dict[str, Any]:
                 fix_regen,
             )
     return man
+
+
+def is_complete(man: dict[str, Any]) -> bool:
+    """Whether the run that wrote the dataset finished.
+
+    ``complete`` is written ``false`` when a writer starts changing a dataset and ``true``
+    only when it closes normally. A manifest without the key was written before the key
+    existed (the first writer) and counts as complete: such a dataset cannot be told
+    apart from a finished one, so it is read as before.
+    """
+    return bool(man.get("complete", True))

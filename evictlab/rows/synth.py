@@ -1,6 +1,6 @@
 """Seeded synthetic attention rows with controllable peakedness (for tests and demos).
 
-Two kinds of rows, both written through :class:`evictlab.rows.store.RowWriter`:
+Two kinds of rows, both written through :class:`evictlab.rows.writer.RowWriter`:
 
 * ``kind="query"``: random keys and a query per row; ``p = softmax(q . K^T / sqrt(d))``
   is recomputed at read time exactly as for captured rows. Knobs:
@@ -21,21 +21,35 @@ uniformly from ``[ceil(keys * (1 - spread)), keys]`` (``spread=0``: every row ha
 exactly ``keys`` keys). Everything comes from one ``numpy.random.default_rng(seed)``
 stream, block by block, and shards are written byte-reproducibly: the same arguments give
 identical shard files.
+
+Resuming: the dataset is marked complete only when the last row is committed. Rerunning
+with the same arguments on an interrupted dataset continues it: the committed blocks are
+regenerated (to advance the random stream) but not written, and the result is
+byte-identical to an uninterrupted run. Different arguments are refused (``--overwrite``
+starts over).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
-from dataclasses import asdict, dataclass
+import shutil
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from evictlab.errors import InputError
-from evictlab.rows.store import RowWriter
+from evictlab.io import check_output_path, exclusive_lock, remove_temp_files
+from evictlab.rows.reader import read_manifest
+from evictlab.rows.schema import MANIFEST_FILE, is_complete
+from evictlab.rows.writer import RowWriter
+
+#: ``source.generator`` in the manifest of every synthetic dataset.
+GENERATOR = "evictlab.rows.synth"
 
 KINDS = ("query", "logits")
 VALUE_MODES = ("gaussian", "clustered")
@@ -172,46 +186,103 @@ def _dirichlet_logits(rng: np.random.Generator, n: np.ndarray, alpha: float) -> 
     return np.split(lg, np.cumsum(n)[:-1])
 
 
-def synthesize(out: str | os.PathLike[str], cfg: SynthConfig,
-               progress: Callable[[int], Any] | None = None) -> Path:
-    """Write a synthetic row dataset described by ``cfg`` to the new directory ``out``.
+@dataclass(frozen=True)
+class SynthSummary:
+    """What :func:`synthesize` did: the dataset ``out`` holds ``rows`` rows; ``rows_resumed``
+    of them were committed by an earlier, interrupted run with the same arguments;
+    ``already_complete``: the dataset was already finished, nothing was written."""
 
-    ``progress`` (optional) is called with the number of rows added after each block.
+    out: Path
+    rows: int
+    rows_resumed: int
+    already_complete: bool
+
+
+def _prepare_out(out: Path, source: dict[str, Any], overwrite: bool) -> dict[str, Any] | None:
+    """Check what is at ``out`` (caller holds its lock); return its manifest if it is a
+    dataset to resume or a finished one, None to start fresh."""
+    if out.exists():
+        remove_temp_files(out, (MANIFEST_FILE,))  # of a run killed while starting
+    if not out.exists() or not any(out.iterdir()):
+        return None
+    if not (out / MANIFEST_FILE).exists():
+        raise InputError("--out", f"{out} exists, is not empty and is not a row dataset",
+                         "choose a new directory (nothing there is deleted, even with --overwrite)")
+    if overwrite:
+        shutil.rmtree(out)
+        return None
+    man = read_manifest(out)
+    old = man["source"]
+    new = json.loads(json.dumps(source))  # as the manifest stores it
+    if old != new:
+        key = next((k for k in new if old.get(k) != new[k]), None) or next(
+            (k for k in old if k not in new), "generator")
+        state = "a finished" if is_complete(man) else "an unfinished"
+        flag = "--" + key.replace("_", "-") if key != "generator" else "the generator"
+        raise InputError("--out", f"{out} holds {state} dataset made with different settings "
+                         f"({flag}: {old.get(key)!r} there, {new.get(key)!r} now)",
+                         "rerun with the same arguments to resume or keep it, pass --overwrite "
+                         "to replace it, or choose another --out")
+    return man
+
+
+def synthesize(out: str | os.PathLike[str], cfg: SynthConfig,
+               progress: Callable[[int], Any] | None = None, *,
+               overwrite: bool = False) -> SynthSummary:
+    """Write the synthetic row dataset described by ``cfg`` to ``out``, resumably.
+
+    ``out`` must not exist, be an empty directory, or hold a dataset written with the same
+    ``cfg`` (an unfinished one is resumed, a finished one is left as it is); ``overwrite``
+    replaces a row dataset written with other settings. Its parent folder must exist.
+    ``progress`` (optional) is called with the number of rows added (or found committed).
     """
     r = _check(cfg)
-    out = Path(out)
-    if (out / "manifest.json").exists() or (out.exists() and any(out.iterdir())):
-        raise InputError("--out", f"{out} already exists and is not empty",
-                         "choose a new directory (or pass --overwrite on the CLI)")
-    rng = np.random.default_rng(cfg.seed)
-    d = cfg.dim
-    n_lo = max(1, math.ceil(cfg.keys * (1.0 - cfg.spread)))
-    scale = 1.0 / math.sqrt(d)
-    with RowWriter(out, model="synthetic", capture_mode="synthetic", head_dim=d,
-                   source={"generator": "evictlab.rows.synth", **r},
-                   rows_per_shard=cfg.rows_per_shard) as w:
-        done, block = 0, 0
-        while done < cfg.rows:
-            R = min(cfg.rows_per_block, cfg.rows - done)
-            n = rng.integers(n_lo, cfg.keys + 1, size=R).astype(np.int64)
-            L = int(n.max())
-            w.add_prompt(block, [], source="synthetic", mode="synthetic",
-                         text=f"synthetic block {block}")
-            vals = _values(rng, L, d, cfg.values, cfg.clusters)
-            pos = np.full(L, -1, np.int64)
-            heads = np.zeros(R, np.int64)
-            row_pos = np.full(R, -1, np.int64)
-            lo = np.zeros(R, np.int64)
-            if cfg.kind == "query":
-                keys, q = _query_block(rng, L, R, d, r)
-                b = w.add_block(block, 0, 0, keys, vals, pos)
-                w.add_query_rows(b, q, heads, row_pos, lo, n, scale)
-            else:
-                b = w.add_block(block, 0, 0, None, vals, pos)
-                w.add_logit_rows(b, _dirichlet_logits(rng, n, r["alpha"]), heads, row_pos, lo, n)
-            w.end_prompt(block)
-            done += R
-            block += 1
-            if progress is not None:
-                progress(R)
-    return out
+    out = check_output_path(out, "--out", directory=True)
+    source = {"generator": GENERATOR, **r}
+    with exclusive_lock(out, "--out"):
+        man = _prepare_out(out, source, overwrite)
+        if man is not None and is_complete(man):
+            return SynthSummary(out, man["counts"]["rows"], man["counts"]["rows"], True)
+        rng = np.random.default_rng(cfg.seed)
+        d = cfg.dim
+        n_lo = max(1, math.ceil(cfg.keys * (1.0 - cfg.spread)))
+        scale = 1.0 / math.sqrt(d)
+        with RowWriter(out, model="synthetic", capture_mode="synthetic", head_dim=d,
+                       source=source, rows_per_shard=cfg.rows_per_shard,
+                       expected={"rows": cfg.rows}) as w:
+            resumed = w.n_rows
+            done_blocks = w.completed_prompts
+            if progress is not None and resumed:
+                progress(resumed)
+            done, block = 0, 0
+            while done < cfg.rows:
+                R = min(cfg.rows_per_block, cfg.rows - done)
+                # Committed blocks are drawn again (same random stream) but not written.
+                write = block not in done_blocks
+                n = rng.integers(n_lo, cfg.keys + 1, size=R).astype(np.int64)
+                L = int(n.max())
+                if write:
+                    w.add_prompt(block, [], source="synthetic", mode="synthetic",
+                                 text=f"synthetic block {block}")
+                vals = _values(rng, L, d, cfg.values, cfg.clusters)
+                pos = np.full(L, -1, np.int64)
+                heads = np.zeros(R, np.int64)
+                row_pos = np.full(R, -1, np.int64)
+                lo = np.zeros(R, np.int64)
+                if cfg.kind == "query":
+                    keys, q = _query_block(rng, L, R, d, r)
+                    if write:
+                        b = w.add_block(block, 0, 0, keys, vals, pos)
+                        w.add_query_rows(b, q, heads, row_pos, lo, n, scale)
+                else:
+                    logits = _dirichlet_logits(rng, n, r["alpha"])
+                    if write:
+                        b = w.add_block(block, 0, 0, None, vals, pos)
+                        w.add_logit_rows(b, logits, heads, row_pos, lo, n)
+                if write:
+                    w.end_prompt(block)
+                    if progress is not None:
+                        progress(R)
+                done += R
+                block += 1
+    return SynthSummary(out, cfg.rows, resumed, False)

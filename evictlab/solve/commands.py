@@ -2,18 +2,119 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import typer
+from typer.core import TyperCommand
 
 from evictlab.errors import InputError
 
+#: A token that continues a ``--budgets`` list: an integer or a comma-separated list.
+_BUDGET_TOKEN = re.compile(r"^[0-9][0-9,]*$")
+_NUMBER = re.compile(r"^-?[0-9][0-9.,]*$")
+_BUDGETS_HINT = "list every budget right after --budgets, e.g. --budgets 4 8 16 32"
 
-def _parse_budgets(first: List[str], extra: List[str]) -> tuple[int, ...]:
-    """Budgets from ``--budgets`` values (repeated or comma-separated) and trailing numbers."""
+
+def expand_budgets(args: list[str]) -> list[str]:
+    """``--budgets 4 8 16`` -> ``--budgets 4 --budgets 8 --budgets 16``.
+
+    A click option takes a fixed number of values, so the numbers after the first one
+    are rewritten as repeated options. Only integers and comma lists continue the list;
+    anything else (an option, the ROWS path) ends it.
+    """
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        tok = args[i]
+        out.append(tok)
+        i += 1
+        if tok == "--":
+            out.extend(args[i:])
+            break
+        if tok == "--budgets" and i < len(args) and not args[i].startswith("-"):
+            out.append(args[i])
+            i += 1
+        if tok == "--budgets" or tok.startswith("--budgets="):
+            while i < len(args) and _BUDGET_TOKEN.match(args[i]):
+                out += ["--budgets", args[i]]
+                i += 1
+    return out
+
+
+def stray_argument(params: list[Any], args: list[str]) -> InputError | None:
+    """The error for the first argument no option or parameter takes (None if none).
+
+    Walks ``args`` (after :func:`expand_budgets`) as click will, knowing each option's
+    number of values, so the error can name the option the stray value follows: a
+    trailing number after ``--pool 2 2`` must not be taken as a budget (or anything).
+    Unknown options are left to click.
+    """
+    takes: dict[str, int] = {}
+    n_positional = 0
+    for p in params:
+        if getattr(p, "param_type_name", "") == "argument":
+            n_positional += max(int(p.nargs), 1)
+        elif getattr(p, "param_type_name", "") == "option":
+            n = 0 if (p.is_flag or p.count) else int(p.nargs)
+            for name in [*p.opts, *p.secondary_opts]:
+                takes[name] = n
+    positional, after = 0, None
+    i = 0
+    while i < len(args):
+        tok = args[i]
+        if tok == "--":  # everything after it is positional
+            extra = args[i + 1:][max(n_positional - positional, 0):]
+            if not extra:
+                return None
+            tok, after = extra[0], None
+        elif tok.startswith("-") and len(tok) > 1 and not _NUMBER.match(tok):
+            name, eq, _ = tok.partition("=")
+            if name not in takes:
+                return None
+            i += 1 + (0 if eq else takes[name])
+            after = name
+            continue
+        elif positional < n_positional:
+            positional += 1
+            after = None
+            i += 1
+            continue
+        if after == "--budgets":
+            return InputError("--budgets", f"{tok!r} is not a budget (budgets are positive "
+                              "integers)", _BUDGETS_HINT)
+        if after == "--pool":
+            return InputError("--pool", f"takes exactly two numbers (r_m r_e), but {tok!r} "
+                              "follows them", f"write --pool R_M R_E (e.g. --pool 2 2); "
+                              f"{_BUDGETS_HINT}")
+        if after is not None:
+            n = takes[after]
+            what = "no value" if n == 0 else f"{n} value{'s' if n > 1 else ''}"
+            return InputError(after, f"takes {what}, but {tok!r} follows", f"remove {tok!r}; "
+                              f"{_BUDGETS_HINT}")
+        return InputError("ROWS", f"unexpected extra argument {tok!r} (solve reads one row "
+                          "dataset)", f"pass one ROWS directory; {_BUDGETS_HINT}")
+    return None
+
+
+class SolveCommand(TyperCommand):
+    """The ``solve`` command: ``--budgets`` takes several numbers, and a number that no
+    option takes is an error naming the option it follows (never a silent budget)."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        args = expand_budgets(list(args))
+        if not ctx.resilient_parsing and "--help" not in args:
+            err = stray_argument(self.get_params(ctx), args)
+            if err is not None:
+                raise err
+        return super().parse_args(ctx, args)
+
+
+def _parse_budgets(values: List[str]) -> tuple[int, ...]:
+    """Budgets from ``--budgets`` values (each an integer or a comma-separated list)."""
     out: list[int] = []
-    for tok in [*first, *extra]:
+    for tok in values:
         for part in str(tok).split(","):
             part = part.strip()
             if not part:
@@ -27,7 +128,6 @@ def _parse_budgets(first: List[str], extra: List[str]) -> tuple[int, ...]:
 
 
 def solve(
-    ctx: typer.Context,
     rows: Path = typer.Argument(..., help="Row dataset directory (put it before --budgets)."),
     budgets: List[str] = typer.Option(
         ..., "--budgets",
@@ -54,20 +154,23 @@ def solve(
 ) -> None:
     """Exact pool optimum ES_hat, balancing selector and (optionally) certified ES(s) for every row.
 
-    Resumable: an interrupted run leaves <out>.parts/; rerunning the same command skips
-    the finished parts. A run record is written to <out stem>.run_record.json.
+    Resumable: an interrupted run leaves <out>.parts/; rerunning the same command checks
+    the finished parts and computes only the rest. One run per --out at a time; the parent
+    folder of --out must exist. A run record is written to <out stem>.run_record.json.
     """
     from evictlab.solve.runner import SolveConfig, solve_rows
 
-    bud = _parse_budgets(budgets, list(ctx.args))
+    bud = _parse_budgets(budgets)
     cfg = SolveConfig(budgets=bud, r_m=pool[0], r_e=pool[1], max_swaps=max_swaps, certify=certify,
                       cert_max_n=cert_max_n, cert_max_s=cert_max_s, cert_nodes=cert_nodes,
                       chunk_rows=chunk_rows, search=search, ls_pairs=ls_pairs, ls_kicks=ls_kicks,
                       ls_seed=ls_seed)
-    summary = solve_rows(rows, out, cfg, threads=threads, overwrite=overwrite, restart=restart)
+    summary = solve_rows(rows, out, cfg, threads=threads, overwrite=overwrite, restart=restart,
+                         notify=lambda msg: typer.echo(msg, err=True))
     resumed = f", {summary.parts_done_before} parts resumed" if summary.parts_done_before else ""
     typer.echo(f"wrote {summary.rows} rows x {len(bud)} budgets to {out}{resumed}")
 
 
-#: typer settings needed so that `--budgets 4 8 16 32` passes the trailing numbers as ctx.args
-SOLVE_CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": False}
+#: click settings of ``solve`` (register with ``cls=SolveCommand``, which reads the
+#: numbers after ``--budgets``): no extra arguments, no unknown options.
+SOLVE_CONTEXT = {"allow_extra_args": False, "ignore_unknown_options": False}

@@ -8,10 +8,14 @@ one Parquet row per (row_id, s) with the columns of :data:`RESULT_COLUMNS` (the 
 "Solver results" in ``docs/architecture.md``).
 
 Resumability: the rows (in ``row_id`` order) are cut into chunks of ``chunk_rows``; chunk k
-is written atomically to ``<out>.parts/part-{k:05d}.parquet``. A rerun with the same job
-(dataset, budgets, pool, ...) skips the chunks already written; when all are there they
-are concatenated into ``<out>`` atomically, a run record is written beside it, and the
-parts folder is removed.
+is written atomically to ``<out>.parts/part-{k:05d}.parquet`` and its SHA-256 recorded in
+``checksums.json`` there. A rerun with the same job (dataset, budgets, pool, ...) first
+checks every part already written (checksum, readable, the expected rows and columns),
+discards and reports a damaged one, and computes only the missing chunks; when all are
+there they are concatenated into ``<out>`` atomically, a run record is written beside it,
+and the parts folder is removed. Interrupting a run (Ctrl-C, kill) leaves only complete
+parts. One run per ``--out``: the run holds ``<out>``'s lock (``evictlab.io``), so a second
+run on the same output is refused at once.
 """
 
 from __future__ import annotations
@@ -27,8 +31,17 @@ from typing import Any, Callable
 import numpy as np
 import polars as pl
 
-from evictlab.errors import InputError
-from evictlab.io import atomic_path, atomic_write_json
+from evictlab.errors import CorruptFileError, InputError
+from evictlab.io import (
+    atomic_path,
+    atomic_write_json,
+    check_output_path,
+    exclusive_lock,
+    read_json,
+    read_parquet,
+    remove_temp_files,
+    sha256_file,
+)
 
 #: ``kappa_hat = e_top / max(es_hat, KAPPA_EPS)`` (absolute, in value units).
 KAPPA_EPS = 1e-12
@@ -155,7 +168,7 @@ def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
 
 
 def solve_batch(batch: Any, cfg: SolveConfig, model: str | None = None) -> pl.DataFrame:
-    """Solve one :class:`evictlab.rows.store.RowBatch` for every budget; one row per (row_id, s).
+    """Solve one :class:`evictlab.rows.batch.RowBatch` for every budget; one row per (row_id, s).
 
     ``cfg`` must already be checked (:func:`check_config`). Rows are sorted by
     ``(row_id, s)``. Columns: :data:`RESULT_COLUMNS` (+ :data:`LS_COLUMNS` with
@@ -254,9 +267,13 @@ def solve_batch(batch: Any, cfg: SolveConfig, model: str | None = None) -> pl.Da
                 .otherwise(pl.col("kept_cert")).alias("kept_cert"))
         frames.append(df)
     out = pl.concat(frames, how="vertical").sort(["row_id", "s"])
-    order = (list(RESULT_COLUMNS) + (list(LS_COLUMNS) if cfg.search == "all" else [])
-             + (list(CERT_COLUMNS) if cfg.certify else []))
-    return out.select(order)
+    return out.select(result_columns(cfg))
+
+
+def result_columns(cfg: SolveConfig) -> list[str]:
+    """The columns of a results table (and of every part file) solved with ``cfg``, in order."""
+    return (list(RESULT_COLUMNS) + (list(LS_COLUMNS) if cfg.search == "all" else [])
+            + (list(CERT_COLUMNS) if cfg.certify else []))
 
 
 @dataclass
@@ -292,6 +309,53 @@ def _dataset_id(store: Any) -> str:
     return h.hexdigest()[:16]
 
 
+#: The fix named when a part file of an interrupted run is damaged at the final concat.
+_PART_FIX = "delete that part file and rerun the same command (the part is recomputed)"
+
+
+def _same_job(old: Any, job: dict[str, Any]) -> str | None:
+    """None if ``old`` (a parsed job.json) is ``job``, else what differs, in words.
+
+    The dataset is identified by its content digest, so a moved dataset still matches.
+    """
+    if not isinstance(old, dict):
+        return "its job.json is not a solve job"
+    if old.get("dataset") != job["dataset"] or old.get("n_rows") != job["n_rows"]:
+        return f"they were computed from a different dataset ({old.get('rows')})"
+    a, b = old.get("config"), job["config"]
+    if a != b:
+        if not isinstance(a, dict):
+            return "its job.json holds no options"
+        diff = [f"{k} {a.get(k)!r} there, {b.get(k)!r} now" for k in b if a.get(k) != b[k]]
+        return "the options differ (" + "; ".join(diff or ["unknown options"]) + ")"
+    return None
+
+
+def _check_part(path: Path, sha: str | None, ids: np.ndarray, cfg: SolveConfig) -> str | None:
+    """None if the part file ``path`` holds exactly the results of rows ``ids``, else why not.
+
+    Checked without recomputing anything: the recorded SHA-256 (when recorded: a part
+    written just before a crash may lack it), readable Parquet, the columns of ``cfg``,
+    and the (row_id, s) pairs in order.
+    """
+    if sha is not None and sha256_file(path) != sha:
+        return "fails its SHA-256 checksum"
+    try:
+        df = read_parquet(path, _PART_FIX)
+    except CorruptFileError as exc:
+        return exc.problem
+    if df.columns != result_columns(cfg):
+        return "has other columns than this job writes"
+    want_ids = np.repeat(ids, len(cfg.budgets))
+    want_s = np.tile(np.asarray(cfg.budgets, dtype=np.int64), ids.shape[0])
+    try:
+        ok = (np.array_equal(df["row_id"].to_numpy(), want_ids)
+              and np.array_equal(df["s"].to_numpy(), want_s))
+    except Exception:  # noqa: BLE001 -- a column of an unexpected type
+        ok = False
+    return None if ok else "does not hold the expected (row_id, s) pairs"
+
+
 def solve_rows(
     rows: str | Path,
     out: str | Path,
@@ -303,12 +367,14 @@ def solve_rows(
     progress: bool = True,
     stop_after: int | None = None,
     on_rows: Callable[[int], None] | None = None,
+    notify: Callable[[str], None] | None = None,
 ) -> SolveSummary:
     """Solve every row of the dataset at ``rows`` and write ``out`` (Parquet), resumably.
 
     Args:
-        rows: row dataset directory (``evictlab.rows``).
-        out: results file; its part files live in ``<out>.parts/`` until the end.
+        rows: row dataset directory (``evictlab.rows``); it must be complete.
+        out: results file; its parent folder must exist. Its part files live in
+            ``<out>.parts/`` until the end; the run holds ``out``'s lock throughout.
         cfg: the solve configuration (checked here against the dataset).
         threads: Numba threads (``None``: Numba's default, all cores).
         overwrite: replace an existing ``out``; restart: discard part files of an earlier,
@@ -316,22 +382,34 @@ def solve_rows(
         progress: show a tqdm bar (rows); stop_after: write at most this many new parts,
             then return without concatenating (used to test interruption).
         on_rows: optional callback with the number of rows finished after each part.
+        notify: optional callback receiving one-line notices (a damaged part discarded).
     """
     import numba
-    from tqdm import tqdm
 
-    from evictlab.report.record import RunRecord
-    from evictlab.rows.store import RowStore
-
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise InputError("--out", f"{out} already exists", "pass --overwrite or choose another --out")
     if threads is not None:
         _int(threads, "--threads", 1)
         if threads > numba.config.NUMBA_NUM_THREADS:
             raise InputError("--threads", f"{threads} exceeds the {numba.config.NUMBA_NUM_THREADS} "
                              "threads Numba was started with", "use fewer threads (or set NUMBA_NUM_THREADS)")
-        numba.set_num_threads(threads)
+    out = check_output_path(out, "--out", directory=False)
+    with exclusive_lock(out, "--out"):
+        if out.exists() and not overwrite:
+            raise InputError("--out", f"{out} already exists", "pass --overwrite or choose another --out")
+        if threads is not None:
+            numba.set_num_threads(threads)
+        return _solve_locked(Path(rows), out, cfg, threads, restart, progress, stop_after, on_rows,
+                             notify or (lambda msg: None))
+
+
+def _solve_locked(rows: Path, out: Path, cfg: SolveConfig, threads: int | None, restart: bool,
+                  progress: bool, stop_after: int | None, on_rows: Callable[[int], None] | None,
+                  notify: Callable[[str], None]) -> SolveSummary:
+    """:func:`solve_rows` once ``out``'s lock is held."""
+    from tqdm import tqdm
+
+    from evictlab.report.record import RunRecord
+    from evictlab.rows.reader import RowStore
+
     record = RunRecord(kind="solve", config={**cfg.to_dict(), "rows": str(rows), "threads": threads})
     store = RowStore.open(rows)
     index = store.meta.select("row_id", "n").sort("row_id")
@@ -343,41 +421,81 @@ def solve_rows(
     record.model = model
     n_parts = (ids.shape[0] + cfg.chunk_rows - 1) // cfg.chunk_rows
     parts = parts_dir_for(out)
-    job = {"dataset": _dataset_id(store), "rows": str(Path(rows).resolve()), "n_rows": int(ids.shape[0]),
+    job = {"dataset": _dataset_id(store), "rows": str(rows.resolve()), "n_rows": int(ids.shape[0]),
            "config": cfg.to_dict()}
     job_file = parts / "job.json"
+    sums_file = parts / "checksums.json"
+    remove_temp_files(out.parent, (out.name,))
+    if parts.exists() and not parts.is_dir():
+        raise InputError("--out", f"{parts} (where the part files of {out.name} go) is a file",
+                         "remove it or choose another --out")
     if parts.exists():
-        old = json.loads(job_file.read_text()) if job_file.exists() else None
-        if old != job:
+        try:
+            why = (_same_job(read_json(job_file, ""), job) if job_file.is_file()
+                   else "it has no job.json (left by a run that was stopped while starting)")
+        except CorruptFileError:
+            why = "its job.json is damaged"
+        if why is not None:
             if not restart:
-                raise InputError(str(parts), "holds part files of a different solve job (dataset or "
-                                 "options differ)", "rerun with the same options, or pass --restart to discard them")
+                raise InputError(
+                    str(parts), f"holds part files of a different solve job: {why}",
+                    f"rerun with the options recorded in {job_file.name} to resume them, or "
+                    "pass --restart to discard them and start over")
             shutil.rmtree(parts)
-    parts.mkdir(parents=True, exist_ok=True)
+    parts.mkdir(exist_ok=True)
+    remove_temp_files(parts, ("part-", job_file.name, sums_file.name))
     atomic_write_json(job_file, job)
 
     def part_file(k: int) -> Path:
         return parts / f"part-{k:05d}.parquet"
 
-    done = [k for k in range(n_parts) if part_file(k).exists()]
-    pending = [k for k in range(n_parts) if not part_file(k).exists()]
+    def chunk(k: int) -> np.ndarray:
+        return ids[k * cfg.chunk_rows:(k + 1) * cfg.chunk_rows]
+
+    # Check every part already there before computing anything.
+    try:
+        sums = read_json(sums_file, "") if sums_file.is_file() else {}
+    except CorruptFileError:
+        sums = {}
+    sums = {k: v for k, v in sums.items() if isinstance(v, str)} if isinstance(sums, dict) else {}
+    done: list[int] = []
+    discarded: list[str] = []
+    for k in range(n_parts):
+        f = part_file(k)
+        if not f.exists():
+            continue
+        why = _check_part(f, sums.get(f.name), chunk(k), cfg)
+        if why is None:
+            sums.setdefault(f.name, sha256_file(f))
+            done.append(k)
+        else:
+            f.unlink()
+            sums.pop(f.name, None)
+            discarded.append(f.name)
+            notify(f"warning: discarded the damaged part file {f} ({why}); it is recomputed")
+    atomic_write_json(sums_file, sums)
+    pending = sorted(set(range(n_parts)) - set(done))
     written = 0
-    rows_done = sum(min(cfg.chunk_rows, ids.shape[0] - k * cfg.chunk_rows) for k in done)
+    rows_done = sum(chunk(k).shape[0] for k in done)
     if pending:
-        todo_ids = np.concatenate([ids[k * cfg.chunk_rows:(k + 1) * cfg.chunk_rows] for k in pending])
+        todo_ids = np.concatenate([chunk(k) for k in pending])
         flt = pl.col("row_id").is_in(pl.Series(todo_ids).implode())
         bar = tqdm(total=int(ids.shape[0]), initial=rows_done, unit="row", desc="solve",
                    disable=not progress)
         try:
             it = store.iter_batches(cfg.chunk_rows, filter=flt)
             for k, batch in zip(pending, it):
-                expect = ids[k * cfg.chunk_rows:(k + 1) * cfg.chunk_rows]
+                expect = chunk(k)
                 got = batch.meta["row_id"].to_numpy()
                 if not np.array_equal(np.sort(got), expect):
                     raise RuntimeError(f"batch for part {k} does not hold the expected rows")
                 df = solve_batch(batch, cfg, model)
                 with atomic_path(part_file(k), suffix=".parquet") as tmp:
                     df.write_parquet(tmp)
+                # A crash here leaves a complete part without a checksum: it is checked by
+                # reading it on resume.
+                sums[part_file(k).name] = sha256_file(part_file(k))
+                atomic_write_json(sums_file, sums)
                 written += 1
                 bar.update(batch.n_rows)
                 if on_rows is not None:
@@ -388,10 +506,12 @@ def solve_rows(
             bar.close()
     complete = all(part_file(k).exists() for k in range(n_parts))
     summary = SolveSummary(out=None, parts_total=n_parts, parts_done_before=len(done),
-                           parts_written=written, rows=int(ids.shape[0]), complete=complete)
+                           parts_written=written, rows=int(ids.shape[0]), complete=complete,
+                           extra={"parts_discarded": discarded})
     if not complete:
         return summary
-    table = pl.concat([pl.read_parquet(part_file(k)) for k in range(n_parts)], how="vertical")
+    table = pl.concat([read_parquet(part_file(k), _PART_FIX) for k in range(n_parts)],
+                      how="vertical")
     with atomic_path(out, suffix=".parquet") as tmp:
         table.write_parquet(tmp)
     rec = record.write(record_path_for(out), output=str(out), rows_out=table.height,

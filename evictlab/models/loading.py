@@ -1,0 +1,100 @@
+"""Loading a model for capture and decoding: registry names, local folders and hub ids.
+
+Anything that is not a registry name is treated as a local Hugging Face folder (if such a
+directory exists) or else as a hub id, and goes through the same ``from_pretrained`` call.
+Attention is always loaded as ``attn_implementation="eager"``: capture and the exactness
+tests need the explicit softmax, and the choice is made at load time, never by editing
+``model.config`` afterwards.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from evictlab.errors import CorruptFileError, InputError
+from evictlab.models.pull import pull, verify_folder
+from evictlab.models.registry import DEFAULT_MODEL, MANIFEST, MODELS, known_names, model_dir
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def resolve(name: str) -> tuple[str, Path | str]:
+    """Classify ``name``: ``("registry", folder)``, ``("local", folder)`` or ``("hub", id)``.
+
+    Registry models are pulled (installed and converted) on first use.
+    """
+    if name in MODELS:
+        dest = model_dir(name)
+        if not (dest / MANIFEST).is_file():
+            pull(name)
+        verify_folder(dest, name)
+        return "registry", dest
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise InputError("--model", f"folder {path} has no config.json",
+                             "point at a Hugging Face model folder (config.json + weights)")
+        return "local", path
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise InputError("--model", f"{name!r} is not a known model, a model folder or a hub id",
+                         f"use one of: {known_names()}, or a local Hugging Face model folder")
+    return "hub", name
+
+
+def load_model(
+    name: str = DEFAULT_MODEL, device: str = "cpu", dtype: "torch.dtype | None" = None,
+) -> tuple[Any, Any]:
+    """Load ``(model, tokenizer)`` with eager attention, in eval mode, on ``device``.
+
+    ``name`` is a registry name (pulled on first use), a local Hugging Face folder or a hub
+    id (only where a hub is reachable). ``dtype`` defaults to float32: the exactness
+    contract (captured rows reproduce the model's own attention to 1e-5) is stated in it.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = torch.float32 if dtype is None else dtype
+    dev = check_device(device)
+    kind, where = resolve(name)
+    local = kind != "hub"
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(where), attn_implementation="eager", dtype=dtype, local_files_only=local,
+        )
+        tok = AutoTokenizer.from_pretrained(str(where), local_files_only=local)
+    except OSError as exc:
+        if kind == "hub":
+            raise InputError("--model", f"could not load hub id {name!r} ({exc.__class__.__name__})",
+                             f"use one of: {known_names()}, a local Hugging Face folder, or check the hub is reachable") from None
+        fix = (f"delete {where} and run `evictlab models pull {name}`" if kind == "registry"
+               else "check the folder holds a complete Hugging Face model")
+        raise CorruptFileError(str(where), f"could not load the model ({exc})", fix) from None
+    except Exception as exc:  # safetensors, json and torch raise assorted types on bad files
+        if kind != "registry":
+            raise
+        raise CorruptFileError(str(where), f"could not load the model ({exc})",
+                               f"delete {where} and run `evictlab models pull {name}`") from None
+    model.to(dev)
+    model.eval()
+    return model, tok
+
+
+def check_device(device: str) -> "torch.device":
+    """Parse ``--device``; InputError when CUDA is asked for but not available."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise InputError("--device", f"unknown device {device!r}", "use cpu or cuda (or cuda:N)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device", "CUDA was requested but torch sees no GPU", "use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise InputError("--device", f"device type {dev.type!r} is not supported", "use cpu or cuda")
+    return dev
+
