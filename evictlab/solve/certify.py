@@ -43,7 +43,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from evictlab.solve.kernels import dense_mu, forced_error_exact, rank_desc
+from evictlab.solve.kernels import dense_mu, forced_error_exact, normalized_masses, rank_desc
 
 #: Relative tolerance of the certificate (see module docstring).
 CERT_REL_TOL = 1e-9
@@ -178,6 +178,17 @@ def direction_phi(Rrow: np.ndarray, nrm: float, PF: float, pw: np.ndarray, j: in
 
 
 @njit(cache=True)
+def _ratio(Rrow: np.ndarray, nrm: float, PF: float, pw: np.ndarray, idx: np.ndarray, k: int) -> tuple[float, float]:
+    """``(N, D)`` of the completion ``idx[:k]``: ``N = ||S_F|| + sum <u, x_i>``, ``D = P(F) + sum p_i``."""
+    num = nrm
+    den = PF
+    for a in range(k):
+        num += Rrow[idx[a]] / nrm
+        den += pw[idx[a]]
+    return num, den
+
+
+@njit(cache=True)
 def direction_bound(Rrow: np.ndarray, nrm: float, PF: float, pw: np.ndarray, j: int, k: int,
                     w: np.ndarray, buf: np.ndarray, idx: np.ndarray) -> float:
     """Value of the direction bound: ``max(0, min_K (||S_F|| + sum_K <u,x_i>) / (P(F) + P(K)))``.
@@ -198,11 +209,7 @@ def direction_bound(Rrow: np.ndarray, nrm: float, PF: float, pw: np.ndarray, j: 
     if dmin <= 0.0:
         return 0.0
     direction_phi(Rrow, nrm, PF, pw, j, k, 0.0, w, buf, idx)  # K0: the k smallest <u, x_i>
-    num = nrm
-    den = PF
-    for a in range(k):
-        num += Rrow[idx[a]] / nrm
-        den += pw[idx[a]]
+    num, den = _ratio(Rrow, nrm, PF, pw, idx, k)
     if num <= 0.0:
         return 0.0
     lam = num / den
@@ -210,11 +217,7 @@ def direction_bound(Rrow: np.ndarray, nrm: float, PF: float, pw: np.ndarray, j: 
     for _ in range(64):
         if phi >= 0.0:
             break  # lam is the minimum ratio (to rounding)
-        num = nrm
-        den = PF
-        for a in range(k):
-            num += Rrow[idx[a]] / nrm
-            den += pw[idx[a]]
+        num, den = _ratio(Rrow, nrm, PF, pw, idx, k)
         if num <= 0.0:
             return 0.0
         new = num / den
@@ -669,12 +672,7 @@ def batch_certify(
         if n > max_n or kmax == 0:
             continue
         V = values[v_start[r] : v_start[r] + n]
-        tot = 0.0
-        for i in range(n):
-            tot += p[lo_ + i]
-        pr = np.empty(n)
-        for i in range(n):
-            pr[i] = p[lo_ + i] / tot
+        pr = normalized_masses(p, lo_, n)
         setup = certify_setup(pr, V, kmax)
         for b in range(B):
             s = budgets[b]

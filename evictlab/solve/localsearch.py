@@ -55,7 +55,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from evictlab.solve.kernels import dense_mu, forced_error_exact
+from evictlab.solve.kernels import dense_mu, forced_error_exact, normalized_masses
 
 #: A move is applied only if it lowers e(A)^2 by more than this relative amount, so
 #: rounding noise can never make the search cycle (the same rule as the balancing selector).
@@ -248,6 +248,23 @@ def _swap_terms(inA: np.ndarray, R: np.ndarray, g: np.ndarray, c: np.ndarray) ->
 
 
 @njit(cache=True)
+def _flag_row(base_q: float, base_p: float, c: np.ndarray, row: np.ndarray, pw: np.ndarray, lim: float,
+              tmp: np.ndarray) -> int:
+    """Division-free pre-test of one member's swaps: ``tmp[i] = q_i - lim P_i^2`` for every key
+    (``q_i``, ``P_i``: the swapped set's ``||S||^2`` and mass); returns how many are negative.
+
+    Branch-free, so it vectorises (a count does; a min reduction would not).
+    """
+    flagged = 0
+    for i in range(row.shape[0]):
+        Pn = base_p + pw[i]
+        t = (base_q + (c[i] - 2.0 * row[i])) - lim * (Pn * Pn)
+        tmp[i] = t
+        flagged += 1 if t < 0.0 else 0
+    return flagged
+
+
+@njit(cache=True)
 def _single_scan(GA: np.ndarray, A: np.ndarray, R: np.ndarray, g: np.ndarray, pw: np.ndarray,
                  Q: float, P: float, bound: float, c: np.ndarray, tmp: np.ndarray) -> tuple[float, int, int]:
     """Best single swap with ``e^2 < bound``: ``(e2, position, key)``, or ``(bound, -1, -1)``.
@@ -267,14 +284,7 @@ def _single_scan(GA: np.ndarray, A: np.ndarray, R: np.ndarray, g: np.ndarray, pw
         base_q = Q - 2.0 * R[o] + g[o]
         base_p = P - pw[o]
         row = GA[a]
-        lim = best * (1.0 + _FLAG_SLACK)
-        flagged = 0
-        for i in range(n):
-            Pn = base_p + pw[i]
-            t = (base_q + (c[i] - 2.0 * row[i])) - lim * (Pn * Pn)
-            tmp[i] = t
-            flagged += 1 if t < 0.0 else 0  # a count vectorises; a min reduction does not
-        if flagged == 0:
+        if _flag_row(base_q, base_p, c, row, pw, best * (1.0 + _FLAG_SLACK), tmp) == 0:
             continue
         for i in range(n):
             if tmp[i] < 0.0:
@@ -321,14 +331,7 @@ def _shortlist_scan(GA: np.ndarray, A: np.ndarray, R: np.ndarray, g: np.ndarray,
         row = GA[a]
         full = cnt == L  # fixed for the row: tmp is filled only for rows that start full
         if full:
-            lim = val[L - 1] * (1.0 + _FLAG_SLACK)
-            flagged = 0
-            for i in range(n):
-                Pn = base_p + pw[i]
-                t = (base_q + (c[i] - 2.0 * row[i])) - lim * (Pn * Pn)
-                tmp[i] = t
-                flagged += 1 if t < 0.0 else 0
-            if flagged == 0:
+            if _flag_row(base_q, base_p, c, row, pw, val[L - 1] * (1.0 + _FLAG_SLACK), tmp) == 0:
                 continue
         for i in range(n):
             if full and not tmp[i] < 0.0:
@@ -658,12 +661,7 @@ def batch_localsearch(
             lo = p_off[r]
             n = p_off[r + 1] - lo
             V = values[v_start[r] : v_start[r] + n]
-            tot = 0.0
-            for i in range(n):
-                tot += p[lo + i]
-            pr = np.empty(n)
-            for i in range(n):
-                pr[i] = p[lo + i] / tot
+            pr = normalized_masses(p, lo, n)
             mu = dense_mu(pr, V)
             X, XT, g = centred_rows(pr, V, mu, xbuf, xtbuf)
             # Row cache of Gram rows: the start keys of every budget (computed up front, four

@@ -149,40 +149,35 @@ def swap_search_reference(p: np.ndarray, values: np.ndarray, start: list[int] | 
     if s == n:
         return A, 0, []
 
-    def mass(B: list[int]) -> float:
-        return float(p[B].sum())
-
-    while True:
-        cur = _e2(p, values, A)
-        bound = cur * (1.0 - rel_tol) if np.isfinite(cur) else 1e300
-        if moves < max_moves:
-            best, move = bound, None
-            for a in range(s):
-                for i in range(n):
-                    if i in A:
-                        continue
-                    B = A.copy()
-                    B[a] = i
-                    if mass(B) <= 0:
-                        continue
-                    v = _e2(p, values, B)
-                    if v < best:
-                        best, move = v, (a, i)
-            if move is not None:
-                A[move[0]] = move[1]
-                moves += 1
-                continue
-        bestval: dict[int, float] = {}
+    def neighbours() -> list[tuple[int, int, list[int]]]:
+        """Every single swap with mass: (position a, key i, the swapped set), in (a, i) order."""
+        out = []
         for a in range(s):
             for i in range(n):
                 if i in A:
                     continue
                 B = A.copy()
                 B[a] = i
-                if mass(B) <= 0:
-                    continue
+                if p[B].sum() > 0:
+                    out.append((a, i, B))
+        return out
+
+    while True:
+        cur = _e2(p, values, A)
+        bound = cur * (1.0 - rel_tol) if np.isfinite(cur) else 1e300
+        if moves < max_moves:
+            best, move = bound, None
+            for a, i, B in neighbours():
                 v = _e2(p, values, B)
-                bestval[i] = min(bestval.get(i, np.inf), v)
+                if v < best:
+                    best, move = v, (a, i)
+            if move is not None:
+                A[move[0]] = move[1]
+                moves += 1
+                continue
+        bestval: dict[int, float] = {}
+        for _, i, B in neighbours():
+            bestval[i] = min(bestval.get(i, np.inf), _e2(p, values, B))
         short = sorted(bestval, key=lambda i: (bestval[i], i))[: max(n_short, n_pair)]
         if moves >= max_moves or n_pair < 2 or s < 2 or len(short) < 2:
             return A, moves, short
@@ -194,7 +189,7 @@ def swap_search_reference(p: np.ndarray, values: np.ndarray, start: list[int] | 
                     for l2 in range(l1 + 1, len(cand)):
                         B = A.copy()
                         B[a1], B[a2] = cand[l1], cand[l2]
-                        if mass(B) <= 0:
+                        if p[B].sum() <= 0:
                             continue
                         v = _e2(p, values, B)
                         if v < best:
