@@ -110,7 +110,8 @@ def test_verdict_either_way(ls, up, want) -> None:
     assert ceiling_verdict(r).startswith(want)
 
 
-def test_figure_and_paper_repro_script(tmp_path: Path) -> None:
+def test_figure_and_paper_repro_script(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
     from evictlab.plots.beyond_pool import gap_pool_vs_allkey
 
     df = _planted()
@@ -119,16 +120,28 @@ def test_figure_and_paper_repro_script(tmp_path: Path) -> None:
     assert fig.png.stat().st_size > 1000 and fig.pdf.exists() and "clustered" in fig.caption
     res = tmp_path / "r.parquet"
     df.write_parquet(res)
-    r = subprocess.run([sys.executable, str(ROOT / "paper_repro" / "claim_ceiling_beyond_pool.py"), "--results",
-                        str(res), "--n-boot", "50", "--out", str(tmp_path / "out"), "--figures",
-                        str(tmp_path / "figs")], capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode == 0, r.stderr
-    assert "360 (row, s) pairs used" in r.stdout and "300 certified optimal" in r.stdout
+    # the script in-process (no second interpreter start): paper_repro/ on the path for _common
+    import importlib
+
+    sys.path.insert(0, str(ROOT / "paper_repro"))
+    try:
+        script = importlib.import_module("claim_ceiling_beyond_pool")
+        calls = []  # the figure was drawn above; here only its wiring is checked (rendering is slow)
+        monkeypatch.setattr(script, "gap_pool_vs_allkey",
+                            lambda res_df, summ, path: calls.append((res_df.height, summ.height, path)) or fig)
+        code = script.main(["--results", str(res), "--n-boot", "50", "--out", str(tmp_path / "out"),
+                            "--figures", str(tmp_path / "figs")])
+    finally:
+        sys.path.remove(str(ROOT / "paper_repro"))
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "360 (row, s) pairs used" in out and "300 certified optimal" in out
     claims = (tmp_path / "out" / "claims.md").read_text()
     assert "beyond the pool" in claims and "understated" in claims
     assert pl.read_parquet(tmp_path / "out" / "ceiling_beyond_pool.parquet").height == 2
-    assert (tmp_path / "figs" / "ceiling_beyond_pool.png").exists()
+    assert calls == [(df.height, 2, tmp_path / "figs" / "ceiling_beyond_pool")]
     bad = subprocess.run([sys.executable, str(ROOT / "paper_repro" / "claim_ceiling_beyond_pool.py"), "--results",
                           str(tmp_path / "none.parquet"), "--out", str(tmp_path / "o2")],
                          capture_output=True, text=True, cwd=ROOT)
-    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().startswith("error:") and "none.parquet" in bad.stderr

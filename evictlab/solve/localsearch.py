@@ -247,6 +247,18 @@ def _swap_terms(inA: np.ndarray, R: np.ndarray, g: np.ndarray, c: np.ndarray) ->
         c[i] = np.inf if inA[i] else 2.0 * R[i] + g[i]
 
 
+@njit(cache=True, inline="always")
+def _swap_e2(base_q: float, base_p: float, ci: float, gi: float, pi: float) -> float:
+    """``e^2`` of one single swap: ``q / P^2`` with ``q = base_q + c_i - 2 G_oi`` (clamped at 0)
+    and ``P = base_p + p_i``; ``inf`` when the swapped set has no mass."""
+    Pn = base_p + pi
+    if Pn <= 0.0:
+        return np.inf
+    q = base_q + (ci - 2.0 * gi)
+    q = q if q > 0.0 else 0.0
+    return q / (Pn * Pn)
+
+
 @njit(cache=True)
 def _flag_row(base_q: float, base_p: float, c: np.ndarray, row: np.ndarray, pw: np.ndarray, lim: float,
               tmp: np.ndarray) -> int:
@@ -288,12 +300,7 @@ def _single_scan(GA: np.ndarray, A: np.ndarray, R: np.ndarray, g: np.ndarray, pw
             continue
         for i in range(n):
             if tmp[i] < 0.0:
-                Pn = base_p + pw[i]
-                if Pn <= 0.0:
-                    continue
-                q = base_q + (c[i] - 2.0 * row[i])
-                q = q if q > 0.0 else 0.0
-                e2 = q / (Pn * Pn)
+                e2 = _swap_e2(base_q, base_p, c[i], row[i], pw[i])
                 if e2 < best:
                     best = e2
                     ba = a
@@ -338,12 +345,9 @@ def _shortlist_scan(GA: np.ndarray, A: np.ndarray, R: np.ndarray, g: np.ndarray,
                 continue
             if c[i] == np.inf:
                 continue
-            Pn = base_p + pw[i]
-            if Pn <= 0.0:
-                continue
-            q = base_q + (c[i] - 2.0 * row[i])
-            q = q if q > 0.0 else 0.0
-            e2 = q / (Pn * Pn)
+            e2 = _swap_e2(base_q, base_p, c[i], row[i], pw[i])
+            if e2 == np.inf:
+                continue  # no mass
             pos = where[i]
             if pos >= 0:
                 if not e2 < val[pos]:
