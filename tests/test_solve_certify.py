@@ -207,3 +207,19 @@ def test_best_seed_is_used_and_result_deterministic() -> None:
     c = batch_certify(p, off, V, vs, bud, out[5][None], 64, 8, 10**7)
     np.testing.assert_allclose(c[0], a[0], rtol=1e-12)
     assert a[4].sum() <= c[4].sum()
+
+
+def test_suffix_tables_equal_sorted_sums() -> None:
+    from evictlab.solve.certify import _suffix_tables
+
+    rng = np.random.default_rng(0)
+    for n, r, k in [(1, 1, 1), (5, 3, 4), (30, 4, 8), (40, 2, 3)]:
+        Y = rng.normal(size=(n, r))
+        Y[n // 2] = Y[0]  # ties
+        pw = rng.random(n)
+        lo, hi, pk = _suffix_tables(Y, pw, k)
+        for j in range(n):
+            for kk in range(1, min(k, n - j) + 1):
+                np.testing.assert_allclose(lo[j, kk], np.sort(Y[j:], axis=0)[:kk].sum(axis=0), rtol=1e-13, atol=1e-14)
+                np.testing.assert_allclose(hi[j, kk], -np.sort(-Y[j:], axis=0)[:kk].sum(axis=0), rtol=1e-13, atol=1e-14)
+                assert pk[j, kk] == pytest.approx(np.sort(pw[j:])[::-1][:kk].sum(), rel=1e-13)

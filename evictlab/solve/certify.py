@@ -65,55 +65,62 @@ STATUS_NAMES = ("optimal", "limit", "skipped")
 
 
 @njit(cache=True)
+def _insert_sorted(buf: np.ndarray, cnt: int, v: float, ascending: bool) -> int:
+    """Insert ``v`` into the sorted buffer ``buf[:cnt]`` (capacity ``len(buf)``, the worst
+    entry dropped when full); returns the new count."""
+    cap = buf.shape[0]
+    if cnt == cap:
+        last = buf[cap - 1]
+        if (ascending and not v < last) or (not ascending and not v > last):
+            return cnt
+        a = cap - 1
+    else:
+        a = cnt
+        cnt += 1
+    while a > 0 and ((ascending and buf[a - 1] > v) or (not ascending and buf[a - 1] < v)):
+        buf[a] = buf[a - 1]
+        a -= 1
+    buf[a] = v
+    return cnt
+
+
+@njit(cache=True)
 def _suffix_tables(Y: np.ndarray, pw: np.ndarray, kmax: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Suffix tables for the axis bound: ``lo, hi`` ``(n+1, kmax+1, r)`` and ``pk`` ``(n+1, kmax+1)``.
 
-    ``lo[j, k, t]`` (``hi``) is the sum of the k smallest (largest) ``Y[i, t]``, ``i >= j``;
-    ``pk[j, k]`` the sum of the k largest masses ``pw[i]``, ``i >= j``. Entries with
-    ``k > n - j`` are unused (0). Each column is sorted once; a suffix walks the sorted
-    order skipping indices below j (no allocation per suffix).
+    ``lo[j, k, t]`` (``hi``) is the sum of the k smallest (largest) ``Y[i, t]``, ``i >= j``,
+    summed from the smallest (largest) up; ``pk[j, k]`` the sum of the k largest masses
+    ``pw[i]``, ``i >= j``. Entries with ``k > n - j`` are unused (0). Built from ``j = n - 1``
+    down, keeping per column the kmax smallest and largest values seen (sorted buffers):
+    O(r n kmax^2) instead of a scan of the sorted column per suffix.
     """
     n, r = Y.shape
     lo = np.zeros((n + 1, kmax + 1, r))
     hi = np.zeros((n + 1, kmax + 1, r))
     pk = np.zeros((n + 1, kmax + 1))
-    porder = np.argsort(pw)
-    for j in range(n):
-        kk = min(kmax, n - j)
-        k = 0
+    if kmax == 0:
+        return lo, hi, pk
+    small = np.empty((r, kmax))
+    large = np.empty((r, kmax))
+    big_p = np.empty(kmax)
+    cnt = 0
+    for j in range(n - 1, -1, -1):
+        c0 = cnt
+        cnt = _insert_sorted(big_p, c0, pw[j], False)
         acc = 0.0
-        for q in range(n - 1, -1, -1):
-            i = porder[q]
-            if i >= j:
-                k += 1
-                acc += pw[i]
-                pk[j, k] = acc
-                if k == kk:
-                    break
-    for t in range(r):
-        order = np.argsort(Y[:, t])
-        for j in range(n):
-            kk = min(kmax, n - j)
-            k = 0
+        for k in range(cnt):
+            acc += big_p[k]
+            pk[j, k + 1] = acc
+        for t in range(r):
+            _insert_sorted(small[t], c0, Y[j, t], True)
+            _insert_sorted(large[t], c0, Y[j, t], False)
             a = 0.0
-            for q in range(n):
-                i = order[q]
-                if i >= j:
-                    k += 1
-                    a += Y[i, t]
-                    lo[j, k, t] = a
-                    if k == kk:
-                        break
-            k = 0
             b = 0.0
-            for q in range(n - 1, -1, -1):
-                i = order[q]
-                if i >= j:
-                    k += 1
-                    b += Y[i, t]
-                    hi[j, k, t] = b
-                    if k == kk:
-                        break
+            for k in range(cnt):
+                a += small[t, k]
+                b += large[t, k]
+                lo[j, k + 1, t] = a
+                hi[j, k + 1, t] = b
     return lo, hi, pk
 
 
