@@ -33,9 +33,12 @@ The incumbent is seeded with the best of the given sets (the pool argmin, and th
 search's set when there is one). A node is pruned when a bound reaches
 ``thr = incumbent * (1 - CERT_REL_TOL)``; when the search ends the result is certified: no
 s-subset has ``e(A) < es_cert * (1 - CERT_REL_TOL)`` (the tolerance absorbs rounding in the
-bounds). If ``node_limit`` is reached the status is "limit" and ``cert_lb`` is the smallest
-lower bound over the unexplored nodes (both bounds, the larger one per node), so every row
-gets an interval ``[cert_lb, es_cert]`` that contains ES(s).
+bounds). The depth-first phase gets half of ``node_limit``; if it stops there, a
+best-first phase continues from its open nodes (smallest bound first, split into "take j"
+and "skip j"), which raises the smallest open bound as fast as the bounds allow and may
+still finish the proof. If ``node_limit`` is reached the status is "limit" and ``cert_lb``
+is the smallest lower bound over the unexplored nodes (both bounds, the larger one per
+node), so every row gets an interval ``[cert_lb, es_cert]`` that contains ES(s).
 """
 
 from __future__ import annotations
