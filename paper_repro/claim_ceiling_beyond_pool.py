@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import _common
 import polars as pl
@@ -56,9 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     # One summary per results file: a --certify run on short rows and a --search all run on
     # long rows are different row sets, never pooled.
     files = _load(args)
-    for k, (path, df) in enumerate(files):
+    for path, df in files:
         summary = summarize_beyond_pool(df, ("model", "s"), seed=args.seed, n_boot=args.n_boot)
-        name = "ceiling_beyond_pool" if len(files) == 1 else f"ceiling_beyond_pool_{k}"
+        name = "ceiling_beyond_pool" if len(files) == 1 else f"ceiling_beyond_pool_{Path(path).stem}"
         made.append(gap_pool_vs_allkey(df, summary, figs / name))
         for c in beyond_pool_claims(summary, weights):
             claims.append(replace(c, rows=f"{c.rows}; {path}"))
@@ -70,11 +71,11 @@ def main(argv: list[str] | None = None) -> int:
         cols = [c for c in ("model", "s", "rows_used", "prompts", "gap_pool_median", "gap_ls_median",
                             "pool_miss_frac", "rows_certified", "gap_cert_median", "cert_closed_frac",
                             "open_width_median", "ceiling_lo_median", "ceiling_hi_median")]
-        with pl.Config(tbl_rows=100, tbl_cols=20):
+        with pl.Config(tbl_rows=100, tbl_cols=20, tbl_width_chars=260, float_precision=3):
             print(summary.select(cols))
     args.out.mkdir(parents=True, exist_ok=True)
     with atomic_path(args.out / "ceiling_beyond_pool.parquet", suffix=".parquet") as tmp:
-        pl.concat(summaries, how="vertical").write_parquet(tmp)
+        pl.concat(summaries, how="diagonal_relaxed").write_parquet(tmp)
     _common.publish(args, "claim_ceiling_beyond_pool.py", claims, made, record)
     return 0
 

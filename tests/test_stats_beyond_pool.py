@@ -92,6 +92,8 @@ def test_summary_on_planted_table() -> None:
 def test_summary_without_certificate_and_refusal() -> None:
     sm = summarize_beyond_pool(_planted(certify=False), seed=0, n_boot=50)
     assert (sm["rows_certified"] == 0).all() and sm["gap_cert_median"].is_nan().all()
+    # the same columns in the same order with and without a certificate (tables stack)
+    assert sm.columns == summarize_beyond_pool(_planted(), seed=0, n_boot=20).columns
     with pytest.raises(InputError, match="--search all"):
         check_beyond_pool(pl.DataFrame({"s": [4], "e_top": [1.0], "es_hat": [0.9]}))
 

@@ -42,6 +42,16 @@ PAPER_RANGE = (0.021, 0.047)
 #: Statuses of the certificate that count as proved optimal.
 OPTIMAL = "optimal"
 CI_NOTE = "95% two-stage clustered bootstrap CI (prompts, then rows within prompts)"
+_EST = ("gap_pool_median", "gap_ls_median", "pool_miss_frac", "gap_pool_cert_median", "gap_ls_cert_median",
+        "gap_cert_median", "pool_miss_cert_frac", "ls_optimal_frac", "cert_closed_frac", "ceiling_lo_median",
+        "ceiling_hi_median")
+#: Columns of :func:`summarize_beyond_pool` after the group keys, in order (estimates carry
+#: ``_lo``/``_hi`` CI columns).
+SUMMARY_COLUMNS: tuple[str, ...] = (
+    "rows", "rows_e_top_zero", "rows_used", "prompts", "rows_certified", "rows_cert_attempted",
+    *[f"{e}{suf}" for e in _EST for suf in ("", "_lo", "_hi")],
+    "open_width_median", "open_width_max", "cert_nodes_median",
+)
 
 
 def clustered_bootstrap(
@@ -153,8 +163,6 @@ def summarize_beyond_pool(
         boot("gap_pool_median", (et - eh) / et, cl)
         boot("gap_ls_median", (et - el) / et, cl)
         boot("pool_miss_frac", (el < eh - tol).astype(float), cl, np.mean)
-        nan_cert = ["gap_pool_cert_median", "gap_ls_cert_median", "gap_cert_median", "pool_miss_cert_frac",
-                    "ls_optimal_frac", "cert_closed_frac", "ceiling_lo_median", "ceiling_hi_median"]
         if has_cert:
             st = nz["cert_status"].cast(pl.Utf8).to_numpy()
             ec = nz["es_cert"].cast(pl.Float64).fill_null(np.nan).to_numpy()
@@ -185,13 +193,13 @@ def summarize_beyond_pool(
         else:
             row["rows_certified"] = 0
             row["rows_cert_attempted"] = 0
-        for name in nan_cert:
+        for name in _EST:
             for suf in ("", "_lo", "_hi"):
                 row.setdefault(name + suf, float("nan"))
         for name in ("open_width_median", "open_width_max", "cert_nodes_median"):
             row.setdefault(name, float("nan"))
         rows.append(row)
-    return pl.DataFrame(rows)
+    return pl.DataFrame(rows).select(*by, *SUMMARY_COLUMNS)
 
 
 def _fmt(r: dict[str, object], name: str, d: int = 3) -> str:
