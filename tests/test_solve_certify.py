@@ -185,6 +185,38 @@ def test_limit_lower_bound_below_optimum_and_nodes_respected(limit: int) -> None
             assert es == pytest.approx(bf, rel=1e-9)
 
 
+@given(seed=st.integers(0, 10_000), n=st.integers(2, 13), d=st.integers(1, 4), s=st.integers(1, 7),
+       limit=st.integers(1, 3_000), ties=st.booleans(), use_ls=st.booleans())
+@settings(max_examples=60, deadline=None)
+def test_interval_contains_bruteforce_optimum_at_any_node_limit(seed, n, d, s, limit, ties, use_ls) -> None:
+    """[cert_lb, es_cert] always contains ES(s) (itertools brute force), nodes <= limit, and
+    es_cert <= the incumbent it was seeded with (pool argmin, optionally the all-key set)."""
+    from evictlab.solve.localsearch import batch_localsearch
+
+    p, V = _instance(seed, n, d, ties, False)
+    s = min(s, n)
+    off, vs, bud = np.array([0, n]), np.array([0]), np.array([s])
+    out = batch_solve(p, off, V, vs, bud, 2, 2, 64)
+    seeds = out[5][None]
+    inc = out[1][0, 0]
+    if use_ls:
+        ls = batch_localsearch(p, off, V, vs, bud, np.array([seed]), out[4], out[5], out[6], out[1],
+                               np.ones((1, 1), dtype=np.bool_), 8, 2, seed)
+        seeds, inc = np.stack([out[5], ls[1]]), min(inc, ls[0][0, 0])
+    es, kept, status, lb, nodes = batch_certify(p, off, V, vs, bud, seeds, 64, 8, limit)
+    bf, _ = sref.all_keys_bruteforce(p, V, s)
+    scale = max(1.0, float(np.abs(V).max()))
+    tol = 1e-9 * bf + 1e-14 * scale
+    assert nodes[0, 0] <= limit
+    assert lb[0, 0] <= bf + tol and bf <= es[0, 0] + tol
+    assert es[0, 0] <= inc
+    assert sref.forced_error(p, V, kept[0, 0, :s]) == pytest.approx(es[0, 0], rel=1e-12, abs=1e-14 * scale)
+    if status[0, 0] == STATUS_OPTIMAL:
+        assert es[0, 0] == pytest.approx(bf, rel=1e-8, abs=1e-12 * scale)
+    else:
+        assert status[0, 0] == STATUS_LIMIT
+
+
 def test_best_seed_is_used_and_result_deterministic() -> None:
     rng = np.random.default_rng(4)
     N, n, d = 6, 40, 8

@@ -135,6 +135,9 @@ def test_never_worse_than_pool_and_swap_optimal(inst, s, n_pair, kicks) -> None:
     out, (es, kept, moves) = _solve(p, V, s, n_pair, kicks)
     es_hat = out[1][0, 0]
     assert es[0, 0] <= es_hat  # exact, not approximate: the pool argmin is a start
+    # never better than the exact optimum over all keys (itertools brute force, independent)
+    bf, _ = sref.all_keys_bruteforce(p, V, s)
+    assert es[0, 0] >= bf * (1 - 1e-12) - 1e-15 * max(1.0, float(np.abs(V).max()))
     ks = kept[0, 0, :s].tolist()
     assert ks == sorted(set(ks)) and len(ks) == s and 0 <= ks[0] and ks[-1] < n
     scale = max(1.0, float(np.abs(V).max()))

@@ -1,4 +1,4 @@
-"""Beyond-the-pool statistics: clustered bootstrap, summaries on planted tables, verdicts, figure, script."""
+"""Beyond-the-pool statistics: the shared resampling engine's design, summaries on planted tables, verdicts, figure, script."""
 
 from __future__ import annotations
 
@@ -12,31 +12,11 @@ import pytest
 
 from evictlab.errors import InputError
 from evictlab.stats.beyond_pool import (
-    ceiling_verdict, check_beyond_pool, clustered_bootstrap, summarize_beyond_pool,
+    beyond_pool_claims, ceiling_verdict, check_beyond_pool, summarize_beyond_pool,
 )
+from evictlab.stats.bootstrap import Design, Mean, Median, bootstrap
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def test_clustered_bootstrap_deterministic_and_wider_for_clustered_data() -> None:
-    rng = np.random.default_rng(0)
-    G, m = 12, 40
-    centre = rng.normal(size=G) * 2.0
-    clusters = np.repeat(np.arange(G), m)
-    x = centre[clusters] + 0.1 * rng.normal(size=G * m)
-    a = clustered_bootstrap(x, clusters, np.median, seed=3, key="k", n_boot=400)
-    b = clustered_bootstrap(x, clusters, np.median, seed=3, key="k", n_boot=400)
-    assert a == b
-    assert a.lo <= a.value <= a.hi and a.n == x.size
-    iid = clustered_bootstrap(x, np.arange(x.size), np.median, seed=3, key="k", n_boot=400)
-    assert (a.hi - a.lo) > 3 * (iid.hi - iid.lo)  # rows of one cluster are not independent
-    # every resample is a pooled draw of whole clusters' rows: a constant per cluster stays constant
-    c = clustered_bootstrap(np.ones(10), np.repeat([0, 1], 5), np.mean, seed=0, n_boot=50)
-    assert (c.value, c.lo, c.hi) == (1.0, 1.0, 1.0)
-    with pytest.raises(InputError):
-        clustered_bootstrap(np.array([1.0, np.nan]), np.array([0, 1]), np.median, seed=0)
-    empty = clustered_bootstrap(np.array([]), np.array([]), np.median, seed=0)
-    assert empty.n == 0 and np.isnan(empty.value)
 
 
 def _planted(n_prompts: int = 6, rows: int = 30, certify: bool = True) -> pl.DataFrame:
@@ -87,6 +67,33 @@ def test_summary_on_planted_table() -> None:
     assert r["ceiling_lo_median"] <= r["ceiling_hi_median"]
     for name in ("gap_pool_median", "gap_ls_median", "pool_miss_frac", "ceiling_hi_median"):
         assert r[name + "_lo"] <= r[name] <= r[name + "_hi"]
+
+
+def test_intervals_come_from_the_shared_engine() -> None:
+    """The summary's CIs are exactly the engine's, with prompts > rows resampled (whole rows)."""
+    df = _planted()
+    sm = summarize_beyond_pool(df, seed=5, n_boot=300).row(0, named=True)
+    assert sm["interval"] == "cluster bootstrap: prompt > row (6 prompts, 180 rows)"
+    g = df.filter((pl.col("s") == 4) & ~pl.col("e_top_zero"))
+    et, eh, el = (g[c].to_numpy() for c in ("e_top", "es_hat", "es_ls"))
+    design = Design.nested([g["prompt_id"].to_numpy(), g["row_id"].to_numpy()], ["prompt", "row"], whole_leaves=True)
+    opt = (g["cert_status"] == "optimal").to_numpy()
+    want = bootstrap({"gap_pool_median": Median((et - eh) / et), "gap_ls_median": Median((et - el) / et),
+                      "pool_miss_frac": Mean((el < eh * (1 - 1e-9)).astype(float)),
+                      "cert_closed_frac": Mean(opt.astype(float), np.ones(opt.size, bool))},
+                     design, seed=5, key="model=m|s=4", n_boot=300)
+    for name in ("gap_ls_median", "pool_miss_frac", "cert_closed_frac"):
+        assert (sm[name], sm[name + "_lo"], sm[name + "_hi"]) == pytest.approx(
+            (want[name].value, want[name].lo, want[name].hi)), name
+    # clustered data: the prompt-clustered interval is wider than the row bootstrap's
+    rows_only = summarize_beyond_pool(df, seed=5, n_boot=300, clusters=None).row(0, named=True)
+    assert rows_only["interval"] == "row bootstrap"
+    assert (sm["cert_closed_frac_hi"] - sm["cert_closed_frac_lo"]) > \
+        2 * (rows_only["cert_closed_frac_hi"] - rows_only["cert_closed_frac_lo"])
+    # determinism: same seed, same bits; the claims name the design
+    assert summarize_beyond_pool(df, seed=5, n_boot=300).equals(summarize_beyond_pool(df, seed=5, n_boot=300))
+    claim = beyond_pool_claims(summarize_beyond_pool(df, seed=5, n_boot=50))[0]
+    assert claim.interval.startswith("cluster bootstrap: prompt > row")
 
 
 def test_summary_without_certificate_and_refusal() -> None:

@@ -16,24 +16,25 @@ the pool"):
   ``[(e_top - es_cert) / e_top, (e_top - cert_lb) / e_top]``, so the median of g* lies
   between the medians of the two endpoints.
 
-Rows of one prompt are not independent: every interval here is a **two-stage clustered
-percentile bootstrap** (resample prompts with replacement, then rows within each drawn
-prompt), seeded by ``(seed, group key, statistic)``. Rows with e(T_s) = 0 are excluded from
-every ratio and counted in ``rows_e_top_zero``.
-
-:func:`clustered_bootstrap` is a small stand-alone implementation; when a shared clustered
-bootstrap lands in :mod:`evictlab.stats.bootstrap`, this module should call it instead.
+Rows of one prompt are not independent: every interval comes from the shared resampling
+engine (:mod:`evictlab.stats.bootstrap`) with the design of
+:meth:`evictlab.stats.ceilings.Clusters.design`: prompts, then rows within the drawn prompts
+(models first when a group spans several models), one set of replicates per group shared by
+all its statistics (the certified-row statistics are masked views of the same resamples),
+seeded by ``(seed, group key)``. Each summary row names its design in ``interval``. Rows with
+e(T_s) = 0 are excluded from every ratio and counted in ``rows_e_top_zero``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import polars as pl
 
 from evictlab.errors import InputError
-from evictlab.stats.bootstrap import Estimate, rng_for
+from evictlab.stats.bootstrap import Estimate, Mean, Median, Stat, bootstrap
+from evictlab.stats.ceilings import CLUSTER_LEVELS, Clusters, group_indices
 from evictlab.stats.claims import ClaimRow, weights_for
 from evictlab.stats.results import ABS_TOL, REL_TOL
 
@@ -41,76 +42,20 @@ from evictlab.stats.results import ABS_TOL, REL_TOL
 PAPER_RANGE = (0.021, 0.047)
 #: Statuses of the certificate that count as proved optimal.
 OPTIMAL = "optimal"
-CI_NOTE = "95% two-stage clustered bootstrap CI (prompts, then rows within prompts)"
 _EST = ("gap_pool_median", "gap_ls_median", "pool_miss_frac", "gap_pool_cert_median", "gap_ls_cert_median",
         "gap_cert_median", "pool_miss_cert_frac", "ls_optimal_frac", "cert_closed_frac", "ceiling_lo_median",
         "ceiling_hi_median")
 #: Columns of :func:`summarize_beyond_pool` after the group keys, in order (estimates carry
 #: ``_lo``/``_hi`` CI columns).
 SUMMARY_COLUMNS: tuple[str, ...] = (
-    "rows", "rows_e_top_zero", "rows_used", "prompts", "rows_certified", "rows_cert_attempted",
+    "rows", "rows_e_top_zero", "rows_used", "prompts", "interval", "rows_certified", "rows_cert_attempted",
     *[f"{e}{suf}" for e in _EST for suf in ("", "_lo", "_hi")],
     "open_width_median", "open_width_max", "cert_nodes_median",
 )
 
 
-def clustered_bootstrap(
-    x: np.ndarray, clusters: np.ndarray, stat: Callable[[np.ndarray], float], *, seed: int,
-    key: str = "", n_boot: int = 1000, level: float = 0.95,
-) -> Estimate:
-    """``stat(x)`` with a two-stage clustered percentile-bootstrap CI.
-
-    Each resample draws as many clusters as there are, with replacement, then for every
-    drawn cluster as many of its rows as it has, with replacement, and applies ``stat`` to
-    the pooled draw. ``x`` must be finite (filter and count non-finite values first).
-
-    Args:
-        x: ``(N,)`` values; clusters: ``(N,)`` cluster labels (any sortable dtype).
-        stat: e.g. ``np.median`` or ``np.mean``; seed/key: the seeded stream
-            (:func:`evictlab.stats.bootstrap.rng_for`); n_boot, level: resamples and coverage.
-    """
-    if n_boot < 1:
-        raise InputError("n_boot", f"must be >= 1, got {n_boot}", "use e.g. 1000 resamples")
-    if not 0.0 < level < 1.0:
-        raise InputError("level", f"must be in (0, 1), got {level}", "use e.g. 0.95")
-    x = np.asarray(x, dtype=np.float64)
-    clusters = np.asarray(clusters)
-    if x.shape != clusters.shape:
-        raise InputError("clusters", f"shape {clusters.shape} differs from x {x.shape}", "pass one label per value")
-    if x.size == 0:
-        return Estimate(float("nan"), float("nan"), float("nan"), 0)
-    if not np.all(np.isfinite(x)):
-        raise InputError("x", "contains NaN or inf", "filter non-finite values and count them")
-    point = float(stat(x))
-    order = np.argsort(clusters, kind="stable")
-    xs = x[order]
-    _, starts, sizes = np.unique(clusters[order], return_index=True, return_counts=True)
-    G = starts.size
-    if x.size == 1:
-        return Estimate(point, point, point, 1)
-    rng = rng_for(seed, key)
-    vals = np.empty(n_boot)
-    for b in range(n_boot):
-        pick = rng.integers(0, G, size=G)
-        sz = sizes[pick]
-        base = np.repeat(starts[pick], sz)
-        width = np.repeat(sz, sz)
-        idx = base + np.floor(rng.random(base.size) * width).astype(np.int64)
-        vals[b] = stat(xs[idx])
-    a = (1.0 - level) / 2.0
-    lo, hi = np.quantile(vals, [a, 1.0 - a])
-    return Estimate(point, float(lo), float(hi), int(x.size))
-
-
 def _est(prefix: str, e: Estimate) -> dict[str, float]:
     return {prefix: e.value, f"{prefix}_lo": e.lo, f"{prefix}_hi": e.hi}
-
-
-def _cluster_ids(g: pl.DataFrame) -> np.ndarray:
-    """Cluster label per row: the prompt (rows of one prompt share their context)."""
-    if "prompt_id" in g.columns and g["prompt_id"].null_count() == 0:
-        return g["prompt_id"].to_numpy()
-    return np.arange(g.height)  # no prompt ids: every row its own cluster
 
 
 def check_beyond_pool(df: pl.DataFrame, source: str = "results") -> None:
@@ -125,17 +70,18 @@ def check_beyond_pool(df: pl.DataFrame, source: str = "results") -> None:
 
 def summarize_beyond_pool(
     df: pl.DataFrame, by: Sequence[str] = ("model", "s"), *, seed: int = 0, n_boot: int = 1000,
-    level: float = 0.95,
+    level: float = 0.95, clusters: Sequence[str] | None = CLUSTER_LEVELS,
 ) -> pl.DataFrame:
     """One row per group with the statistics of the module docstring (columns below).
 
-    Columns (``_lo``/``_hi``: clustered CI): ``rows, rows_e_top_zero, rows_used, prompts``;
-    ``gap_pool_median, gap_ls_median, pool_miss_frac`` (all rows used);
-    ``rows_certified, gap_pool_cert_median, gap_ls_cert_median, gap_cert_median,
+    Columns (``_lo``/``_hi``: the CI of ``interval``'s design): ``rows, rows_e_top_zero,
+    rows_used, prompts, interval``; ``gap_pool_median, gap_ls_median, pool_miss_frac`` (all
+    rows used); ``rows_certified, gap_pool_cert_median, gap_ls_cert_median, gap_cert_median,
     pool_miss_cert_frac, ls_optimal_frac`` (certified rows); ``rows_cert_attempted,
     cert_closed_frac, open_width_median, open_width_max, ceiling_lo_median,
     ceiling_hi_median, cert_nodes_median`` (rows the certificate attempted). Certificate
-    columns are NaN (counts 0) without ``--certify``.
+    columns are NaN (counts 0) without ``--certify``. ``clusters``: the cluster levels
+    (:data:`evictlab.stats.ceilings.CLUSTER_LEVELS`; None = row bootstrap).
     """
     check_beyond_pool(df)
     if "e_top_zero" not in df.columns:
@@ -143,56 +89,65 @@ def summarize_beyond_pool(
     if "model" not in df.columns:
         df = df.with_columns(pl.lit("unknown").alias("model"))
     by = list(by)
+    cl = Clusters.of(df, clusters)
+    et_all, eh_all, el_all = (df[c].cast(pl.Float64).to_numpy() for c in ("e_top", "es_hat", "es_ls"))
+    zero_all = df["e_top_zero"].to_numpy() | (et_all <= 0.0)
     has_cert = "es_cert" in df.columns and "cert_status" in df.columns
+    if has_cert:
+        st_all = df["cert_status"].cast(pl.Utf8).fill_null("").to_numpy()
+        ec_all = df["es_cert"].cast(pl.Float64).fill_null(np.nan).to_numpy()
+        lb_all = (df["cert_lb"].cast(pl.Float64).fill_null(np.nan).to_numpy() if "cert_lb" in df.columns
+                  else np.where(st_all == OPTIMAL, ec_all, np.nan))
+        nodes_all = df["cert_nodes"].cast(pl.Float64).to_numpy() if "cert_nodes" in df.columns else None
     rows: list[dict[str, object]] = []
-    for key, g in sorted(df.group_by(by), key=lambda kv: kv[0]):
+    for key, idx in group_indices(df, by):
         keyd = dict(zip(by, key))
         tag = "|".join(f"{k}={v}" for k, v in keyd.items())
-        zero = g["e_top_zero"].to_numpy() | (g["e_top"].to_numpy() <= 0.0)
-        nz = g.filter(pl.Series(~zero))
-        cl = _cluster_ids(nz)
-        et, eh, el = (nz[c].cast(pl.Float64).to_numpy() for c in ("e_top", "es_hat", "es_ls"))
+        nz = idx[~zero_all[idx]]
+        design = cl.design(nz)
+        et, eh, el = et_all[nz], eh_all[nz], el_all[nz]
         tol = np.maximum(np.abs(eh) * REL_TOL, ABS_TOL)
-        row: dict[str, object] = {**keyd, "rows": g.height, "rows_e_top_zero": int(zero.sum()),
-                                  "rows_used": nz.height, "prompts": int(np.unique(cl).size)}
-
-        def boot(name: str, x: np.ndarray, c: np.ndarray, stat: Callable = np.median) -> None:
-            row.update(_est(name, clustered_bootstrap(x, c, stat, seed=seed, key=f"{tag}|{name}",
-                                                      n_boot=n_boot, level=level)))
-
-        boot("gap_pool_median", (et - eh) / et, cl)
-        boot("gap_ls_median", (et - el) / et, cl)
-        boot("pool_miss_frac", (el < eh - tol).astype(float), cl, np.mean)
+        prompts = int(np.unique(cl.prompt[nz]).size) if cl.prompt is not None else nz.size
+        row: dict[str, object] = {**keyd, "rows": idx.size, "rows_e_top_zero": int(idx.size - nz.size),
+                                  "rows_used": nz.size, "prompts": prompts, "interval": design.describe()}
+        stats: dict[str, Stat] = {
+            "gap_pool_median": Median((et - eh) / et),
+            "gap_ls_median": Median((et - el) / et),
+            "pool_miss_frac": Mean((el < eh - tol).astype(float)),
+        }
+        row["rows_certified"] = row["rows_cert_attempted"] = 0
+        width = np.zeros(0)
         if has_cert:
-            st = nz["cert_status"].cast(pl.Utf8).to_numpy()
-            ec = nz["es_cert"].cast(pl.Float64).fill_null(np.nan).to_numpy()
-            lb = nz["cert_lb"].cast(pl.Float64).fill_null(np.nan).to_numpy() if "cert_lb" in nz.columns \
-                else np.where(st == OPTIMAL, ec, np.nan)
+            st, ec, lb = st_all[nz], ec_all[nz], lb_all[nz]
             opt = st == OPTIMAL
             att = opt | (st == "limit")
-            row["rows_certified"] = int(opt.sum())
-            row["rows_cert_attempted"] = int(att.sum())
+            row["rows_certified"], row["rows_cert_attempted"] = int(opt.sum()), int(att.sum())
+            # certified-row statistics are masked views of the same resamples (a resample with
+            # no certified row gives NaN, dropped)
+            ec0, lb0 = np.where(att, ec, 0.0), np.where(att, lb, 0.0)
             if opt.any():
-                c = cl[opt]
-                boot("gap_pool_cert_median", ((et - eh) / et)[opt], c)
-                boot("gap_ls_cert_median", ((et - el) / et)[opt], c)
-                boot("gap_cert_median", ((et - ec) / et)[opt], c)
-                boot("pool_miss_cert_frac", (ec < eh - tol)[opt].astype(float), c, np.mean)
-                boot("ls_optimal_frac", (el <= ec + np.maximum(np.abs(ec) * REL_TOL, ABS_TOL))[opt].astype(float),
-                     c, np.mean)
+                stats.update({
+                    "gap_pool_cert_median": Median((et - eh) / et, opt),
+                    "gap_ls_cert_median": Median((et - el) / et, opt),
+                    "gap_cert_median": Median((et - ec0) / et, opt),
+                    "pool_miss_cert_frac": Mean((ec0 < eh - tol).astype(float), opt),
+                    "ls_optimal_frac": Mean((el <= ec0 + np.maximum(np.abs(ec0) * REL_TOL, ABS_TOL)).astype(float),
+                                            opt),
+                })
             if att.any():
-                c = cl[att]
-                boot("cert_closed_frac", opt[att].astype(float), c, np.mean)
-                width = np.where(ec > 0, (ec - lb) / np.where(ec > 0, ec, 1.0), 0.0)[att & ~opt]
+                stats.update({
+                    "cert_closed_frac": Mean(opt.astype(float), att),
+                    "ceiling_lo_median": Median((et - ec0) / et, att),
+                    "ceiling_hi_median": Median((et - lb0) / et, att),
+                })
+                open_ = att & ~opt
+                width = np.where(ec > 0, (ec - lb) / np.where(ec > 0, ec, 1.0), 0.0)[open_]
                 row["open_width_median"] = float(np.median(width)) if width.size else 0.0
                 row["open_width_max"] = float(width.max()) if width.size else 0.0
-                boot("ceiling_lo_median", ((et - ec) / et)[att], c)
-                boot("ceiling_hi_median", ((et - lb) / et)[att], c)
-                row["cert_nodes_median"] = float(np.median(nz["cert_nodes"].to_numpy()[att])) \
-                    if "cert_nodes" in nz.columns else float("nan")
-        else:
-            row["rows_certified"] = 0
-            row["rows_cert_attempted"] = 0
+                if nodes_all is not None:
+                    row["cert_nodes_median"] = float(np.median(nodes_all[nz][att]))
+        for name, e in bootstrap(stats, design, seed=seed, key=tag, n_boot=n_boot, level=level).items():
+            row.update(_est(name, e))
         for name in _EST:
             for suf in ("", "_lo", "_hi"):
                 row.setdefault(name + suf, float("nan"))
@@ -255,6 +210,6 @@ def beyond_pool_claims(summary: pl.DataFrame, weights_note: str | None = None) -
             f"{int(r['rows_used']):,} rows from {int(r['prompts'])} prompts; {int(r['rows_e_top_zero'])} with "
             f"e(T_s)=0 excluded", f"s={r['s']}",
             "ES_hat: pool C_s(2, 2) (ours); ES_ls: all-key single/pair-swap search (ours, an upper bound on ES); "
-            f"ES(s): branch and bound with lower bound; {CI_NOTE}; "
-            + (weights_note or weights_for(str(r["model"])))))
+            "ES(s): branch and bound with lower bound; 95% percentile CIs; "
+            + (weights_note or weights_for(str(r["model"]))), str(r.get("interval", ""))))
     return out
