@@ -7,9 +7,9 @@ reads solver results made with the all-key search (and, where available, the cer
     evictlab solve ROWS --budgets 2 4 8 --search all --certify --out C.parquet      # n <= 256
 
 and writes, per (model, s), the median gap closed by the pool, the all-key search and the
-certified optimum on the same rows with two-stage clustered bootstrap CIs (prompts, then
-rows), the fraction of rows where the pool misses, the certificate's closure rate and
-interval widths, and the verdict on the 2-5% claim, to the claims table; the summary table
+certified optimum on the same rows with prompt-clustered bootstrap CIs (prompts, then
+rows; the shared engine evictlab.stats.bootstrap), the fraction of rows where the pool
+misses, the certificate's closure rate and interval widths, and the verdict on the 2-5% claim, to the claims table; the summary table
 to ``<out>/ceiling_beyond_pool.parquet``; and the figure (pool vs all-key gap, per s) to
 ``figures/``. It prints how many rows it used.
 

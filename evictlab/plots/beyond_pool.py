@@ -75,10 +75,12 @@ def gap_pool_vs_allkey(results: pl.DataFrame, summary: pl.DataFrame, out: str | 
         ax.set_ylabel("gap closed by the all-key search")
         ax.set_title(f"{m}: per (row, s)")
         ax.legend(fontsize=7, markerscale=3)
+    designs = sorted(set(summary["interval"].to_list())) if "interval" in summary.columns else []
+    interval = "; ".join(designs) if designs else "the cluster bootstrap over prompts, then rows"
     caption = ("Gap closed g(s) = (e(T_s) - ES) / e(T_s) by the candidate-pool optimum ES_hat (pool C_s(2, 2), "
                "ours), by the all-key single/pair-swap search ES_ls (ours; an upper bound on ES(s), so its gap is a "
                "lower bound on the true ceiling) and, where certified, by the true optimum ES(s). Top: medians with "
-               "95% two-stage clustered bootstrap CIs (prompts, then rows); grey band: the paper's 2-5%. Bottom: "
+               f"95% percentile CIs ({interval}); grey band: the paper's 2-5%. Bottom: "
                f"one point per (row, s); above the diagonal the pool missed a better set. {zero.height} (row, s) "
                "pairs with e(T_s) = 0 are excluded (g undefined).")
     fig.suptitle("Selection ceiling beyond the candidate pool", fontsize=10)
