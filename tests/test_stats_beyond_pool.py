@@ -126,7 +126,7 @@ def test_figure_and_paper_repro_script(tmp_path: Path, capsys: pytest.CaptureFix
     df = _planted()
     sm = summarize_beyond_pool(df, seed=0, n_boot=50)
     fig = gap_pool_vs_allkey(df, sm, tmp_path / "fig")
-    assert fig.png.stat().st_size > 1000 and fig.pdf.exists() and "clustered" in fig.caption
+    assert fig.png.stat().st_size > 1000 and fig.pdf.exists() and "cluster bootstrap: prompt > row" in fig.caption
     res = tmp_path / "r.parquet"
     df.write_parquet(res)
     # the script in-process (no second interpreter start): paper_repro/ on the path for _common
