@@ -18,6 +18,7 @@ to ``<out>/ceiling_beyond_pool.parquet``; and the figure (pool vs all-key gap, p
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -34,7 +35,13 @@ from evictlab.stats.beyond_pool import beyond_pool_claims, check_beyond_pool, su
 
 def _load(args) -> list[tuple[str, pl.DataFrame]]:
     """``(path, table)`` per results file, each checked for the all-key columns."""
-    paths = list(args.results) if args.results else sorted((args.run / "results").glob("*.parquet"))
+    if args.results:
+        paths = list(args.results)
+    else:  # a finished `evictlab demo` run: its main results and certification pass (inputs.json)
+        inputs = args.run / "inputs.json"
+        named = json.loads(inputs.read_text()) if inputs.is_file() else {}
+        paths = [Path(p) for kind in ("results", "certified") for p in named.get(kind, {}).values()] \
+            or sorted((args.run / "results").glob("*.parquet"))
     if not paths:
         raise InputError("--results", "no results files given",
                          "pass --results R.parquet (made with `evictlab solve ... --search all`)")

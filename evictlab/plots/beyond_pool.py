@@ -66,7 +66,7 @@ def gap_pool_vs_allkey(results: pl.DataFrame, summary: pl.DataFrame, out: str | 
             sb = sub.filter(pl.col("s") == b)
             if sb.height == 0:
                 continue
-            ax.scatter(sb["g_pool"], sb["g_ls"], s=4, alpha=0.4, color=cmap(k / max(1, len(budgets) - 1)),
+            ax.scatter(sb["g_pool"], sb["g_ls"], s=4, alpha=0.4, color=cmap(k / max(1, len(budgets) - 1)), rasterized=True,
                        label=f"s={b} ({sb.height:,})")
         ax.plot([0, 1], [0, 1], color="0.3", lw=0.8)
         ax.set_xlim(0, 1)

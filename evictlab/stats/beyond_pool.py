@@ -195,9 +195,14 @@ def ceiling_verdict(r: dict[str, object], paper: tuple[float, float] = PAPER_RAN
 
 
 def beyond_pool_claims(summary: pl.DataFrame, weights_note: str | None = None) -> list[ClaimRow]:
-    """Claims-table rows: the paper's 2-5% against pool, all-key and certified medians."""
+    """Claims-table rows: the paper's 2-5% against pool, all-key and certified medians.
+
+    ``weights_note``: the weights text when a model is not in the registry (default: the
+    registry's). A ``pass`` column (the main job's summaries) is named in the rows text.
+    """
     out = []
-    for r in summary.sort("model", "s").iter_rows(named=True):
+    keys = [c for c in ("pass", "model", "s") if c in summary.columns]
+    for r in summary.sort(keys).iter_rows(named=True):
         ours = (f"pool {_fmt(r, 'gap_pool_median')}; all-key {_fmt(r, 'gap_ls_median')}; "
                 f"pool misses {_fmt(r, 'pool_miss_frac')}")
         if r["rows_cert_attempted"]:
@@ -208,8 +213,9 @@ def beyond_pool_claims(summary: pl.DataFrame, weights_note: str | None = None) -
             "ceiling_beyond_pool", "best subset closes only a median 2-5% of the top-mass gap (beyond the pool)",
             "0.021-0.047 (s=4..32; pool-based)", ours, ceiling_verdict(r), str(r["model"]),
             f"{int(r['rows_used']):,} rows from {int(r['prompts'])} prompts; {int(r['rows_e_top_zero'])} with "
-            f"e(T_s)=0 excluded", f"s={r['s']}",
+            f"e(T_s)=0 excluded" + (f" ({r['pass']})" if r.get("pass") else ""), f"s={r['s']}",
             "ES_hat: pool C_s(2, 2) (ours); ES_ls: all-key single/pair-swap search (ours, an upper bound on ES); "
             "ES(s): branch and bound with lower bound; 95% percentile CIs; "
-            + (weights_note or weights_for(str(r["model"]))), str(r.get("interval", ""))))
+            + (weights_for(str(r["model"]), weights_note) if weights_note else weights_for(str(r["model"]))),
+            str(r.get("interval", ""))))
     return out
