@@ -121,3 +121,18 @@ def test_resume_and_threads_give_identical_results(rows: Path, tmp_path: Path) -
     solve_rows(rows, tmp_path / "c.parquet", other, threads=1, progress=False)
     c = pl.read_parquet(tmp_path / "c.parquet")
     assert (c["es_ls"] <= c["es_hat"]).all()
+
+
+def test_main_job_solve_stage_passes_the_search(rows: Path, tmp_path: Path) -> None:
+    """The demo's solve stage (a subprocess `evictlab solve`) runs the all-key search when asked,
+    and the results cache never hands pool-only results to a --search all job."""
+    from evictlab.pipeline.stages import AnalysisConfig, solve_key
+    from evictlab.pipeline.stages import solve_rows as stage_solve
+
+    cfg = AnalysisConfig(budgets=(2, 4), search="all")
+    stage_solve(rows, tmp_path / "all.parquet", cfg, True, log=lambda m: None)
+    df = pl.read_parquet(tmp_path / "all.parquet")
+    assert set(LS_COLUMNS) <= set(df.columns) and "es_cert" in df.columns
+    assert (df["es_ls"] <= df["es_hat"]).all() and (df["es_cert"] <= df["es_ls"] * (1 + 1e-12)).all()
+    pool = AnalysisConfig(budgets=(2, 4), search="pool")
+    assert solve_key(cfg, True) != solve_key(pool, True) and "-all" in solve_key(cfg, False)
