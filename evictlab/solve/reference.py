@@ -127,6 +127,20 @@ def _e2(p: np.ndarray, values: np.ndarray, A: list[int]) -> float:
     return e * e
 
 
+def single_swaps(A: list[int], n: int) -> list[tuple[int, int, list[int]]]:
+    """Every single swap of the set ``A`` (member positions) among keys ``0..n-1``:
+    ``(position a, key i not in A, A with A[a] replaced by i)``, in (a, i) order."""
+    out = []
+    for a in range(len(A)):
+        for i in range(n):
+            if i in A:
+                continue
+            B = list(A)
+            B[a] = i
+            out.append((a, i, B))
+    return out
+
+
 def swap_search_reference(p: np.ndarray, values: np.ndarray, start: list[int] | np.ndarray,
                           n_pair: int, n_short: int, max_moves: int = 1000,
                           rel_tol: float = 1e-13) -> tuple[list[int], int, list[int]]:
@@ -151,16 +165,7 @@ def swap_search_reference(p: np.ndarray, values: np.ndarray, start: list[int] | 
 
     def neighbours() -> list[tuple[int, int, list[int]]]:
         """Every single swap with mass: (position a, key i, the swapped set), in (a, i) order."""
-        out = []
-        for a in range(s):
-            for i in range(n):
-                if i in A:
-                    continue
-                B = A.copy()
-                B[a] = i
-                if p[B].sum() > 0:
-                    out.append((a, i, B))
-        return out
+        return [(a, i, B) for a, i, B in single_swaps(A, n) if p[B].sum() > 0]
 
     while True:
         cur = _e2(p, values, A)
