@@ -24,20 +24,13 @@ def test_byte_tokenizer_round_trip() -> None:
 
 
 @pytest.mark.parametrize("task", TASKS)
-def test_build_prompt_modes_split_context_and_question(task: str) -> None:
+def test_build_prompt_splits_context_and_question(task: str) -> None:
+    """One split for both protocols (the loop decides when to compress)."""
     ex = make_task(task, 200, None, seed=3)
-    agnostic = build_prompt(ex, None)
-    aware = build_prompt(ex, None, mode="query-aware")
-    q = encode_text(None, "\n\n" + ex.question, special=False)
-    assert agnostic.mode == "query-agnostic" and aware.mode == "query-aware"
-    assert agnostic.context_ids == encode_text(None, ex.context)
-    assert agnostic.question_ids == q
-    # Same token stream; only where the compression happens differs.
-    assert aware.context_ids + aware.question_ids == agnostic.context_ids + agnostic.question_ids
-    assert aware.question_ids == q[-1:]
-    assert agnostic.answer == ex.answer and agnostic.answers == ex.answers
-    with pytest.raises(InputError, match="mode"):
-        build_prompt(ex, None, mode="peek")  # type: ignore[arg-type]
+    p = build_prompt(ex, None)
+    assert p.context_ids == encode_text(None, ex.context)
+    assert p.question_ids == encode_text(None, "\n\n" + ex.question, special=False)
+    assert p.answer == ex.answer and p.answers == ex.answers
 
 
 def test_normalize_answer() -> None:

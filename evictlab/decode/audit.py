@@ -177,7 +177,7 @@ def run_audit(
             return torch.tensor([x], dtype=torch.long, device=device)
         return t(ex.context_ids), t(ex.question_ids), t(ex.answer_ids)
 
-    protocol = "query-aware" if base.query_aware else "query-agnostic"
+    protocol = base.protocol
     common = {"protocol": protocol, "chunk_size": base.chunk_size}
     say("full cache reference")
     fulls = [run_sequence(model, *tensors(ex)[:2], replace(base, mode="full"), answer_ids=tensors(ex)[2])

@@ -47,7 +47,9 @@ _CHUNK = typer.Option(256, "--chunk", help="prefill chunk (tokens) between compr
 _COMPRESS_EVERY = typer.Option(16, "--compress-every", help="decode steps between compressions")
 _WINDOW = typer.Option(32, "--window", help="observation window (queries) for scorers")
 _BLOCK_SIZE = typer.Option(16, "--block-size", help="page size of the physical store (entries)")
-_QUERY_AWARE = typer.Option(False, "--query-aware", help="LABELLED OPTION: let rankings see the question")
+_QUERY_AWARE = typer.Option(False, "--query-aware", help="LABELLED OPTION: the query-aware protocol: nothing is "
+                            "compressed before the question is fed (any --chunk), so the ranking sees it; holds the "
+                            "whole context until then")
 _THREADS = typer.Option(0, "--threads", help="torch CPU threads (0 = torch default)")
 _OVERWRITE = typer.Option(False, "--overwrite", help="replace an existing --out (and the files written beside it)")
 
@@ -226,8 +228,7 @@ def decode(
         if threads > 0:
             torch.set_num_threads(threads)
         lm, tok = load_model(model, device=device)
-        prompt = build_prompt(make_task(task, context, tok, seed), tok,
-                              "query-aware" if query_aware else "query-agnostic")
+        prompt = build_prompt(make_task(task, context, tok, seed), tok)
         dev = next(lm.parameters()).device
         ctx = torch.tensor([prompt.context_ids], device=dev)
         q = torch.tensor([prompt.question_ids], device=dev)
@@ -243,7 +244,8 @@ def decode(
     result = {
         "method": method, "mode": mode, "task": task, "answer": prompt.answer, "prediction": text,
         "scorer_params": cfg.to_dict()["scorer_params"], "allocator_params": cfg.to_dict()["allocator_params"],
-        "protocol": "query-aware" if query_aware else "query-agnostic", "chunk_size": chunk,
+        "protocol": cfg.protocol, "chunk_size": chunk,
+        "bytes_live_peak": res.peak("bytes_live"),
         "exact_match": score_exact_match(text, prompt.answer), "budget_tokens": res.budget_tokens,
         "budget_effective_tokens": res.budget_effective_tokens,
         "bytes_full_cache": res.bytes_full_cache,

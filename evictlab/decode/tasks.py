@@ -3,8 +3,10 @@ held-out Shakespeare windows for perplexity.
 
 The examples themselves come from :mod:`evictlab.capture.prompts` (``make_task``, the
 Shakespeare corpus); this module only turns them into what the decode loop consumes:
-context ids and question ids *separately*, because the query-agnostic protocol compresses
-the context before the question is appended (docs/kv.md, the decode loop).
+context ids and question ids *separately*. The protocol (query-agnostic: the context is
+compressed before the question is appended; query-aware: the compression runs after the
+question) is the decode loop's (``DecodeConfig.query_aware``, docs/kv.md), not the prompt's:
+both protocols get the same split.
 
 Tokenizer None means the byte-level vocabulary of the tiny test models
 (:func:`evictlab.capture.testing.tiny_model`, 256 ids): token ids are the UTF-8 bytes.
@@ -16,7 +18,7 @@ import re
 import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -34,9 +36,6 @@ __all__ = [
     "score_exact_match",
     "task_suite",
 ]
-
-PromptMode = Literal["query-agnostic", "query-aware"]
-
 
 def encode_text(tokenizer: Any, text: str, *, special: bool = True) -> list[int]:
     """Token ids of ``text``; with ``tokenizer=None`` the UTF-8 bytes (tiny models' vocab)."""
@@ -56,39 +55,29 @@ def decode_ids(tokenizer: Any, ids: Sequence[int]) -> str:
 class TaskPrompt:
     """One example ready for the decode loop.
 
-    ``context_ids`` are fed (and compressed) first, then ``question_ids``; the model's
-    continuation is compared with ``answer``. ``mode`` labels the protocol:
-
-    - ``"query-agnostic"`` (default): context = the haystack; question = ``"\\n\\n" +
-      question`` (ends with an answer prefix). No ranking ever sees the question.
-    - ``"query-aware"`` (labelled option, to measure the margin): the question is moved into
-      the compressed part, so the scorer's observation window is the question:
-      context = haystack + question minus its last token, question = that last token (the
-      loop always has at least one token to feed after compression).
+    ``context_ids`` (the haystack, with the tokenizer's BOS) are fed first, then
+    ``question_ids`` (``"\\n\\n" + question``, ending with an answer prefix); the model's
+    continuation is compared with ``answer``. When the cache is compressed relative to the
+    question is the decode loop's protocol (``DecodeConfig.query_aware``), not the prompt's.
     """
 
     task: str
     seed: int
-    mode: PromptMode
     context_ids: list[int]
     question_ids: list[int]
     answer: str
     answers: tuple[str, ...]
 
 
-def build_prompt(example: TaskExample, tokenizer: Any, mode: PromptMode = "query-agnostic") -> TaskPrompt:
+def build_prompt(example: TaskExample, tokenizer: Any) -> TaskPrompt:
     """Tokenise ``example`` into separate context and question ids (see :class:`TaskPrompt`).
 
     The context gets the tokenizer's special prefix (BOS), the question none; the question
     text is ``"\\n\\n" + example.question``, as in capture's prompts.
     """
-    if mode not in ("query-agnostic", "query-aware"):
-        raise InputError("mode", f"unknown mode {mode!r}", "use 'query-agnostic' or 'query-aware'")
     ctx = encode_text(tokenizer, example.context)
     q = encode_text(tokenizer, "\n\n" + example.question, special=False)
-    if mode == "query-aware":
-        ctx, q = ctx + q[:-1], q[-1:]
-    return TaskPrompt(task=example.task, seed=example.seed, mode=mode, context_ids=ctx, question_ids=q,
+    return TaskPrompt(task=example.task, seed=example.seed, context_ids=ctx, question_ids=q,
                       answer=example.answer, answers=example.answers or (example.answer,))
 
 
@@ -120,7 +109,6 @@ def score_exact_match(prediction: str, answer: str) -> float:
 
 def task_suite(
     names: Sequence[str], n: int, context_tokens: int, tokenizer: Any, seed: int,
-    mode: PromptMode = "query-agnostic",
 ) -> list[TaskPrompt]:
     """``n`` seeded examples of each task in ``names``, tokenised (ordered by task, then index).
 
@@ -132,7 +120,7 @@ def task_suite(
         raise InputError("tasks", f"unknown task(s) {unknown}", f"use some of: {', '.join(TASKS)}")
     if n < 1:
         raise InputError("n", f"{n} examples", "use n >= 1")
-    return [build_prompt(make_task(t, context_tokens, tokenizer, seed * 1_000_003 + i), tokenizer, mode)
+    return [build_prompt(make_task(t, context_tokens, tokenizer, seed * 1_000_003 + i), tokenizer)
             for t in names for i in range(n)]
 
 
