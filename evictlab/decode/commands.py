@@ -52,6 +52,10 @@ _QUERY_AWARE = typer.Option(False, "--query-aware", help="LABELLED OPTION: the q
                             "whole context until then")
 _THREADS = typer.Option(0, "--threads", help="torch CPU threads (0 = torch default)")
 _OVERWRITE = typer.Option(False, "--overwrite", help="replace an existing --out (and the files written beside it)")
+#: The loop's options, for other commands that run the decode loop (``evictlab eval run``).
+LOOP_OPTIONS = {"scorer_param": _SCORER_PARAM, "allocator_param": _ALLOCATOR_PARAM, "device": _DEVICE,
+                "sinks": _SINKS, "recent": _RECENT, "chunk": _CHUNK, "compress_every": _COMPRESS_EVERY,
+                "window": _WINDOW, "block_size": _BLOCK_SIZE}
 
 
 @contextlib.contextmanager
@@ -64,6 +68,9 @@ def _as_options(options: dict[str, str]) -> Iterator[None]:
         if option is None:
             raise
         raise type(exc)(option, exc.problem, exc.fix) from None
+
+
+as_options = _as_options  # public: `evictlab eval` maps the library's fields the same way
 
 
 def _check_positive(**values: int) -> None:

@@ -29,8 +29,13 @@ __all__ = [
     "PerplexityWindow",
     "TaskPrompt",
     "build_prompt",
+    "EVAL_TASKS",
+    "EvalExample",
+    "HELDOUT_PPL",
+    "RETRIEVAL_TASKS",
     "decode_ids",
     "encode_text",
+    "eval_examples",
     "heldout_windows",
     "normalize_answer",
     "score_exact_match",
@@ -180,3 +185,55 @@ def heldout_windows(
         windows.append(PerplexityWindow(seed=seed, context_ids=ids[:context_tokens],
                                         target_ids=ids[context_tokens:need]))
     return windows
+
+
+# --------------------------------------------------------------------------- evaluation examples
+
+HELDOUT_PPL = "heldout_ppl"
+"""The fidelity task of the evaluation grid: perplexity on held-out Shakespeare windows."""
+EVAL_TASKS: tuple[str, ...] = (*TASKS, HELDOUT_PPL)
+"""Every task name the evaluation grid accepts: the synthetic task families and ``heldout_ppl``."""
+RETRIEVAL_TASKS: tuple[str, ...] = tuple(t for t in TASKS if t != "variable_tracking")
+"""The tasks whose answer is copied from one or more inserted facts (the needle family)."""
+
+
+@dataclass(frozen=True)
+class EvalExample:
+    """One example of the evaluation grid, as token ids for the decode loop.
+
+    ``context_ids`` are fed first, then ``question_ids``; ``answer_ids`` are teacher-forced
+    and scored (``answer`` is their text). ``index`` is the example's position in its suite,
+    ``seed`` the seed that built it. For ``heldout_ppl`` the "question" is the window's last
+    context token and the "answer" the target tokens (there is no question to be aware of).
+    """
+
+    task: str
+    index: int
+    seed: int
+    context_ids: list[int]
+    question_ids: list[int]
+    answer_ids: list[int]
+    answer: str
+
+
+def eval_examples(task: str, n: int, context_tokens: int, tokenizer: Any, seed: int, *,
+                  target_tokens: int = 32) -> list[EvalExample]:
+    """``n`` seeded examples of ``task`` (one of :data:`EVAL_TASKS`) for the evaluation grid.
+
+    Synthetic tasks: example ``i`` is :func:`task_suite`'s (seed ``seed * 1_000_003 + i``),
+    the answer ids are ``encode_text(" " + answer)`` (no BOS: the continuation of the
+    answer prefix). ``heldout_ppl``: :func:`heldout_windows` of ``context_tokens +
+    target_tokens`` tokens (window ``i`` from ``default_rng([seed, i])``), split as context
+    = all but the last context token, question = that token, answer = the targets.
+    """
+    if task == HELDOUT_PPL:
+        if context_tokens < 2:
+            raise InputError("context_tokens", f"{context_tokens} tokens", "use at least 2 context tokens")
+        wins = heldout_windows(tokenizer, n, context_tokens, target_tokens, seed)
+        return [EvalExample(task, i, seed, w.context_ids[:-1], w.context_ids[-1:], list(w.target_ids),
+                            decode_ids(tokenizer, w.target_ids)) for i, w in enumerate(wins)]
+    if task not in TASKS:
+        raise InputError("task", f"unknown task {task!r}", f"use one of: {', '.join(EVAL_TASKS)}")
+    return [EvalExample(task, i, seed * 1_000_003 + i, p.context_ids, p.question_ids,
+                        encode_text(tokenizer, " " + p.answer, special=False), p.answer)
+            for i, p in enumerate(task_suite([task], n, context_tokens, tokenizer, seed))]
