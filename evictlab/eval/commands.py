@@ -20,7 +20,7 @@ eval_app = typer.Typer(help="The evaluation grid: methods at matched bytes on se
                        no_args_is_help=True, rich_markup_mode=None)
 
 RUN_OPTIONS = {
-    "models": "--models", "model": "--models", "model.config": "--models", "tokenizer": "--models",
+    "models": "--models", "model": "--models", "--model": "--models", "--budget": "--budgets", "model.config": "--models", "tokenizer": "--models",
     "tasks": "--tasks", "task": "--tasks", "contexts": "--context", "context_tokens": "--context",
     "windows": "--context", "budgets": "--budgets", "budget": "--budgets", "budget.value": "--budgets",
     "budget.unit": "--budgets", "methods": "--methods", "method": "--methods", "scorer": "--methods",

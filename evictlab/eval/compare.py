@@ -104,7 +104,9 @@ def example_outcomes(em_a: np.ndarray, em_b: np.ndarray, lp_a: np.ndarray, lp_b:
     """
     em_a, em_b, lp_a, lp_b = (np.asarray(x, dtype=np.float64) for x in (em_a, em_b, lp_a, lp_b))
     d_lp = lp_a - lp_b
-    out = np.where(np.abs(d_lp) <= tolerance, 0, np.sign(d_lp)).astype(np.int64)
+    # "within the tolerance" includes the boundary; the slack absorbs the rounding of the
+    # subtraction (-1.0 - -1.1 is 0.10000000000000009)
+    out = np.where(np.abs(d_lp) <= tolerance * (1 + 1e-9) + 1e-12, 0, np.sign(d_lp)).astype(np.int64)
     decided = ~np.isnan(em_a) & ~np.isnan(em_b) & (em_a != em_b)
     out[decided] = np.sign(em_a - em_b)[decided].astype(np.int64)
     return out
