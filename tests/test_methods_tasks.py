@@ -90,3 +90,35 @@ def test_heldout_windows_seeded_and_sized() -> None:
     assert len({tuple(w.context_ids) for w in w1}) == 3
     with pytest.raises(InputError, match="context_tokens"):
         heldout_windows(None, 1, 10_000, 10, seed=0, text=TEXT)
+
+
+@pytest.mark.parametrize("task", ["needle_word", "multi_key_word", "multi_value"])
+def test_easy_variants_answer_in_the_needles_format(task: str) -> None:
+    from evictlab.capture.prompts import _NOISE  # same package family: the filler the needles hide in
+
+    for seed in range(5):
+        ex = make_task(task, 300, None, seed=seed)
+        for part in ex.answers:
+            assert part in ex.context and part not in _NOISE
+        if task == "multi_value":
+            assert len(ex.answers) == 2 and ex.answer == ", ".join(ex.answers) and ex.question.endswith("are:")
+            assert all(f"is: {v}." in ex.context for v in ex.answers)
+        else:  # colour words: the needle says "is COLOR." and the question ends with "is"
+            assert len(ex.answers) == 1 and f"is {ex.answer}." in ex.context and ex.question.endswith("is")
+
+
+def test_colour_answers_are_one_token_in_the_registry_models() -> None:
+    import os
+
+    from evictlab.capture import prompts
+    from evictlab.models.registry import MANIFEST, model_dir
+
+    names = [m for m in ("smollm2-135m", "gemma3-270m") if (model_dir(m) / MANIFEST).is_file()]
+    if not names:
+        pytest.skip("no registry model pulled")
+    from transformers import AutoTokenizer
+
+    for m in names:
+        tok = AutoTokenizer.from_pretrained(os.fspath(model_dir(m)))
+        for c in prompts._COLORS:
+            assert len(encode_text(tok, " " + c, special=False)) == 1, (m, c)
