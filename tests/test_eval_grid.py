@@ -403,3 +403,31 @@ def test_short_real_model_grid(tmp_path: Path) -> None:
     prefix = aware["context_tokens"] + aware["question_tokens"] - 1
     assert aware["bytes_live_peak"] == prefix * 30 * 3 * 2 * 64 * 4
     assert aware["bytes_live"] == aware["bytes_budget"] == 32 * 90 * 2 * 64 * 4
+
+
+def test_paper_repro_grid_scripts_publish_claim_rows(tmp_path: Path, tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The two claim scripts on the tiny model: each runs its grid (resumable) and upserts its
+    rows into claims.json / claims.md, with the per-comparison detail beside them."""
+    import importlib
+    import json
+
+    root = Path(__file__).resolve().parents[1] / "paper_repro"
+    monkeypatch.syspath_prepend(str(root))
+    common = ["--models", str(tiny), "--contexts", "160", "--budgets", "24", "--n", "2", "--n-boot", "100",
+              "--out", str(tmp_path / "out"), "--figures", str(tmp_path / "figs")]
+    enf = importlib.import_module("claim_enforcement_cost")
+    assert enf.main([*common, "--tasks", "needle", "--grid", str(tmp_path / "ge")]) == 0
+    mar = importlib.import_module("claim_query_aware_margin")
+    assert mar.main([*common, "--tasks", "needle", "--methods", "snapkv,h2o", "--grid", str(tmp_path / "gm")]) == 0
+    rows = json.loads((tmp_path / "out" / "claims.json").read_text())
+    ids = {r["claim_id"] for r in rows}
+    assert ids == {"enforcement_cost:snapkv+adakv:query-agnostic", "query_aware_margin:snapkv",
+                   "query_aware_margin:h2o"}
+    md = (tmp_path / "out" / "claims.md").read_text()
+    assert "14.1-62.2 points" in md and "87.6 points" in md
+    for name in ("enforcement_cost_detail.md", "query_aware_margin_detail.md"):
+        assert (tmp_path / "out" / name).is_file()
+    assert (tmp_path / "figs" / "enforcement_cost_accuracy_vs_bytes.png").is_file()
+    # rerun: the finished grid is only read and the rows are replaced, not duplicated
+    assert enf.main([*common, "--tasks", "needle", "--grid", str(tmp_path / "ge")]) == 0
+    assert len(json.loads((tmp_path / "out" / "claims.json").read_text())) == len(rows)
