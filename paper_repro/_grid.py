@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import polars as pl
@@ -61,8 +62,22 @@ def run(args: argparse.Namespace) -> pl.DataFrame:
     return pl.read_parquet(args.grid / RESULTS)
 
 
-def markdown_detail(title: str, detail: pl.DataFrame, path: Path) -> Path:
-    """Write a per-comparison detail table beside the claims (Markdown)."""
+def claim_main(argv: list[str] | None, doc: str, defaults: dict[str, Any], script: str,
+               claims: Callable[..., tuple[list[Any], pl.DataFrame]], name: str) -> int:
+    """A claim script: parse, run or resume the grid, compute ``claims(results, seed=,
+    n_boot=)`` (rows and the per-comparison detail), write ``<out>/<name>_detail.md`` and
+    the accuracy-vs-bytes figure ``<figures>/<name>_accuracy_vs_bytes``, publish the rows."""
+    from evictlab.plots.evaluation import accuracy_vs_bytes
     from evictlab.report import markdown as md
+    from evictlab.report.record import RunRecord
 
-    return md.write(path, [f"# {title}\n", md.table(detail, digits=3)])
+    args = parser(doc.splitlines()[0], defaults).parse_args(argv)
+    record = RunRecord(kind=f"paper-repro-{name.replace('_', '-')}", seed=args.seed, config=_common.config(args))
+    results = run(args)
+    rows, detail = claims(results, seed=args.seed, n_boot=args.n_boot)
+    args.out.mkdir(parents=True, exist_ok=True)
+    md.write(args.out / f"{name}_detail.md", [f"# {name.replace('_', ' ')}: per comparison\n",
+                                              md.table(detail, digits=3)])
+    made = [accuracy_vs_bytes(results, _common.figures_dir(args) / f"{name}_accuracy_vs_bytes")]
+    _common.publish(args, script, rows, made, record)
+    return 0

@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import sys
 
-import _common
 import _grid
 
 from evictlab.eval.claims import enforcement_cost
-from evictlab.plots.evaluation import accuracy_vs_bytes
-from evictlab.report.record import RunRecord
 
 DEFAULTS = {
     "grid": "runs/paper_repro/grid-enforcement", "models": ["smollm2-135m"],
@@ -30,15 +27,7 @@ DEFAULTS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _grid.parser(__doc__.splitlines()[0], DEFAULTS).parse_args(argv)
-    record = RunRecord(kind="paper-repro-enforcement-cost", seed=args.seed, config=_common.config(args))
-    results = _grid.run(args)
-    claims, detail = enforcement_cost(results, seed=args.seed, n_boot=args.n_boot)
-    args.out.mkdir(parents=True, exist_ok=True)
-    _grid.markdown_detail("Enforcement cost per comparison", detail, args.out / "enforcement_cost_detail.md")
-    made = [accuracy_vs_bytes(results, _common.figures_dir(args) / "enforcement_cost_accuracy_vs_bytes")]
-    _common.publish(args, "claim_enforcement_cost.py", claims, made, record)
-    return 0
+    return _grid.claim_main(argv, __doc__, DEFAULTS, "claim_enforcement_cost.py", enforcement_cost, "enforcement_cost")
 
 
 if __name__ == "__main__":

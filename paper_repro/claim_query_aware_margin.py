@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import sys
 
-import _common
 import _grid
 
 from evictlab.eval.claims import query_aware_margin
-from evictlab.plots.evaluation import accuracy_vs_bytes
-from evictlab.report.record import RunRecord
 
 DEFAULTS = {
     "grid": "runs/paper_repro/grid-margin", "models": ["smollm2-135m"], "tasks": ["needle", "multi_key_word"],
@@ -29,15 +26,8 @@ DEFAULTS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _grid.parser(__doc__.splitlines()[0], DEFAULTS).parse_args(argv)
-    record = RunRecord(kind="paper-repro-query-aware-margin", seed=args.seed, config=_common.config(args))
-    results = _grid.run(args)
-    claims, detail = query_aware_margin(results, seed=args.seed, n_boot=args.n_boot)
-    args.out.mkdir(parents=True, exist_ok=True)
-    _grid.markdown_detail("Query-aware margin per comparison", detail, args.out / "query_aware_margin_detail.md")
-    made = [accuracy_vs_bytes(results, _common.figures_dir(args) / "query_aware_margin_accuracy_vs_bytes")]
-    _common.publish(args, "claim_query_aware_margin.py", claims, made, record)
-    return 0
+    return _grid.claim_main(argv, __doc__, DEFAULTS, "claim_query_aware_margin.py", query_aware_margin,
+                            "query_aware_margin")
 
 
 if __name__ == "__main__":

@@ -241,41 +241,35 @@ def make_task(task: str, context_tokens: int, tokenizer: Any, seed: int) -> Task
         question = (f"What is the special magic number for {key} mentioned in the provided text? "
                     f"Answer: The special magic number for {key} mentioned in the provided text is")
         answers: tuple[str, ...] = (val,)
-    elif task == "multi_needle":
+    elif task in ("multi_needle", "multi_value"):
         key = str(rng.choice(_KEYS))
-        vals = [_number(rng) for _ in range(4)]
+        vals = [_number(rng) for _ in range(4 if task == "multi_needle" else 2)]
         needles = [f"One of the special magic numbers for {key} is: {v}." for v in vals]
+        # multi_value ends with the needles' colon, so the answer follows in their format
         question = (f"What are all the special magic numbers for {key} mentioned in the provided text? "
-                    f"Answer: The special magic numbers for {key} mentioned in the provided text are")
+                    f"Answer: The special magic numbers for {key} mentioned in the provided text are"
+                    + (":" if task == "multi_value" else ""))
         answers = tuple(vals)
-    elif task == "multi_key":
+    elif task in ("multi_key", "multi_key_word"):
         keys = [str(k) for k in rng.choice(_KEYS, size=4, replace=False)]
-        vals = [_number(rng) for _ in keys]
-        needles = [f"One of the special magic numbers for {k} is: {v}." for k, v in zip(keys, vals)]
+        if task == "multi_key":
+            vals = [_number(rng) for _ in keys]
+            needle = "One of the special magic numbers for {k} is: {v}."
+            ask_for = ("What is the special magic number for {k} mentioned in the provided text? "
+                       "Answer: The special magic number for {k} mentioned in the provided text is")
+        else:
+            vals = [str(c) for c in rng.choice(_COLORS, size=4, replace=False)]
+            needle = "The special magic color for {k} is {v}."
+            ask_for = "What is the special magic color for {k}? Answer: The special magic color for {k} is"
+        needles = [needle.format(k=k, v=v) for k, v in zip(keys, vals)]
         ask = int(rng.integers(0, len(keys)))
-        question = (f"What is the special magic number for {keys[ask]} mentioned in the provided text? "
-                    f"Answer: The special magic number for {keys[ask]} mentioned in the provided text is")
+        question = ask_for.format(k=keys[ask])
         answers = (vals[ask],)
     elif task == "needle_word":
         key, color = str(rng.choice(_KEYS)), str(rng.choice(_COLORS))
         needles = [f"The special magic color for {key} is {color}."]
         question = f"What is the special magic color for {key}? Answer: The special magic color for {key} is"
         answers = (color,)
-    elif task == "multi_key_word":
-        keys = [str(k) for k in rng.choice(_KEYS, size=4, replace=False)]
-        colors = [str(c) for c in rng.choice(_COLORS, size=4, replace=False)]
-        needles = [f"The special magic color for {k} is {c}." for k, c in zip(keys, colors)]
-        ask = int(rng.integers(0, len(keys)))
-        question = (f"What is the special magic color for {keys[ask]}? Answer: The special magic color for "
-                    f"{keys[ask]} is")
-        answers = (colors[ask],)
-    elif task == "multi_value":
-        key = str(rng.choice(_KEYS))
-        vals = [_number(rng) for _ in range(2)]
-        needles = [f"One of the special magic numbers for {key} is: {v}." for v in vals]
-        question = (f"What are all the special magic numbers for {key} mentioned in the provided text? "
-                    f"Answer: The special magic numbers for {key} mentioned in the provided text are:")
-        answers = tuple(vals)
     else:  # variable_tracking
         names = [str(v) for v in rng.choice(_VARS, size=5, replace=False)]
         val = str(int(rng.integers(10_000, 100_000)))

@@ -68,6 +68,26 @@ def _pool(rows: pl.DataFrame, diff: str, key: str, seed: int, n_boot: int) -> tu
     return cluster_bootstrap_mean(rows[diff].to_numpy() * 100.0, clusters, seed=seed, key=key, n_boot=n_boot)
 
 
+def _detail(j: pl.DataFrame, on: list[str], name: str, stats: Any, results: pl.DataFrame, seed: int,
+            n_boot: int) -> pl.DataFrame:
+    """One row per comparison (``on``): the mean of ``d`` in points as ``name`` with its
+    bootstrap interval over examples, ``stats(group)``, and the full cache's exact match."""
+    rows = []
+    for k, g in j.group_by(on, maintain_order=True):
+        v, lo, hi = cluster_bootstrap_mean(g["d"].to_numpy() * 100.0, None, seed=seed, key="|".join(map(str, k)),
+                                           n_boot=n_boot)
+        rows.append({**dict(zip(on, k)), "n": g.height, name: v, f"{name}_lo": lo, f"{name}_hi": hi, **stats(g)})
+    return pl.DataFrame(rows).join(_full_em(results), on=["model", "task", "context"], how="left")
+
+
+def _where(model: str, g: pl.DataFrame, detail: pl.DataFrame) -> dict[str, str]:
+    """The model, rows and budgets fields of a claim row."""
+    return {"model": f"{model} ({weights_for(model, 'weights as loaded')})",
+            "rows": f"{g.height} paired examples, {detail.height} comparisons "
+                    f"({', '.join(sorted(set(detail['task'])))})",
+            "budgets": ", ".join(dict.fromkeys(detail["budget"].to_list()))}
+
+
 def _pm_text(detail: pl.DataFrame) -> str:
     pm = detail["physical_minus_masked"].cast(pl.Float64).drop_nulls()
     return "not run" if pm.len() == 0 else f"{float(pm.mean()):+.1f} points"
@@ -111,22 +131,19 @@ def enforcement_cost(results: pl.DataFrame, *, seed: int = 0, n_boot: int = 2000
         d=pl.col("exact_match") - pl.col("exact_match_b"),
         d_phys=pl.col("em_physical") - pl.col("exact_match"),
     ).filter(pl.col("d").is_not_null())
-    detail_rows: list[dict[str, Any]] = []
-    for k, g in j.group_by(on, maintain_order=True):
-        key = "|".join(map(str, k))
-        pts = cluster_bootstrap_mean(g["d"].to_numpy() * 100.0, None, seed=seed, key=key, n_boot=n_boot)
+    def stats(g: pl.DataFrame) -> dict[str, Any]:
         dp = g["d_phys"].drop_nulls().to_numpy()
-        detail_rows.append({
-            **dict(zip(on, k)), "n": g.height, "em_masked": g["exact_match"].mean(),
-            "em_uniform": g["exact_match_b"].mean(), "em_physical": g["em_physical"].mean(),
-            "points_lost": pts[0], "points_lost_lo": pts[1], "points_lost_hi": pts[2],
+        return {
+            "em_masked": g["exact_match"].mean(), "em_uniform": g["exact_match_b"].mean(),
+            "em_physical": g["em_physical"].mean(),
             "physical_minus_masked": float(dp.mean() * 100.0) if dp.size else None,
             "MiB_masked": g["bytes_live"].mean() / 2**20, "MiB_uniform": g["bytes_live_b"].mean() / 2**20,
             "MiB_physical": _mib(g["bytes_physical"].mean()), "MiB_budget": g["bytes_budget"].mean() / 2**20,
             "MiB_full": g["bytes_full"].mean() / 2**20,
             "d_logprob": float((g["answer_logprob"] - g["answer_logprob_b"]).mean()),
-        })
-    detail = pl.DataFrame(detail_rows).join(_full_em(results), on=["model", "task", "context"], how="left")
+        }
+
+    detail = _detail(j, on, "points_lost", stats, results, seed, n_boot)
     claims: list[ClaimRow] = []
     for (model, method, protocol), g in j.group_by(["model", "method", "protocol"], maintain_order=True):
         v, lo, hi = _pool(g, "d", f"enforcement|{model}|{method}|{protocol}", seed, n_boot)
@@ -142,9 +159,7 @@ def enforcement_cost(results: pl.DataFrame, *, seed: int = 0, n_boot: int = 2000
             our_value=f"{_fmt(v, lo, hi)}; per comparison {rng}; physical - masked {_pm_text(d)}; "
                       f"{bytes_note}; {_full_note(d)}",
             verdict=versus(lo, hi, *ENFORCEMENT_PAPER),
-            model=f"{model} ({weights_for(model, 'weights as loaded')})",
-            rows=f"{g.height} paired examples, {d.height} comparisons ({', '.join(sorted(set(d['task'])))})",
-            budgets=", ".join(dict.fromkeys(d["budget"].to_list())),
+            **_where(model, g, d),
             definitions="exact match = greedy reproduces the answer (teacher-forced argmax); points = 100 x mean "
                         "difference; 95% bootstrap CI over examples (ours)",
         ))
@@ -165,18 +180,15 @@ def query_aware_margin(results: pl.DataFrame, tasks: tuple[str, ...] | None = No
     if j.height == 0:
         return [], pl.DataFrame()
     j = j.with_columns(d=pl.col("exact_match") - pl.col("exact_match_b"))
-    detail_rows = []
-    for k, g in j.group_by(on, maintain_order=True):
-        pts = cluster_bootstrap_mean(g["d"].to_numpy() * 100.0, None, seed=seed, key="|".join(map(str, k)),
-                                     n_boot=n_boot)
-        detail_rows.append({
-            **dict(zip(on, k)), "n": g.height, "em_aware": g["exact_match"].mean(),
-            "em_agnostic": g["exact_match_b"].mean(), "margin": pts[0], "margin_lo": pts[1], "margin_hi": pts[2],
+    def stats(g: pl.DataFrame) -> dict[str, Any]:
+        return {
+            "em_aware": g["exact_match"].mean(), "em_agnostic": g["exact_match_b"].mean(),
             "d_logprob": float((g["answer_logprob"] - g["answer_logprob_b"]).mean()),
             "MiB_peak_aware": g["bytes_live_peak"].mean() / 2**20,
             "MiB_peak_agnostic": g["bytes_live_peak_b"].mean() / 2**20, "MiB_held": g["bytes_live"].mean() / 2**20,
-        })
-    detail = pl.DataFrame(detail_rows).join(_full_em(results), on=["model", "task", "context"], how="left")
+        }
+
+    detail = _detail(j, on, "margin", stats, results, seed, n_boot)
     claims = []
     for (model, method), g in j.group_by(["model", "method"], maintain_order=True):
         v, lo, hi = _pool(g, "d", f"margin|{model}|{method}", seed, n_boot)
@@ -189,9 +201,7 @@ def query_aware_margin(results: pl.DataFrame, tasks: tuple[str, ...] | None = No
                       f"peak held {d['MiB_peak_aware'].mean():.2f} MiB (aware) vs "
                       f"{d['MiB_peak_agnostic'].mean():.2f} MiB (agnostic); {_full_note(d)}",
             verdict=versus(lo, hi, MARGIN_PAPER, MARGIN_PAPER),
-            model=f"{model} ({weights_for(model, 'weights as loaded')})",
-            rows=f"{g.height} paired examples, {d.height} comparisons ({', '.join(sorted(set(d['task'])))})",
-            budgets=", ".join(dict.fromkeys(d["budget"].to_list())),
+            **_where(model, g, d),
             definitions="query-aware = the only compression runs after the question (all but its last token) is "
                         "fed; physical mode; 95% bootstrap CI over examples (ours)",
         ))

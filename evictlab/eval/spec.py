@@ -39,7 +39,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from evictlab.errors import InputError
+from evictlab.decode.loop import DecodeConfig
+from evictlab.errors import InputError, refuse_duplicates
 from evictlab.kv.budget import Budget
 
 __all__ = [
@@ -79,14 +80,6 @@ def budget_text(budget: Budget) -> str:
             "bytes": f"{budget.value}B"}[budget.unit]
 
 
-def _unique(items: Sequence[Any], name: str, what: str) -> None:
-    seen: set[Any] = set()
-    for x in items:
-        if x in seen:
-            raise InputError(name, f"{what} {x} is given twice", f"give each {what} once")
-        seen.add(x)
-
-
 def _nonempty(items: Sequence[Any], name: str, fix: str) -> None:
     if not items:
         raise InputError(name, "the list is empty", fix)
@@ -94,18 +87,17 @@ def _nonempty(items: Sequence[Any], name: str, fix: str) -> None:
 
 @dataclass(frozen=True)
 class LoopSettings:
-    """The decode loop's settings shared by every cell (fields of ``DecodeConfig``)."""
+    """The decode loop's settings shared by every cell: these fields of ``DecodeConfig``,
+    with its defaults, checked by it."""
 
-    sinks: int = 4
-    recent: int = 16
-    chunk_size: int = 256
-    compress_every: int = 16
-    window: int = 32
-    block_size: int = 16
+    sinks: int = DecodeConfig.sinks
+    recent: int = DecodeConfig.recent
+    chunk_size: int = DecodeConfig.chunk_size
+    compress_every: int = DecodeConfig.compress_every
+    window: int = DecodeConfig.window
+    block_size: int = DecodeConfig.block_size
 
     def __post_init__(self) -> None:
-        from evictlab.decode.loop import DecodeConfig
-
         DecodeConfig(mode="full", **asdict(self))  # the loop's own checks (positive sizes ...)
 
 
@@ -172,8 +164,6 @@ class CellSpec:
     def decode_config(self) -> Any:
         """The ``DecodeConfig`` of this cell (``mode="full"`` for the full cell). ``uniform``
         mode runs the same scorer with the ``uniform`` allocator in the paged store."""
-        from evictlab.decode.loop import DecodeConfig
-
         loop = asdict(self.loop)
         if self.is_full:
             return DecodeConfig(mode="full", **loop)
@@ -250,31 +240,31 @@ class GridSpec:
         from evictlab.decode.tasks import EVAL_TASKS
 
         _nonempty(self.models, "models", "name at least one model, e.g. smollm2-135m")
-        _unique(self.models, "models", "model")
+        refuse_duplicates(self.models, "models", "model")
         _nonempty(self.tasks, "tasks", f"use some of: {', '.join(EVAL_TASKS)}")
         for t in self.tasks:
             if t not in EVAL_TASKS:
                 raise InputError("tasks", f"unknown task {t!r}", f"use some of: {', '.join(EVAL_TASKS)}")
-        _unique(self.tasks, "tasks", "task")
+        refuse_duplicates(self.tasks, "tasks", "task")
         _nonempty(self.contexts, "contexts", "give at least one context length, e.g. 1024")
         for c in self.contexts:
             if c < 64:
                 raise InputError("contexts", f"{c} tokens is too short for a task", "use at least 64 tokens")
-        _unique(self.contexts, "contexts", "context length")
+        refuse_duplicates(self.contexts, "contexts", "context length")
         if self.n < 1:
             raise InputError("n", f"{self.n} examples", "use n >= 1")
         if self.target_tokens < 1:
             raise InputError("ppl_target", f"{self.target_tokens} target tokens", "use at least 1")
         _nonempty(self.methods, "methods", "name at least one scorer or scorer+allocator (or full)")
         canon = [m if m == FULL else _canonical_method(m)[0] for m in self.methods]
-        _unique(canon, "methods", "method")
+        refuse_duplicates(canon, "methods", "method")
         if canon != list(self.methods):
             object.__setattr__(self, "methods", tuple(canon))
         for name, values, known in (("modes", self.modes, MODES), ("protocols", self.protocols, PROTOCOLS)):
             for v in values:
                 if v not in known:
                     raise InputError(name, f"unknown {name[:-1]} {v!r}", f"use some of: {', '.join(known)}")
-            _unique(values, name, name[:-1])
+            refuse_duplicates(values, name, name[:-1])
         if not self.evicting:
             for name in ("budgets", "modes", "protocols"):
                 if getattr(self, name):
@@ -285,7 +275,7 @@ class GridSpec:
         _nonempty(self.modes, "modes", f"use some of: {', '.join(MODES)}")
         _nonempty(self.protocols, "protocols", f"use some of: {', '.join(PROTOCOLS)}")
         budgets = [Budget.parse(b) for b in self.budgets]
-        _unique([budget_text(b) for b in budgets], "budgets", "budget")
+        refuse_duplicates([budget_text(b) for b in budgets], "budgets", "budget")
         for b in budgets:
             if b.unit == "tokens_per_cell" and b.value >= min(self.contexts):
                 raise InputError("budgets", f"{budget_text(b)} keeps every token of the {min(self.contexts)}-token "
