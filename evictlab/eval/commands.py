@@ -38,8 +38,8 @@ COMPARE_OPTIONS = {"tie_rule": "--tie-rule", "tolerance": "--tolerance", "level"
 def run(
     models: str = typer.Option("smollm2-135m", "--models", "--model",
                                help="comma-separated models: registry names, local HF folders or hub ids"),
-    tasks: str = typer.Option("needle", "--tasks", "--task", help="comma-separated tasks (see docs/evaluation.md): "
-                              "needle, multi_needle, multi_key, variable_tracking, heldout_ppl, ..."),
+    tasks: str = typer.Option("needle", "--tasks", "--task", help="comma-separated tasks (docs/evaluation.md): needle, multi_key, multi_needle, "
+                              "variable_tracking, needle_word, multi_key_word, multi_value, heldout_ppl"),
     context: str = typer.Option("1024", "--context", help="comma-separated context lengths (tokens)"),
     budgets: str = typer.Option(None, "--budgets", "--budget", show_default=False,
                                 help="comma-separated kept budgets: 64 (tokens per cell), 4096total, 2MiB "
