@@ -1,6 +1,6 @@
 """Claim: forcing a real budget on one fixed per-head selection costs 14.1-62.2 points (LongBench/RULER).
 
-Runs (or resumes) a grid: SnapKV + AdaKV (a per-head selection) held masked (the full cache
+Runs (or resumes) a grid: SnapKV + AdaKV and KVzip-style + AdaKV (per-head selections) held masked (the full cache
 stays in memory), forced uniform (equal per-cell sizes, the budget's bytes) and ragged
 physical (the same selection, the budget's bytes, freed), query-agnostic, on the tasks the
 full cache solves; writes the points lost (masked - uniform) and the bytes each mode held,
@@ -8,7 +8,7 @@ with 95% bootstrap CIs over examples, to the claims table, and the per-compariso
 beside it. Our numbers are never adjusted to agree; the full cache's accuracy is printed
 beside each row.
 
-    .venv/bin/python paper_repro/claim_enforcement_cost.py [--grid runs/paper_repro/grid-enforcement --n 5]
+    .venv/bin/python paper_repro/claim_enforcement_cost.py [--grid runs/paper_repro/grid-enforcement --n 4]
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import _grid
 from evictlab.eval.claims import enforcement_cost
 
 DEFAULTS = {
-    "grid": "runs/paper_repro/grid-enforcement", "models": ["smollm2-135m"],
-    "tasks": ["needle", "needle_word", "multi_key_word"], "contexts": [1024], "budgets": ["32", "64"],
-    "methods": ["snapkv+adakv"], "modes": ["physical", "uniform", "masked"], "protocols": ["query-agnostic"], "n": 5,
+    "grid": "runs/paper_repro/grid-enforcement", "models": ["smollm2-135m"], "tasks": ["needle", "needle_word"],
+    "contexts": [1024], "budgets": ["128", "512"], "methods": ["snapkv+adakv", "kvzip+adakv"],
+    "modes": ["physical", "uniform", "masked"], "protocols": ["query-agnostic"], "n": 4,
 }
 
 

@@ -7,7 +7,7 @@ retrieval tasks the full cache solves; writes the margin (exact match aware - ag
 points, 95% bootstrap CI over examples) and the peak bytes each protocol held to the claims
 table, and the per-comparison detail beside it.
 
-    .venv/bin/python paper_repro/claim_query_aware_margin.py [--grid runs/paper_repro/grid-margin --n 5]
+    .venv/bin/python paper_repro/claim_query_aware_margin.py [--grid runs/paper_repro/grid-margin --n 4]
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import _grid
 from evictlab.eval.claims import query_aware_margin
 
 DEFAULTS = {
-    "grid": "runs/paper_repro/grid-margin", "models": ["smollm2-135m"], "tasks": ["needle", "multi_key_word"],
-    "contexts": [1024], "budgets": ["32"], "methods": ["snapkv", "kvzip", "expected_attention", "h2o"],
-    "modes": ["physical"], "protocols": ["query-agnostic", "query-aware"], "n": 5,
+    "grid": "runs/paper_repro/grid-margin", "models": ["smollm2-135m"], "tasks": ["needle", "needle_word"],
+    "contexts": [1024], "budgets": ["256", "512"], "methods": ["snapkv", "kvzip", "expected_attention", "h2o"],
+    "modes": ["physical"], "protocols": ["query-agnostic", "query-aware"], "n": 4,
 }
 
 
