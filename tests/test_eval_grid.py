@@ -416,7 +416,7 @@ def test_paper_repro_grid_scripts_publish_claim_rows(tmp_path: Path, tiny: Path,
     common = ["--models", str(tiny), "--contexts", "160", "--budgets", "24", "--n", "2", "--n-boot", "100",
               "--out", str(tmp_path / "out"), "--figures", str(tmp_path / "figs")]
     enf = importlib.import_module("claim_enforcement_cost")
-    assert enf.main([*common, "--tasks", "needle", "--grid", str(tmp_path / "ge")]) == 0
+    assert enf.main([*common, "--tasks", "needle", "--methods", "snapkv+adakv", "--grid", str(tmp_path / "ge")]) == 0
     mar = importlib.import_module("claim_query_aware_margin")
     assert mar.main([*common, "--tasks", "needle", "--methods", "snapkv,h2o", "--grid", str(tmp_path / "gm")]) == 0
     rows = json.loads((tmp_path / "out" / "claims.json").read_text())
@@ -429,5 +429,5 @@ def test_paper_repro_grid_scripts_publish_claim_rows(tmp_path: Path, tiny: Path,
         assert (tmp_path / "out" / name).is_file()
     assert (tmp_path / "figs" / "enforcement_cost_accuracy_vs_bytes.png").is_file()
     # rerun: the finished grid is only read and the rows are replaced, not duplicated
-    assert enf.main([*common, "--tasks", "needle", "--grid", str(tmp_path / "ge")]) == 0
+    assert enf.main([*common, "--tasks", "needle", "--methods", "snapkv+adakv", "--grid", str(tmp_path / "ge")]) == 0
     assert len(json.loads((tmp_path / "out" / "claims.json").read_text())) == len(rows)
