@@ -256,8 +256,7 @@ def test_bad_grids_one_line_exit_2_before_any_model_loads(tmp_path: Path, args: 
     assert not (tmp_path / "g").exists()
 
 
-@pytest.mark.parametrize("args,option", [(["--methods", "bogus"], "--methods"), (["--budgets", "2048"], "--budgets"),
-                                         (["--protocols", ""], "--protocols")])
+@pytest.mark.parametrize("args,option", [(["--methods", "bogus"], "--methods"), (["--budgets", "2048"], "--budgets")])
 def test_bad_grids_through_python_m_evictlab_cli(tmp_path: Path, args: list[str], option: str) -> None:
     """The same refusals from ``python -m evictlab.cli``: the registry model is not pulled in
     this empty cache, so loading it would fail differently; the grid's error comes first."""
