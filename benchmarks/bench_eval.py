@@ -30,7 +30,7 @@ import torch
 from evictlab.eval.grid import run_grid
 from evictlab.eval.runner import load_cached
 from evictlab.eval.spec import GridSpec
-from evictlab.report.record import RunRecord
+from evictlab.report.record import RunRecord, record_path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         from evictlab.io import atomic_write_json
 
         atomic_write_json(args.out, out)
-        record.write(args.out.with_suffix(".run.json"), outputs=[str(args.out)])
+        record.write(record_path(args.out), outputs=[str(args.out)])
     return 0
 
 

@@ -362,7 +362,7 @@ def test_interrupt_then_rerun_and_compare(tmp_path: Path, tiny: Path, capsys: py
     code, err = _main(["eval", "compare", str(g), "--n-boot", "200"], capsys, monkeypatch)
     assert code == 0, err
     for name in ("pairs.parquet", "pairs.md", "pairs_wtl.png", "pairs_accuracy.pdf", "pairs_claims.parquet",
-                 "pairs.run.json"):
+                 "pairs.run_record.json"):
         assert (g / name).is_file(), name
     md = (g / "pairs.md").read_text()
     assert "The full cache (read every comparison against it)" in md and "query-agnostic" in md

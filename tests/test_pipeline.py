@@ -7,7 +7,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from evictlab.pipeline import AnalysisConfig, _parse_budgets, analyse
+from evictlab.pipeline import AnalysisConfig, analyse, parse_budgets
 from evictlab.errors import InputError
 from evictlab.stats.planted import planted_results
 
@@ -28,11 +28,16 @@ def test_report_written_with_claims_and_definitions(run_dir: Path) -> None:
     for needle in ("Claims of \"Trust the Mass\"", "| claim | paper value |", "0.021-0.047", "AUC 0.76-0.89",
                    "NP-complete", "(ours)", "Q4", "Budgets s = 4, 8, 16, 32", "Cross-model transfer",
                    "e(T_s)=0", "Eviction: none performed",
-                   "Certified optimum ES(s) vs pool optimum ES_hat(s) (certification pass"):
+                   "Certified optimum ES(s) vs pool optimum ES_hat(s) (certification pass",
+                   # the interval method is stated next to the intervals, the row bootstrap only as a comparison
+                   "cluster bootstrap that resamples prompts, then rows", "interval method",
+                   "Interval method: `cluster bootstrap: prompt > row", "row bootstrap (comparison only)",
+                   "cluster bootstrap: model > prompt > row (2 models", "### Pooled over models",
+                   "How much of the variation is between prompts", "ICC gap closed (ranks)"):
         assert needle in text, needle
     # every figure the report links exists and is non-empty, as PNG and PDF
     links = [line.split("](")[1].split(")")[0] for line in text.splitlines() if line.startswith("![")]
-    assert len(links) == 6  # ECDF, pi(s), ROC, mass-kappa, 2 heatmaps
+    assert len(links) == 7  # gap medians, ECDF, pi(s), ROC, mass-kappa, 2 heatmaps
     for rel in links:
         png = run_dir / rel
         assert png.stat().st_size > 5000
@@ -53,6 +58,11 @@ def test_tables_one_row_per_observation(run_dir: Path) -> None:
     tr = pl.read_parquet(run_dir / "tables" / "auc_transfer.parquet")
     assert set(tr["trained_on"].to_list()) == {"planted", "planted-b"}
     claims = pl.read_parquet(run_dir / "tables" / "claims.parquet")
+    ceiling = claims.filter(pl.col("claim_id") == "ceiling")
+    assert ceiling.height == 12  # 2 models x 4 budgets + 4 pooled
+    assert all(m.startswith("cluster bootstrap: ") for m in ceiling["interval"].to_list())
+    assert s["interval"].str.starts_with("cluster bootstrap: prompt > row").all()
+    assert {"gap_closed_median_icc", "gap_closed_median_row_lo", "prompts"} <= set(s.columns)
     assert {"ceiling", "penalty", "penalty-trend", "auc", "np-hardness", "certified"} <= set(claims["claim_id"].to_list())
     cs = pl.read_parquet(run_dir / "tables" / "certified_summary.parquet")
     assert cs["s"].to_list() == [4, 8] and (cs["rows_certified"] == 200).all()
@@ -63,8 +73,8 @@ def test_tables_one_row_per_observation(run_dir: Path) -> None:
 
 
 def test_budgets_parsing() -> None:
-    assert _parse_budgets("32, 4,8 16") == (4, 8, 16, 32)
+    assert parse_budgets("32, 4,8 16") == (4, 8, 16, 32)
     with pytest.raises(InputError):
-        _parse_budgets("4,x")
+        parse_budgets("4,x")
     with pytest.raises(InputError):
-        _parse_budgets("0")
+        parse_budgets("0")

@@ -138,7 +138,7 @@ def compare(
     from evictlab.eval.compare import TieRule
     from evictlab.eval.grid import MANIFEST, RESULTS, read_manifest
     from evictlab.io import check_output_file, exclusive_lock, read_parquet
-    from evictlab.report.record import RunRecord
+    from evictlab.report.record import RunRecord, record_path
 
     with as_options(COMPARE_OPTIONS):
         if not grid.is_dir():
@@ -157,7 +157,7 @@ def compare(
         results = read_parquet(grid / RESULTS, f"rerun `evictlab eval run` into a new folder")
         with exclusive_lock(out, "--out"):
             written = write_comparison(results, out, rule, manifest)
-        record.write(out.with_suffix(".run.json"), outputs=[str(p) for p in written])
+        record.write(record_path(out), outputs=[str(p) for p in written])
     typer.echo(f"{written[0]}\n{written[1]}")
 
 

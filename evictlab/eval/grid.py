@@ -6,7 +6,7 @@ Layout of ``DIR`` (docs/evaluation.md):
                            the skipped combinations; written first, never changed
     DIR/parts/<key>.parquet  one file per finished cell (atomic), rows of run_cell
     DIR/results.parquet    every part, in the grid's cell order (written when all are done)
-    DIR/run.json           the run record (RunRecord), written last: marks a finished grid
+    DIR/run_record.json    the run record (RunRecord), written last: marks a finished grid
 
 A rerun with the same grid resumes: cells whose part exists are not run again. A different
 grid into the same folder is refused (:class:`InputError` naming ``out``) with the fields
@@ -37,7 +37,6 @@ __all__ = ["GridRun", "MapCells", "local_map", "preflight", "read_manifest", "ru
 
 MANIFEST = "grid.json"
 RESULTS = "results.parquet"
-RECORD = "run.json"
 PARTS = "parts"
 
 MapCells = Callable[[Callable[..., pl.DataFrame], list[CellSpec]], Iterable[tuple[CellSpec, pl.DataFrame]]]
@@ -147,9 +146,10 @@ def run_grid(spec: GridSpec, out: str | Path, *, map_cells: MapCells | None = No
 
     ``progress`` gets 1 per finished example (local executor); ``on_start(total_examples,
     done_examples)`` is called once the pending work is known; ``record`` is a
-    :class:`~evictlab.report.record.RunRecord` written as ``run.json`` at the end.
+    :class:`~evictlab.report.record.RunRecord` written as ``run_record.json`` at the end.
     """
     from evictlab.io import atomic_path, check_output_path, exclusive_lock, read_parquet
+    from evictlab.report.record import record_path
 
     out = check_output_path(out, "out", directory=True)
     cells = spec.cells()
@@ -173,6 +173,6 @@ def run_grid(spec: GridSpec, out: str | Path, *, map_cells: MapCells | None = No
         with atomic_path(out / RESULTS, suffix=".parquet") as tmp:
             results.write_parquet(tmp)
         if record is not None:
-            record.write(out / RECORD, outputs=[str(out / RESULTS)], cells=len(cells), ran=len(pending),
+            record.write(record_path(out, folder=True), outputs=[str(out / RESULTS)], cells=len(cells), ran=len(pending),
                          resumed=len(done), rows=results.height)
     return GridRun(out, len(cells), len(pending), len(done), out / RESULTS)

@@ -137,7 +137,7 @@ def solve(
     certify: bool = typer.Option(False, "--certify",
                                  help="Also certify ES(s) over all keys (rows n <= --cert-max-n, s <= --cert-max-s)."),
     max_swaps: int = typer.Option(64, "--max-swaps", help="Balancing selector: at most K swaps."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="Numba threads (default: all cores)."),
+    threads: int = typer.Option(0, "--threads", min=0, help="CPU threads of the computation (Numba) (0 = the library default, all cores)."),
     chunk_rows: int = typer.Option(4096, "--chunk-rows", help="Rows per resumable part file."),
     cert_max_n: int = typer.Option(48, "--cert-max-n", help="Certify only rows with n <= this."),
     cert_max_s: int = typer.Option(8, "--cert-max-s", help="Certify only budgets s <= this."),

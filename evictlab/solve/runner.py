@@ -32,6 +32,7 @@ import numpy as np
 import polars as pl
 
 from evictlab.errors import CorruptFileError, InputError
+from evictlab.report.record import RunRecord, record_path
 from evictlab.io import (
     atomic_path,
     atomic_write_json,
@@ -255,11 +256,6 @@ def parts_dir_for(out: Path) -> Path:
     return out.with_name(out.name + ".parts")
 
 
-def record_path_for(out: Path) -> Path:
-    """Run record beside ``out`` (``RESULTS.parquet`` -> ``RESULTS.run_record.json``)."""
-    return out.with_name(out.stem + ".run_record.json")
-
-
 def _dataset_id(store: Any) -> str:
     """A digest identifying the dataset content (its shards' checksums and row count)."""
     man = store.manifest
@@ -336,7 +332,8 @@ def solve_rows(
         out: results file; its parent folder must exist. Its part files live in
             ``<out>.parts/`` until the end; the run holds ``out``'s lock throughout.
         cfg: the solve configuration (checked here against the dataset).
-        threads: Numba threads (``None``: Numba's default, all cores).
+        threads: CPU threads of the Numba kernels (``None`` or 0: Numba's default, all cores;
+            the meaning of ``--threads`` in every command).
         overwrite: replace an existing ``out``; restart: discard part files of an earlier,
             different job instead of refusing.
         progress: show a tqdm bar (rows); stop_after: write at most this many new parts,
@@ -346,6 +343,7 @@ def solve_rows(
     """
     import numba
 
+    threads = threads or None  # 0 = the library default, as --threads everywhere
     if threads is not None:
         _int(threads, "--threads", 1)
         if threads > numba.config.NUMBA_NUM_THREADS:
@@ -367,7 +365,6 @@ def _solve_locked(rows: Path, out: Path, cfg: SolveConfig, threads: int | None, 
     """:func:`solve_rows` once ``out``'s lock is held."""
     from tqdm import tqdm
 
-    from evictlab.report.record import RunRecord
     from evictlab.rows.reader import RowStore
 
     record = RunRecord(kind="solve", config={**cfg.to_dict(), "rows": str(rows), "threads": threads})
@@ -474,7 +471,7 @@ def _solve_locked(rows: Path, out: Path, cfg: SolveConfig, threads: int | None, 
                       how="vertical")
     with atomic_path(out, suffix=".parquet") as tmp:
         table.write_parquet(tmp)
-    rec = record.write(record_path_for(out), output=str(out), rows_out=table.height,
+    rec = record.write(record_path(out), output=str(out), rows_out=table.height,
                        parts=n_parts, parts_resumed=len(done))
     shutil.rmtree(parts)
     summary.out = out
