@@ -30,7 +30,7 @@ import polars as pl
 from evictlab.eval.compare import cluster_bootstrap_mean
 from evictlab.stats.claims import ClaimRow, weights_for
 
-__all__ = ["ENFORCEMENT_PAPER", "MARGIN_PAPER", "MARGIN_SCORERS", "enforcement_cost", "query_aware_margin",
+__all__ = ["ENFORCEMENT_PAPER", "INTERVAL", "MARGIN_PAPER", "MARGIN_SCORERS", "enforcement_cost", "query_aware_margin",
            "versus"]
 
 ENFORCEMENT_PAPER = (14.1, 62.2)
@@ -38,6 +38,9 @@ ENFORCEMENT_PAPER = (14.1, 62.2)
 MARGIN_PAPER = 87.6
 """The query-aware retrieval margin in points, the paper's value."""
 MARGIN_SCORERS = ("snapkv", "kvzip", "expected_attention", "h2o")
+INTERVAL = ("95% percentile bootstrap, resampling examples (one task, context and index, with all its budgets); "
+            "examples paired across the two arms")
+"""How the claim rows' intervals were resampled (the ``interval`` column)."""
 
 
 def versus(lo: float, hi: float, p_lo: float, p_hi: float) -> str:
@@ -160,6 +163,7 @@ def enforcement_cost(results: pl.DataFrame, *, seed: int = 0, n_boot: int = 2000
                       f"{bytes_note}; {_full_note(d)}",
             verdict=versus(lo, hi, *ENFORCEMENT_PAPER),
             **_where(model, g, d),
+            interval=INTERVAL,
             definitions="exact match = greedy reproduces the answer (teacher-forced argmax); points = 100 x mean "
                         "difference; 95% bootstrap CI over examples (ours)",
         ))
@@ -202,6 +206,7 @@ def query_aware_margin(results: pl.DataFrame, tasks: tuple[str, ...] | None = No
                       f"{d['MiB_peak_agnostic'].mean():.2f} MiB (agnostic); {_full_note(d)}",
             verdict=versus(lo, hi, MARGIN_PAPER, MARGIN_PAPER),
             **_where(model, g, d),
+            interval=INTERVAL,
             definitions="query-aware = the only compression runs after the question (all but its last token) is "
                         "fed; physical mode; 95% bootstrap CI over examples (ours)",
         ))

@@ -197,7 +197,7 @@ def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any
     claims_path = stem.parent / (stem.name + "_claims.parquet")
     rows = [c.to_dict() for c in (*claims_e, *claims_m)]
     with atomic_path(claims_path, suffix=".parquet") as tmp:
-        pl.DataFrame(rows, schema={k: pl.Utf8 for k in ("claim_id", "claim", "paper_value", "our_value", "verdict",
-                                                         "model", "rows", "budgets", "definitions")}
+        pl.DataFrame(rows, schema={k: pl.Utf8 for k in ("claim_id", "claim", "paper_value", "our_value", "interval",
+                                                         "verdict", "model", "rows", "budgets", "definitions")}
                      ).write_parquet(tmp)
     return [out, report, claims_path, *[f.png for f in figs], *[f.pdf for f in figs]]
