@@ -17,7 +17,7 @@ import pytest
 from evictlab import cli
 from evictlab.capture.testing import save_tiny_folder
 from evictlab.errors import InputError
-from evictlab.eval.grid import MANIFEST, PARTS, RESULTS, run_grid
+from evictlab.eval.grid import MANIFEST, PARTS, RESULTS, run_grid, write_manifest
 from evictlab.eval.runner import RESULT_COLUMNS, clear_caches, run_cell
 from evictlab.eval.spec import GridSpec, LoopSettings
 
@@ -212,6 +212,10 @@ BAD_RUNS = [
     (["--models", "smollm2-135m,smollm2-135m"], "--models"),
     (["--models", "./no/such/folder"], "--models"),
     (["--n", "0"], "--n"),
+    (["--seed", "-1"], "--seed"),
+    (["--threads", "-1"], "--threads"),
+    (["--budgets", "0"], "--budgets"),
+    (["--budgets", "infMiB"], "--budgets"),
     (["--scorer-param", "windw=3"], "--scorer-param"),
     (["--allocator-param", "alpha=2", "--methods", "snapkv+adakv"], "--allocator-param"),
     (["--methods", "full"], "--budgets"),  # the default budget goes with evicting methods only
@@ -282,10 +286,17 @@ def test_cli_usage_errors_and_paths(tmp_path: Path, tiny: Path, capsys: pytest.C
                        "1", "--out", str(tmp_path / "big"), "--quiet"], capsys, monkeypatch)
     assert code == 2, err
     _one_line(err, "--budgets", ["eval", "run"])
-    assert "nothing would be evicted" in err and not list((tmp_path / "big" / PARTS).glob("*.parquet"))
-    # compare: not a folder, not a grid, an unfinished grid
+    assert "nothing would be evicted" in err and not (tmp_path / "big").exists()  # the same --out can be reused
+    # a context beyond the model's positions: refused before an example of that length is built
+    code, err = _main(["eval", "run", "--models", str(tiny), "--context", "10000000", "--budgets", "24", "--n", "1",
+                       "--out", str(tmp_path / "long"), "--quiet"], capsys, monkeypatch)
+    assert code == 2, err
+    _one_line(err, "--context", ["eval", "run"])
+    assert "positions" in err and not (tmp_path / "long").exists()
+    # compare: not a folder, not a grid, an unfinished grid (a manifest, no results yet)
+    write_manifest(_spec(tiny), tmp_path / "unfinished")
     for grid, words in ((tmp_path / "nope", "not a folder"), (tmp_path, "not a grid folder"),
-                        (tmp_path / "big", "not finished")):
+                        (tmp_path / "unfinished", "not finished")):
         code, err = _main(["eval", "compare", str(grid)], capsys, monkeypatch)
         assert code == 2 and words in err, err
         _one_line(err, "GRID", ["eval", "compare"])

@@ -25,7 +25,7 @@ RUN_OPTIONS = {
     "windows": "--context", "budgets": "--budgets", "budget": "--budgets", "budget.value": "--budgets",
     "budget.unit": "--budgets", "methods": "--methods", "method": "--methods", "scorer": "--methods",
     "allocator": "--methods", "modes": "--modes", "mode": "--modes", "protocols": "--protocols",
-    "question_ids": "--protocols", "n": "--n", "scorer_param": "--scorer-param",
+    "question_ids": "--protocols", "n": "--n", "seed": "--seed", "threads": "--threads", "scorer_param": "--scorer-param",
     "allocator_param": "--allocator-param", "ppl_target": "--ppl-target", "out": "--out", "chunk_size": "--chunk",
     "compress_every": "--compress-every", "window": "--window", "block_size": "--block-size", "sinks": "--sinks",
     "recent": "--recent",

@@ -3,14 +3,16 @@
 Layout of ``DIR`` (docs/evaluation.md):
 
     DIR/grid.json          the manifest: format version, the GridSpec, every cell's key,
-                           the skipped combinations; written first, never changed
+                           the skipped combinations; written once the grid has passed the
+                           checks that need its models (:func:`preflight`), never changed
     DIR/parts/<key>.parquet  one file per finished cell (atomic), rows of run_cell
     DIR/results.parquet    every part, in the grid's cell order (written when all are done)
     DIR/run_record.json    the run record (RunRecord), written last: marks a finished grid
 
 A rerun with the same grid resumes: cells whose part exists are not run again. A different
 grid into the same folder is refused (:class:`InputError` naming ``out``) with the fields
-that differ. One writer at a time (:func:`evictlab.io.exclusive_lock`). A killed run leaves
+that differ. A grid refused by :func:`preflight` writes nothing (the corrected command
+can use the same folder). One writer at a time (:func:`evictlab.io.exclusive_lock`). A killed run leaves
 finished parts and at most a temporary file (removed on the next run), never a part or
 ``results.parquet`` that looks complete but is not.
 
@@ -30,10 +32,10 @@ from typing import Any
 import polars as pl
 
 from evictlab.errors import CorruptFileError, InputError
-from evictlab.eval.runner import RESULT_COLUMNS, check_lengths, load_cached, run_cell
+from evictlab.eval.runner import RESULT_COLUMNS, check_context, check_lengths, load_cached, run_cell
 from evictlab.eval.spec import GRID_VERSION, CellSpec, GridSpec
 
-__all__ = ["GridRun", "MapCells", "local_map", "preflight", "read_manifest", "run_grid"]
+__all__ = ["GridRun", "MapCells", "local_map", "preflight", "read_manifest", "run_grid", "write_manifest"]
 
 MANIFEST = "grid.json"
 RESULTS = "results.parquet"
@@ -80,22 +82,28 @@ def read_manifest(out: Path) -> dict[str, Any]:
     return d
 
 
-def _open(spec: GridSpec, out: Path, cells: list[CellSpec]) -> None:
-    """Create the manifest, or check that the one in ``out`` is this grid's."""
-    from evictlab.io import atomic_write_json
-
+def _check_folder(spec: GridSpec, out: Path) -> bool:
+    """True if ``out`` holds this grid's manifest (a resume), False if it is new or empty;
+    refuses (field ``out``) a different grid or a folder that is not a grid's."""
     if (out / MANIFEST).exists():
         old = GridSpec.from_dict(read_manifest(out)["spec"])
         diff = spec.differences(old)
         if diff:
             raise InputError("out", f"{out} holds a different grid ({'; '.join(diff)})",
                              "rerun with the same arguments to resume it, or choose another --out")
-        return
+        return True
     if out.exists() and any(p.name != PARTS for p in out.iterdir() if not p.name.startswith(".")):
         raise InputError("out", f"{out} exists and is not a grid folder", "choose a new or empty folder")
+    return False
+
+
+def write_manifest(spec: GridSpec, out: Path) -> None:
+    """Create ``out`` (if needed) and its manifest: the grid, its cells' keys, the skips."""
+    from evictlab.io import atomic_write_json
+
     out.mkdir(exist_ok=True)
     atomic_write_json(out / MANIFEST, {"version": GRID_VERSION, "spec": spec.to_dict(),
-                                       "cells": [c.key for c in cells], "skipped": spec.skipped()})
+                                       "cells": [c.key for c in spec.cells()], "skipped": spec.skipped()})
 
 
 def _done(out: Path, cells: list[CellSpec]) -> set[str]:
@@ -122,6 +130,7 @@ def preflight(spec: GridSpec, cells: list[CellSpec]) -> None:
         ex_key = (cell.model, cell.task, cell.context)
         if ex_key not in checked:
             checked.add(ex_key)
+            check_context(cell, lm)
             check_lengths(cell, lm, cell_examples(cell, tok))
         if cell.is_full or (cell.model, cell.context, cell.budget, cell.method, cell.mode) in checked:
             continue
@@ -154,13 +163,18 @@ def run_grid(spec: GridSpec, out: str | Path, *, map_cells: MapCells | None = No
     out = check_output_path(out, "out", directory=True)
     cells = spec.cells()
     with exclusive_lock(out, "out"):
-        _open(spec, out, cells)
+        resume = _check_folder(spec, out)
+        if not resume:
+            # A grid refused by the checks that need the models leaves nothing behind, so the
+            # corrected command can reuse the same --out.
+            preflight(spec, cells)
+            write_manifest(spec, out)
         done = _done(out, cells)
         pending = [c for c in cells if c.key not in done]
+        if resume and pending:
+            preflight(spec, pending)
         if on_start is not None:
             on_start(len(cells) * spec.n, len(done) * spec.n)
-        if pending:
-            preflight(spec, pending)
         mapper = map_cells or local_map(progress)
         for cell, frame in mapper(run_cell, pending):
             if list(frame.columns) != list(RESULT_COLUMNS) or frame.height != cell.n:

@@ -44,7 +44,7 @@ import polars as pl
 from evictlab.errors import InputError
 from evictlab.eval.spec import FULL, CellSpec
 
-__all__ = ["RESULT_COLUMNS", "FullReference", "clear_caches", "full_reference", "load_cached", "run_cell"]
+__all__ = ["RESULT_COLUMNS", "FullReference", "check_context", "check_lengths", "clear_caches", "full_reference", "load_cached", "run_cell"]
 
 RESULT_COLUMNS: dict[str, Any] = {
     "cell": pl.Utf8, "model": pl.Utf8, "task": pl.Utf8, "context": pl.Int64, "method": pl.Utf8,
@@ -125,6 +125,15 @@ def _max_positions(model: Any) -> int | None:
     return int(v) if v else None
 
 
+def check_context(cell: CellSpec, model: Any) -> None:
+    """Refuse (field ``contexts``) a requested context at or beyond the model's positions,
+    before any example of that length is built (building one costs time and memory)."""
+    limit = _max_positions(model)
+    if limit is not None and cell.context >= limit:
+        raise InputError("contexts", f"{cell.context} tokens is at or beyond {cell.model}'s {limit} positions",
+                         f"use contexts below {limit} tokens (the question and the answer need room too)")
+
+
 def check_lengths(cell: CellSpec, model: Any, examples: list[Any]) -> None:
     """Refuse (field ``contexts``) an example longer than the model's positions."""
     limit = _max_positions(model)
@@ -158,6 +167,7 @@ def full_reference(cell: CellSpec, progress: Callable[[int], None] | None = None
         from evictlab.decode.loop import run_sequence
 
         lm, tok = load_cached(full.model, full.device)
+        check_context(full, lm)
         examples = cell_examples(full, tok)
         check_lengths(full, lm, examples)
         cfg = full.decode_config()
@@ -214,6 +224,7 @@ def run_cell(cell: CellSpec, progress: Callable[[int], None] | None = None) -> p
     from evictlab.models.geometry import model_geometry
 
     lm, tok = load_cached(cell.model, cell.device)
+    check_context(cell, lm)
     examples = cell_examples(cell, tok)
     ref = full_reference(cell, progress)
     g = model_geometry(lm)

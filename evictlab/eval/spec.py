@@ -25,7 +25,7 @@ loop settings, the method's parameters), is frozen, hashable and picklable, so a
 or a remote executor can call :func:`evictlab.eval.runner.run_cell` on it.
 
 Errors are :class:`InputError` with neutral fields (``models``, ``tasks``, ``contexts``,
-``budgets``, ``methods``, ``modes``, ``protocols``, ``n``, ``scorer_param``,
+``budgets``, ``methods``, ``modes``, ``protocols``, ``n``, ``seed``, ``scorer_param``,
 ``allocator_param``, ``ppl_target``); ``evictlab eval run`` names its own options.
 """
 
@@ -253,6 +253,8 @@ class GridSpec:
         refuse_duplicates(self.contexts, "contexts", "context length")
         if self.n < 1:
             raise InputError("n", f"{self.n} examples", "use n >= 1")
+        if self.seed < 0:
+            raise InputError("seed", f"{self.seed} is negative", "use a seed >= 0, e.g. 0")
         if self.target_tokens < 1:
             raise InputError("ppl_target", f"{self.target_tokens} target tokens", "use at least 1")
         _nonempty(self.methods, "methods", "name at least one scorer or scorer+allocator (or full)")
