@@ -222,8 +222,8 @@ CONTOUR_KVZIP_PAPER = (93, 22, 22, 160)
 """ContourKV vs KVzip, the paper's wins / ties / losses over its paired comparisons."""
 CONTOUR_SNAPKV_PAPER = ((0.37, 1.00), (0.00, 0.11))
 """ContourKV vs SnapKV on retrieval at s = 128: the paper's win-rate ranges (ContourKV's, SnapKV's)."""
-CONTOUR_COMPACTOR_PAPER = (96, 160)
-"""ContourKV vs Compactor: the paper's ties over its paired comparisons."""
+CONTOUR_COMPACTOR_PAPER = (None, 96, None, 160)
+"""ContourKV vs Compactor: the paper's ties over its paired comparisons (wins and losses not given)."""
 CONTOUR_SCORERS = ("snapkv", "kvzip", "expected_attention", "compactor")
 CONTOUR_BASELINES = ("uniform", "pyramidkv", "adakv")
 CONTOUR_FULL_GRID: dict[str, Any] = {
@@ -332,6 +332,7 @@ def contourkv_versus(results: pl.DataFrame, *, tolerance: float = 0.1, seed: int
     (``compactor+contourkv`` vs ``compactor``).
     """
     from evictlab.decode.tasks import RETRIEVAL_TASKS
+    from evictlab.kv.budget import Budget
 
     o = contour_outcomes(results, tolerance)
     if o.height == 0:
@@ -358,7 +359,7 @@ def contourkv_versus(results: pl.DataFrame, *, tolerance: float = 0.1, seed: int
         n_cmp = g.select(_COMPARISON).unique().height
         return {"rows": f"{g.height} paired examples, {n_cmp} comparisons ({', '.join(sorted(set(g['task'])))}; "
                         f"scorers {', '.join(sorted(set(g['scorer'])))})",
-                "budgets": ", ".join(sorted(set(g["budget"]), key=lambda b: int(b.split('/')[0].rstrip('totalB'))))}
+                "budgets": ", ".join(sorted(set(g["budget"]), key=lambda b: (Budget.parse(b).unit, Budget.parse(b).value)))}
 
     def full_note(g: pl.DataFrame) -> str:
         return _full_note(detail.join(g.select(_COMPARISON).unique(), on=_COMPARISON, how="semi"))
@@ -373,29 +374,36 @@ def contourkv_versus(results: pl.DataFrame, *, tolerance: float = 0.1, seed: int
             our_value=f"{_wtl_text(c)}; share won {v:.2f} [{lo:.2f}, {hi:.2f}]; {full_note(g)}",
             verdict="no paper value", **where, **rows_text(g), interval=CONTOUR_INTERVAL, definitions=defs))
 
-    kv = o.filter((pl.col("scorer") == "kvzip") & (pl.col("baseline_allocator") == "adakv")
-                  & (pl.col("allocator") == "contourkv"))
-    pw, pt, pl_, pn = CONTOUR_KVZIP_PAPER
-    if kv.height:
-        c = _counts(kv)
-        v, lo, hi = _share(kv, 0, seed, "contour|kvzip", n_boot)
-        claims.append(ClaimRow(
-            claim_id="contourkv:vs_kvzip", claim="ContourKV wins most paired comparisons against KVzip",
-            paper_value=f"{pw} wins / {pt} ties / {pl_} losses over {pn} comparisons (share won {pw / pn:.2f})",
-            our_value=f"kvzip+contourkv vs kvzip+adakv: {_wtl_text(c)}; share won {v:.2f} [{lo:.2f}, {hi:.2f}]; "
-                      f"{full_note(kv)}",
-            verdict=versus(lo, hi, pw / pn, pw / pn), **where, **rows_text(kv), interval=CONTOUR_INTERVAL,
-            definitions=defs + "; KVzip = kvzip scorer with per-head ragged (AdaKV) sizes, as kvpress runs it "
-                               "(masked there; its outputs equal our physical run's)"))
-    else:
-        claims.append(_not_run("contourkv:vs_kvzip", "ContourKV wins most paired comparisons against KVzip",
-                               f"{pw} wins / {pt} ties / {pl_} losses over {pn} comparisons",
-                               "kvzip+contourkv and kvzip+adakv"))
+    def share_row(sub: pl.DataFrame, which: int, claim_id: str, claim: str, paper: tuple[Any, ...],
+                  label: str, extra: str = "") -> ClaimRow:
+        """A paper row on the share of comparisons won (``which=0``) or tied (1)."""
+        count, total = paper[which], paper[3]
+        paper_text = " / ".join(f"{n} {w}" for n, w in zip(paper[:3], ("wins", "ties", "losses")) if n is not None)
+        paper_text += f" over {total} comparisons"
+        if sub.height == 0:
+            return _not_run(claim_id, claim, paper_text, label.replace(" vs ", " and "))
+        word = ("won", "tied")[which]
+        v, lo, hi = _share(sub, which, seed, f"contour|{claim_id}", n_boot)
+        return ClaimRow(
+            claim_id=claim_id, claim=claim, paper_value=f"{paper_text} (share {word} {count / total:.2f})",
+            our_value=f"{label}: {_wtl_text(_counts(sub))}; share {word} {v:.2f} [{lo:.2f}, {hi:.2f}]; "
+                      f"{full_note(sub)}",
+            verdict=versus(lo, hi, count / total, count / total), **where, **rows_text(sub),
+            interval=CONTOUR_INTERVAL, definitions=defs + extra)
+
+    def same_scorer(scorer: str, baseline: str) -> pl.DataFrame:
+        return o.filter((pl.col("scorer") == scorer) & (pl.col("baseline_allocator") == baseline)
+                        & (pl.col("allocator") == "contourkv"))
+
+    claims.append(share_row(
+        same_scorer("kvzip", "adakv"), 0, "contourkv:vs_kvzip", "ContourKV wins most paired comparisons against KVzip",
+        CONTOUR_KVZIP_PAPER, "kvzip+contourkv vs kvzip+adakv",
+        "; KVzip = kvzip scorer with per-head ragged (AdaKV) sizes, as kvpress runs it (masked there; its outputs "
+        "equal our physical run's)"))
 
     (c_lo, c_hi), (s_lo, s_hi) = CONTOUR_SNAPKV_PAPER
-    sk = o.filter((pl.col("scorer") == "snapkv") & (pl.col("baseline_allocator") == "uniform")
-                  & (pl.col("allocator") == "contourkv") & pl.col("task").is_in(list(RETRIEVAL_TASKS))
-                  & (pl.col("budget") == "128/cell"))
+    sk = same_scorer("snapkv", "uniform").filter(pl.col("task").is_in(list(RETRIEVAL_TASKS))
+                                                 & (pl.col("budget") == "128/cell"))
     if sk.height:
         per = sk.group_by(["model", "task"], maintain_order=True).agg(
             (pl.col("outcome") > 0).mean().alias("ours"), (pl.col("outcome") < 0).mean().alias("theirs"))
@@ -422,22 +430,10 @@ def contourkv_versus(results: pl.DataFrame, *, tolerance: float = 0.1, seed: int
                                f"win rate {c_lo:.2f}-{c_hi:.2f} vs {s_lo:.2f}-{s_hi:.2f}",
                                "snapkv+contourkv and snapkv at 128 per cell on a retrieval task"))
 
-    ct, cn = CONTOUR_COMPACTOR_PAPER
-    cp = o.filter((pl.col("scorer") == "compactor") & (pl.col("baseline_allocator") == "uniform")
-                  & (pl.col("allocator") == "contourkv"))
-    if cp.height:
-        c = _counts(cp)
-        v, lo, hi = _share(cp, 1, seed, "contour|compactor", n_boot)
-        claims.append(ClaimRow(
-            claim_id="contourkv:ties_compactor", claim="ContourKV and Compactor mostly tie (both near the subset optimum)",
-            paper_value=f"{ct} ties over {cn} comparisons (share tied {ct / cn:.2f})",
-            our_value=f"compactor+contourkv vs compactor: {_wtl_text(c)}; share tied {v:.2f} [{lo:.2f}, {hi:.2f}]; "
-                      f"{full_note(cp)}",
-            verdict=versus(lo, hi, ct / cn, ct / cn), **where, **rows_text(cp), interval=CONTOUR_INTERVAL,
-            definitions=defs))
-    else:
-        claims.append(_not_run("contourkv:ties_compactor", "ContourKV and Compactor mostly tie",
-                               f"{ct} ties over {cn} comparisons", "compactor+contourkv and compactor"))
+    claims.append(share_row(
+        same_scorer("compactor", "uniform"), 1, "contourkv:ties_compactor",
+        "ContourKV and Compactor mostly tie (both near the subset optimum)", CONTOUR_COMPACTOR_PAPER,
+        "compactor+contourkv vs compactor"))
     return claims, detail
 
 
