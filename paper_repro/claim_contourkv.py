@@ -1,6 +1,6 @@
 """Claim: ContourKV beats the standard allocators at matched bytes ("Trust the Mass": 93 wins / 22 ties / 22 losses vs KVzip over 160 comparisons; win rate 0.37-1.00 vs SnapKV's 0.00-0.11 on retrieval at s = 128; 96/160 ties with Compactor).
 
-Runs (or resumes) one grid per model under ``--grid`` (``<grid>/<model>``; ``--jobs`` of
+Runs (or resumes) one grid per model under ``--grid`` (``<grid>/<model name>``; ``--jobs`` of
 them at once, one process each): every scorer with ContourKV (online: the observation
 window's dropped-mass profile at each compression) and with the baselines, all physical
 (the paged store frees what is evicted, so at one budget every arm holds the same bytes),
@@ -21,6 +21,7 @@ reduced run we measured and its command.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -58,9 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     record = RunRecord(kind="paper-repro-contourkv", seed=args.seed, config=_common.config(args))
     jobs = []
     for model in parse_list(args.models):
-        jobs.append(argparse.Namespace(**{**vars(args), "models": model, "grid": args.grid / model}))
+        name = re.sub(r"[^A-Za-z0-9.+=-]+", "_", Path(model).name or model)  # a registry name or a model folder
+        jobs.append(argparse.Namespace(**{**vars(args), "models": model, "grid": args.grid / name}))
         if parse_list(args.masked_methods):
-            jobs.append(argparse.Namespace(**{**vars(args), "models": model, "grid": args.grid / f"{model}-masked",
+            jobs.append(argparse.Namespace(**{**vars(args), "models": model, "grid": args.grid / f"{name}-masked",
                                               "methods": args.masked_methods, "modes": "masked"}))
     if args.jobs > 1:
         with ProcessPoolExecutor(args.jobs) as pool:

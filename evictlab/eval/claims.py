@@ -312,7 +312,8 @@ def _share(o: pl.DataFrame, which: int, seed: int, key: str, n_boot: int) -> tup
 
 
 def _wtl_text(c: np.ndarray) -> str:
-    return f"{c[0]} wins / {c[1]} ties / {c[2]} losses over {int(c.sum())} comparisons"
+    n = int(c.sum())
+    return f"{c[0]} wins / {c[1]} ties / {c[2]} losses over {n} comparison{'s' if n != 1 else ''}"
 
 
 def contourkv_versus(results: pl.DataFrame, *, tolerance: float = 0.1, seed: int = 0, n_boot: int = 2000
@@ -332,7 +333,6 @@ def contourkv_versus(results: pl.DataFrame, *, tolerance: float = 0.1, seed: int
     (``compactor+contourkv`` vs ``compactor``).
     """
     from evictlab.decode.tasks import RETRIEVAL_TASKS
-    from evictlab.kv.budget import Budget
 
     o = contour_outcomes(results, tolerance)
     if o.height == 0:
@@ -357,9 +357,9 @@ def contourkv_versus(results: pl.DataFrame, *, tolerance: float = 0.1, seed: int
 
     def rows_text(g: pl.DataFrame) -> dict[str, str]:
         n_cmp = g.select(_COMPARISON).unique().height
-        return {"rows": f"{g.height} paired examples, {n_cmp} comparisons ({', '.join(sorted(set(g['task'])))}; "
+        return {"rows": f"{g.height} paired examples, {n_cmp} comparison{'s' if n_cmp != 1 else ''} ({', '.join(sorted(set(g['task'])))}; "
                         f"scorers {', '.join(sorted(set(g['scorer'])))})",
-                "budgets": ", ".join(sorted(set(g["budget"]), key=lambda b: (Budget.parse(b).unit, Budget.parse(b).value)))}
+                "budgets": ", ".join(dict.fromkeys(g["budget"].to_list()))}  # the grid's order
 
     def full_note(g: pl.DataFrame) -> str:
         return _full_note(detail.join(g.select(_COMPARISON).unique(), on=_COMPARISON, how="semi"))
