@@ -78,7 +78,6 @@ from evictlab.kv.masked import MaskedKVStore
 from evictlab.kv.paged import PagedKVStore
 from evictlab.methods.base import AllocInputs, Allocator, Phase, Scorer, check_sizes
 from evictlab.models.geometry import ModelGeometry, model_geometry
-from evictlab.models.sites import find_attention_sites
 
 Mode = Literal["physical", "masked", "full"]
 MODES: tuple[str, ...] = ("physical", "masked", "full")
@@ -230,48 +229,18 @@ class DecodeOutput:
 @contextlib.contextmanager
 def attach_model(model: torch.nn.Module, cache: EvictionCache,
                  windows: list[int | None] | tuple[int | None, ...] | None = None) -> Iterator[EvictionCache]:
-    """:func:`evictlab.kv.cache.attach` plus the sliding window on sliding layers.
+    """:func:`evictlab.kv.cache.attach` with the model's sliding windows.
 
-    ``attach``'s pre-hook replaces each layer's mask by a causal mask over the store's slot
-    positions; on a layer with window ``w`` (``windows``, default the model's
-    :attr:`ModelGeometry.windows`) a second pre-hook, registered after it so it runs after
-    it, also masks every slot with ``q_pos - slot_pos >= w``: the bound the model's own
-    sliding mask applies, per query, which a chunk of several queries needs even after
-    out-of-window entries were dropped. Hooks are removed on exit.
+    On a layer with window ``w`` (``windows``, default the model's
+    :attr:`ModelGeometry.windows`) a query at ``q_pos`` attends only slots with
+    ``q_pos - slot_pos < w``: the bound the model's own sliding mask applies, per query,
+    which a chunk of several queries needs even after out-of-window entries were dropped
+    (ragged attention applies it itself; the rectangular path adds it to the mask). Hooks
+    are removed on exit.
     """
     windows = model_geometry(model).windows if windows is None else windows
-    with attach(model, cache):
-        handles: list[Any] = []
-
-        def make_window_hook(layer: int, w: int):  # noqa: ANN202 - closure over the layer
-            def window_hook(module: torch.nn.Module, args: tuple[Any, ...],
-                            kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-                hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-                seen = cache.layers[layer].seen
-                q_pos = torch.arange(seen, seen + hidden.shape[1], device=hidden.device)
-                slot_pos = cache.store.layout_positions(layer, q_pos).to(hidden.device)
-                mask = kwargs.get("attention_mask")
-                if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[-1] != slot_pos.shape[-1]:
-                    raise RuntimeError(f"layer {layer}: expected attach()'s (batch, q_heads, q_len, "
-                                       f"{slot_pos.shape[-1]}) mask to add the sliding window to, got "
-                                       f"{type(mask).__name__}")
-                far = slot_pos[:, :, None, :] <= (q_pos - w)[None, None, :, None]  # q_pos - slot_pos >= w
-                far = far.repeat_interleave(mask.shape[1] // far.shape[1], dim=1)
-                kwargs["attention_mask"] = mask.masked_fill(far, torch.finfo(mask.dtype).min)
-                return args, kwargs
-
-            return window_hook
-
-        try:
-            for site in find_attention_sites(model):
-                w = windows[site.layer]
-                if w is not None:
-                    handles.append(site.module.register_forward_pre_hook(make_window_hook(site.layer, w),
-                                                                         with_kwargs=True))
-            yield cache
-        finally:
-            for h in handles:
-                h.remove()
+    with attach(model, cache, windows):
+        yield cache
 
 
 def _rss() -> int:
@@ -287,7 +256,9 @@ class Engine(Protocol):
     """What the driver (:func:`_drive`) needs from a run: forwards through one cache, and
     hooks that may compress it. Each hook returns the trace phase to record after it
     (``"compress"``, ``"resize"``), or None. ``report`` gives the store's bytes (None: no
-    store to account, the full-cache reference)."""
+    store to account, the full-cache reference). ``forward`` returns only the last
+    position's logits ``(batch, 1, vocab)`` (``logits_to_keep=1``): the driver reads nothing
+    else, and a chunk's full logits would cost ``chunk x vocab`` floats and the head's matmul."""
 
     cache: Any
     compressions: int
@@ -320,7 +291,7 @@ class FullCache:
         yield
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=ids, cache=self.cache, use_cache=True).logits
+        return self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1).logits
 
     def report(self) -> ByteReport | None:
         return None
@@ -405,8 +376,9 @@ class EvictionRunner:
             yield
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """One forward of ``ids`` ``(batch, q_len)`` through the model with the cache; returns logits."""
-        out = self.model(input_ids=ids, cache=self.cache, use_cache=True)
+        """One forward of ``ids`` ``(batch, q_len)`` through the model with the cache; returns the
+        last position's logits ``(batch, 1, vocab)``."""
+        out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1)
         return out.logits
 
     def report(self) -> ByteReport | None:
@@ -572,7 +544,7 @@ def _oracle_queries(model: torch.nn.Module, ids: torch.Tensor, n_future: int) ->
     cache = EvictionCache(store)
     cache.query_window = n_future
     with attach_model(model, cache, g.windows):
-        model(input_ids=ids, cache=cache, use_cache=True)
+        model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
     return {l: cache.queries[l][0] for l in range(g.n_layers)}
 
 

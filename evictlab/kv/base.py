@@ -15,10 +15,23 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from evictlab.kv.budget import ByteReport
+
+
+class CellView(NamedTuple):
+    """One cell's entries as attention reads them (:meth:`KVStore.cell_views`), in append
+    (= position) order; the last ``q_len`` entries are those appended by the current forward."""
+
+    k: torch.Tensor  #: ``(n, head_dim)``
+    v: torch.Tensor  #: ``(n, head_dim)``
+    pos: torch.Tensor  #: int64 ``(n,)`` absolute positions, ascending; ``-1`` = not attendable (a hole)
+    last: int  #: largest position held (``-1`` for an empty cell); an upper bound when ``holes``
+    copied: bool  #: True when the entries had to be gathered (a transient copy of this cell)
+    holes: bool = False  #: True when some ``pos`` are ``-1`` (the masked store's evicted entries)
 
 
 class KVStore(ABC):
@@ -45,6 +58,16 @@ class KVStore(ABC):
         be appended. Returns int64 ``(batch, kv_heads, S)`` with ``-1`` on padding/masked
         slots. Used by the attention pre-hook to build the mask before the keys exist.
         """
+
+    @abstractmethod
+    def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append ``keys``/``values`` ``(batch, kv_heads, q_len, head_dim)`` at ``positions``
+        ``(q_len,)`` to every cell of ``layer`` (after each cell's entries)."""
+
+    @abstractmethod
+    def cell_views(self, layer: int) -> list[list[CellView]]:
+        """Every cell of ``layer`` as ``views[b][h]`` (:class:`CellView`), for attention that
+        reads cells one by one (no layer gather, no padding)."""
 
     @abstractmethod
     def append_gather(

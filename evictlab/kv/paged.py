@@ -39,25 +39,13 @@ attention zero-copy per-cell views (fragmented cells fall back to a per-cell gat
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
-
 import numpy as np
 import torch
 
 from evictlab.errors import BudgetExceededError, InputError
-from evictlab.kv.base import KVStore
+from evictlab.kv.base import CellView, KVStore
 from evictlab.kv.budget import ByteReport, dtype_size
 from evictlab.models.geometry import ModelGeometry
-
-
-class CellView(NamedTuple):
-    """One cell's live entries as read by :meth:`PagedKVStore.cell_views`."""
-
-    k: torch.Tensor  #: ``(n, head_dim)``
-    v: torch.Tensor  #: ``(n, head_dim)``
-    pos: torch.Tensor  #: int64 ``(n,)``, ascending
-    last: int  #: position of the last entry (``-1`` for an empty cell)
-    copied: bool  #: True when the cell was fragmented and had to be gathered (a copy)
 
 
 class PagedKVStore(KVStore):
