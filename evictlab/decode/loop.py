@@ -454,7 +454,7 @@ class EvictionRunner:
         self.drop_out_of_window()
         if self.live_per_sequence() <= self.budget_tokens:
             return
-        from evictlab.methods.base import ScoreInputs, select_keep
+        from evictlab.methods.base import ScoreInputs, select_keep_ordered
 
         rep = self.q_heads // self.kv_heads
         layer_scores: list[torch.Tensor] = []
@@ -462,7 +462,7 @@ class EvictionRunner:
         lengths = np.zeros((self.n_layers, self.kv_heads), dtype=np.int64)
         fill = -torch.finfo(torch.float32).max
         for l in range(self.n_layers):
-            k, v, pos = self.store.gather(l)
+            cells, pos = self.store.live_cells(l)  # per-cell views (paged: no copy) + padded positions
             lens = self.store.lengths(l)
             if not bool((lens == lens[0:1]).all()):
                 raise RuntimeError("cells of one KV head differ in length across the batch")
@@ -471,21 +471,26 @@ class EvictionRunner:
             if rec is None:
                 raise RuntimeError(f"no queries recorded for layer {l}; run a forward inside attach() first")
             q, qpos = rec
-            sc = torch.full((self.batch, self.kv_heads, k.shape[2]), fill, dtype=torch.float32, device=k.device)
+            sc = torch.full((self.batch, self.kv_heads, pos.shape[2]), fill, dtype=torch.float32, device=pos.device)
+            inputs: list[ScoreInputs] = []
             for b in range(self.batch):
                 for h in range(self.kv_heads):
-                    n = int(lens[b, h])
                     extra = None
                     if self.extra_queries is not None:
                         extra = self.extra_queries[l][b:b + 1, h * rep:(h + 1) * rep]
-                    inputs = ScoreInputs(
+                    cell = cells[b][h]
+                    inputs.append(ScoreInputs(
                         layer=l, n_layers=self.n_layers,
-                        keys=k[b:b + 1, h:h + 1, :n], values=v[b:b + 1, h:h + 1, :n], positions=pos[b, h, :n],
+                        keys=cell.k[None, None], values=cell.v[None, None], positions=cell.pos,
                         queries=q[b:b + 1, h * rep:(h + 1) * rep], q_positions=qpos, scaling=self.scaling,
                         extra_queries=extra, state=self.states.setdefault((l, b, h), {}),
-                    )
-                    out = self.layer_scorers[l].score(inputs)
-                    sc[b, h, :n] = out.reshape(-1).float()
+                    ))
+            scorer = self.layer_scorers[l]
+            many = getattr(scorer, "score_cells", None)  # the same scores in fewer calls, when offered
+            outs = many(inputs) if many is not None else [scorer.score(x) for x in inputs]
+            for i, out in enumerate(outs):
+                b, h = divmod(i, self.kv_heads)
+                sc[b, h, :int(lens[b, h])] = out.reshape(-1).float()
             layer_scores.append(sc)
             cell_pos.append(pos)
         g = self.geometry
@@ -494,16 +499,17 @@ class EvictionRunner:
             phase=phase, positions=tuple(cell_pos), next_position=self.cache.seen, head_dim=g.head_dim,
             dtype_bytes=g.dtype_bytes, geometry=g)
         sizes = check_sizes(alloc_inputs, self.allocator.allocate(alloc_inputs), f"allocator {self.cfg.allocator!r}")
+        sinks, recent = self.cfg.sinks, self.cfg.recent
         for l in range(self.n_layers):
-            keep: list[list[torch.Tensor]] = []
-            for b in range(self.batch):
-                row = []
-                for h in range(self.kv_heads):
-                    n = int(lengths[l, h])
-                    sel = select_keep(layer_scores[l][b:b + 1, h:h + 1, :n], [int(sizes[l, h])], cell_pos[l][b, h, :n],
-                                      sinks=self.cfg.sinks, recent=self.cfg.recent)
-                    row.append(sel[0][0])
-                keep.append(row)
+            # Cells hold their entries in position order (a store invariant), so the kept
+            # entries follow from scores alone; cells of equal length go in one call.
+            if (lengths[l] == lengths[l, 0]).all():
+                keep = select_keep_ordered(layer_scores[l][:, :, :int(lengths[l, 0])], sizes[l], sinks=sinks,
+                                           recent=recent)
+            else:
+                keep = [[select_keep_ordered(layer_scores[l][b:b + 1, h:h + 1, :int(lengths[l, h])], [int(sizes[l, h])],
+                                             sinks=sinks, recent=recent)[0][0] for h in range(self.kv_heads)]
+                        for b in range(self.batch)]
             self.store.keep(l, keep)
         self.compressions += 1
         if self.live_per_sequence() > self.budget_tokens:

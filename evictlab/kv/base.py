@@ -83,6 +83,17 @@ class KVStore(ABC):
         and positions int64 ``(batch, kv_heads, S)`` (``-1`` past each head's length), with
         ``S`` = the longest head. Always a fresh (transient) tensor for the physical store."""
 
+    def live_cells(self, layer: int) -> tuple[list[list[CellView]], torch.Tensor]:
+        """Every cell's live entries (no holes) as ``views[b][h]`` (:class:`CellView`), and
+        their positions left-aligned ``(batch, kv_heads, S)`` (``-1`` past a cell's length),
+        for scoring. The default slices one :meth:`gather`; a store whose cells are views
+        already (the paged store) avoids the copy."""
+        k, v, pos = self.gather(layer)
+        lens = self.lengths(layer).tolist()
+        views = [[CellView(k[b, h, :n], v[b, h, :n], pos[b, h, :n], -1, True) for h, n in enumerate(row)]
+                 for b, row in enumerate(lens)]
+        return views, pos
+
     @abstractmethod
     def keep(self, layer: int, keep: Sequence[Sequence[torch.Tensor]]) -> None:
         """Keep only ``keep[b][h]`` (sorted int64 indices into cell (layer, b, h)'s live

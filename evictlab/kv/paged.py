@@ -78,8 +78,14 @@ class PagedKVStore(KVStore):
         self._scratch = torch.empty(0, dtype=dtype, device=self.device)
         self.block_table = np.full((n_layers, batch, kv_heads, 0), -1, dtype=np.int64)
         self.cell_len = np.zeros((n_layers, batch, kv_heads), dtype=np.int64)
-        # Free blocks as a stack; popping from the end hands out low block ids first.
-        self._free: list[int] = list(range(capacity_blocks - 1, -1, -1))
+        # Free blocks as a mask (O(1) to take or return a given block).
+        self._free_mask = np.ones(capacity_blocks, dtype=bool)
+        self._n_free = capacity_blocks
+        # Each cell's home block: the pool is split into one equal region per cell (cell-major)
+        # and an empty cell takes its region's first block, so cells that stay within their
+        # region's size (budget + headroom under uniform sizes) stay contiguous while the
+        # chunks of every cell are appended in turn (prefill): zero-copy cell views.
+        self._home = self._regions(capacity_blocks)
         self._table_dev: dict[int, torch.Tensor] = {}
         self._views: dict[int, list[list[CellView]]] = {}
         self._layout: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -167,7 +173,16 @@ class PagedKVStore(KVStore):
 
     @property
     def blocks_in_use(self) -> int:
-        return self.capacity_blocks - len(self._free)
+        return self.capacity_blocks - self._n_free
+
+    def _regions(self, capacity_blocks: int, used: np.ndarray | None = None) -> np.ndarray:
+        """int64 ``(n_layers, batch, kv_heads)``: the first block of each cell's region when
+        the pool is split cell-major into equal regions (``used`` blocks per cell first)."""
+        cells = self.n_layers * self.batch * self.kv_heads
+        nb = np.zeros(cells, dtype=np.int64) if used is None else used.reshape(-1)
+        gap = max(0, (capacity_blocks - int(nb.sum())) // cells)
+        start = np.concatenate([[0], np.cumsum(nb + gap)[:-1]]).astype(np.int64)
+        return np.minimum(start, capacity_blocks - 1).reshape(self.n_layers, self.batch, self.kv_heads)
 
     def lengths(self, layer: int) -> torch.Tensor:
         return torch.from_numpy(self.cell_len[layer].copy())
@@ -189,22 +204,25 @@ class PagedKVStore(KVStore):
             self._table_dev[layer] = t
         return t
 
-    def _alloc_block(self, after: int = -1) -> int:
+    def _alloc_block(self, after: int = -1, home: int = -1) -> int:
         """Take a free block: ``after + 1`` if it is free (keeps the cell's run contiguous),
-        else the lowest free block."""
-        if not self._free:
+        else ``home`` if it is free (an empty cell starts its region), else the lowest free block."""
+        if not self._n_free:
             raise BudgetExceededError(
                 f"paged KV pool is full ({self.capacity_blocks} blocks of {self.block_size} "
                 "entries): appending would exceed the budget plus its headroom; compress "
                 "more often or raise the budget"
             )
-        if after >= 0 and self._free[-1] != after + 1:
-            try:
-                self._free.remove(after + 1)
-                return after + 1
-            except ValueError:
-                pass
-        return self._free.pop()
+        want = after + 1 if after >= 0 else home
+        if not (0 <= want < self.capacity_blocks and self._free_mask[want]):
+            want = int(np.argmax(self._free_mask))
+        self._free_mask[want] = False
+        self._n_free -= 1
+        return want
+
+    def _release_block(self, block: int) -> None:
+        self._free_mask[block] = True
+        self._n_free += 1
 
     # -- append / gather ---------------------------------------------------------------
     def _flat_slots(self, layer: int, start: np.ndarray, count: int) -> np.ndarray:
@@ -225,17 +243,17 @@ class PagedKVStore(KVStore):
         need = -(-(start + q) // self.block_size)
         have = -(-start // self.block_size)
         extra = int((need - have).sum())
-        if extra > len(self._free):
+        if extra > self._n_free:
             raise BudgetExceededError(
                 f"layer {layer}: appending {q} entries per cell needs {extra} more blocks but only "
-                f"{len(self._free)} of {self.capacity_blocks} are free; the store never grows past its budget"
+                f"{self._n_free} of {self.capacity_blocks} are free; the store never grows past its budget"
             )
         self._ensure_columns(int(need.max()))
         for bi in range(b):
             for hi in range(h):
                 for col in range(int(have[bi, hi]), int(need[bi, hi])):
                     prev = int(self.block_table[layer, bi, hi, col - 1]) if col else -1
-                    self.block_table[layer, bi, hi, col] = self._alloc_block(prev)
+                    self.block_table[layer, bi, hi, col] = self._alloc_block(prev, int(self._home[layer, bi, hi]))
         if extra:
             self._table_dev.pop(layer, None)
             self._layout.pop(layer, None)
@@ -334,6 +352,11 @@ class PagedKVStore(KVStore):
             self._views[layer] = out  # views only; per-cell copies are never kept alive
         return out
 
+    def live_cells(self, layer: int) -> tuple[list[list[CellView]], torch.Tensor]:
+        """:meth:`cell_views` (zero-copy when contiguous) and the left-aligned positions
+        ``(batch, kv_heads, S)``: no K/V gather (see :meth:`KVStore.live_cells`)."""
+        return self.cell_views(layer), self.layout_positions(layer, torch.empty(0, dtype=torch.int64))
+
     def contiguous_cells(self, layer: int | None = None) -> tuple[int, int]:
         """``(contiguous, total)`` cells (of ``layer``, or of every layer) whose blocks form one run."""
         layers = range(self.n_layers) if layer is None else [layer]
@@ -400,12 +423,13 @@ class PagedKVStore(KVStore):
         if src_all:
             src = torch.from_numpy(np.concatenate(src_all)).to(self.device)
             dst = torch.from_numpy(np.concatenate(dst_all)).to(self.device)
-            d = self.head_dim
-            for pool in (self.k_pool.view(-1, d), self.v_pool.view(-1, d), self.pos_pool.view(-1, 1)):
-                moved = pool.index_select(0, src)
-                pool.index_copy_(0, dst, moved)
+            kv = self.kv_pool.view(2, -1, self.head_dim)  # keys and values move together
+            kv.index_copy_(1, dst, kv.index_select(1, src))
+            pos = self.pos_pool.view(-1)
+            pos.index_copy_(0, dst, pos.index_select(0, src))
         # Clear the positions of slots past each cell's new length and free emptied blocks.
         stale: list[np.ndarray] = []
+        freed: list[int] = []
         for bi in range(self.batch):
             for hi in range(self.kv_heads):
                 used = self.blocks_for(int(new_len[bi, hi]), self.block_size)
@@ -413,11 +437,15 @@ class PagedKVStore(KVStore):
                 j = np.arange(int(new_len[bi, hi]), min(int(self.cell_len[layer, bi, hi]), used * self.block_size))
                 if j.size:
                     stale.append(row[j // self.block_size] * self.block_size + j % self.block_size)
-                for col in range(used, row.shape[0]):
-                    if row[col] >= 0:
-                        self._free.append(int(row[col]))
-                        self.pos_pool[int(row[col])] = -1
-                        row[col] = -1
+                gone = row[used:]
+                gone = gone[gone >= 0]
+                if gone.size:
+                    freed.extend(gone.tolist())
+                    row[used:] = -1
+        for block in freed:
+            self._release_block(block)
+        if freed:
+            self.pos_pool.index_fill_(0, torch.tensor(freed, dtype=torch.int64, device=self.device), -1)
         if stale:
             self.pos_pool.view(-1).index_fill_(0, torch.from_numpy(np.concatenate(stale)).to(self.device), -1)
         self.cell_len[layer] = new_len
@@ -449,8 +477,7 @@ class PagedKVStore(KVStore):
         # contiguous (same capacity, same bytes: only the placement of free blocks changes).
         order = used
         nb = (self.block_table >= 0).sum(-1).reshape(-1)
-        gap = (capacity_blocks - order.size) // nb.size
-        run_start = np.concatenate([[0], np.cumsum(nb + gap)[:-1]]).astype(np.int64)
+        run_start = self._regions(capacity_blocks, nb).reshape(-1)
         used_start = np.concatenate([[0], np.cumsum(nb)[:-1]]).astype(np.int64)
         new_ids = np.repeat(run_start, nb) + np.arange(order.size) - np.repeat(used_start, nb)
         remap = np.full(self.capacity_blocks, -1, dtype=np.int64)
@@ -464,9 +491,10 @@ class PagedKVStore(KVStore):
         del old_kv, old_pos
         self.block_table = np.where(self.block_table >= 0, remap[np.maximum(self.block_table, 0)], -1)
         self.capacity_blocks = int(capacity_blocks)
-        taken = np.zeros(capacity_blocks, dtype=bool)
-        taken[new_ids] = True
-        self._free = np.nonzero(~taken)[0][::-1].tolist()
+        self._free_mask = np.ones(capacity_blocks, dtype=bool)
+        self._free_mask[new_ids] = False
+        self._n_free = capacity_blocks - int(new_ids.size)
+        self._home = run_start.reshape(self.cell_len.shape)
         self._table_dev.clear()
         self._views.clear()
         self._layout.clear()
