@@ -84,7 +84,7 @@ def _child(args: argparse.Namespace) -> dict:
                 return scores
 
         ids = torch.cat([ctx, question], 1)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new,
                                  min_new_tokens=args.new, do_sample=False,
@@ -93,6 +93,7 @@ def _child(args: argparse.Namespace) -> dict:
             torch.cuda.synchronize()
         t_end = time.perf_counter()
         res.update(tool=f"transformers {transformers.__version__} generate (sdpa)", wall_s=t_end - t0,
+                   cpu_s=time.process_time() - c0,
                    prefill_s=first[0] - t0, decode_s=t_end - first[0],
                    decode_tok_s=(args.new - 1) / (t_end - first[0]), tokens=out[0, ids.shape[1]:].tolist(),
                    kv_peak_bytes=(n + question.shape[1] + args.new - 1) * _entry_bytes(model))
@@ -103,13 +104,13 @@ def _child(args: argparse.Namespace) -> dict:
         else:
             cfg = DecodeConfig(mode="physical", budget=Budget("tokens_per_cell", args.kept or n // 8),
                                scorer="snapkv", chunk_size=chunk, compress_every=16)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = run_sequence(model, ctx, question, cfg, max_new_tokens=args.new)
         if dev.type == "cuda":
             torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         full_kv = (n + question.shape[1] + args.new - 1) * _entry_bytes(model)
-        res.update(tool="evictlab (ragged sdpa)", wall_s=wall, prefill_s=wall - out.decode_s, decode_s=out.decode_s,
+        res.update(tool="evictlab (ragged sdpa)", wall_s=wall, cpu_s=cpu, prefill_s=wall - out.decode_s, decode_s=out.decode_s,
                    decode_tok_s=(args.new - 1) / out.decode_s, tokens=out.tokens[0].tolist(),
                    chunk=min(chunk, n), kept_per_cell=out.budget_tokens and out.budget_tokens // _cells(model),
                    compressions=out.compressions,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from evictlab.kv.base import CellView, KVStore
+from evictlab.kv.base import CellView, KVStore, LayerView
 
 
 def position_mask(slot_pos: torch.Tensor, q_pos: torch.Tensor, n_rep: int, dtype: torch.dtype) -> torch.Tensor:
@@ -75,9 +75,13 @@ def ragged_attention(
     appended (what the model's forward does): it enables the ``is_causal`` path and lets
     each query tile find its last visible key without reading positions.
 
-    Cells are read one by one through :meth:`KVStore.cell_views` (zero-copy views of the
-    paged pool when the cell is contiguous; no layer gather, no padding), each with one
-    scaled-dot-product call for its GQA group (K/V never repeated per query head):
+    When the store can show the layer as one zero-copy strided view (the paged store's
+    :meth:`~evictlab.kv.paged.PagedKVStore.layer_view`: contiguous cells in equally spaced
+    regions), the whole layer is one scaled-dot-product call (:func:`layer_attention`),
+    reading exactly what a dense cache of the longest cell reads. Otherwise cells are read
+    one by one through :meth:`KVStore.cell_views` (zero-copy views of the paged pool when the
+    cell is contiguous; no layer gather, no padding), each with one call for its GQA group
+    (K/V never repeated per query head):
 
     - every key visible to every query (decode: ``cell.last <= q_pos[0]``): no mask;
     - ``own_keys`` and the cell holds only this forward's keys (a one-pass prefill):
@@ -91,11 +95,15 @@ def ragged_attention(
     bottom-right aligned: exactly "old entries + this forward's keys"). Returns
     ``(batch, q_heads, q_len, d)`` in the query's dtype; an empty cell gives NaN.
     """
-    views = store.cell_views(layer)
     b, hq, q, d = query.shape
+    q_first = int(q_pos[0]) if q else 0
+    view_fn = getattr(store, "layer_view", None)
+    lv = view_fn(layer) if view_fn is not None else None
+    if lv is not None and (own_keys or (window is None and int(lv.last.max()) <= q_first)):
+        return layer_attention(lv, query, q_pos, q_first, scaling, window, tile=tile)
+    views = store.cell_views(layer)
     hk = len(views[0])
     rep = hq // hk
-    q_first = int(q_pos[0]) if q else 0
     if (own_keys and window is None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
             and _flash_varlen() is not None and not any(cv.holes or cv.k.shape[0] == 0 for row in views for cv in row)):
         return _flash_layer(views, query, scaling)
@@ -107,6 +115,48 @@ def ragged_attention(
             out[bi, hi] = cell_attention(groups[bi, hi], cv, qp, q_first, scaling, window, own_keys=own_keys,
                                          tile=tile)
     return out.view(b, hq, q, d)
+
+
+def layer_attention(
+    lv: LayerView, query: torch.Tensor, q_pos: torch.Tensor, q_first: int, scaling: float,
+    window: int | None = None, *, tile: int = QUERY_TILE,
+) -> torch.Tensor:
+    """All cells of a layer in one scaled-dot-product call per query tile, over the zero-copy
+    strided :class:`LayerView` (``(batch, kv_heads, S, d)``; slot ``j`` of a cell is live iff
+    ``j < lengths``). Either every key precedes every query (decode), or the last ``q_len``
+    live slots of every cell are the queries' own keys (``own_keys``), so causality is by
+    index: query ``i`` sees slots ``j < n - q_len + 1 + i``. No mask when nothing needs one
+    (equal lengths and decode; a one-pass prefill: ``is_causal``). Returns ``(batch,
+    q_heads, q_len, d)``."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    b, hq, q, d = query.shape
+    hk, s = lv.k.shape[1], lv.k.shape[2]
+    rep = hq // hk
+    k, v = (lv.k, lv.v) if lv.k.dtype == query.dtype else (lv.k.to(query.dtype), lv.v.to(query.dtype))
+    dev = query.device
+    full = bool((lv.lengths == s).all())
+    if window is None and int(lv.last.max()) <= q_first:  # every key at or before every query
+        qg = query.reshape(b, hk, rep * q, d)  # the group's queries as rows: K/V read once per KV head
+        mask = None
+        if not full:
+            lens = torch.from_numpy(lv.lengths).to(dev)
+            mask = (torch.arange(s, device=dev) < lens[..., None])[:, :, None, :]
+        return sdpa(qg, k, v, attn_mask=mask, scale=scaling).view(b, hq, q, d)
+    if window is None and full and s == q:  # only this forward's keys in every cell
+        return sdpa(query, k, v, is_causal=True, scale=scaling, enable_gqa=True)
+    lens = torch.from_numpy(lv.lengths).to(dev)[:, :, None, None]  # (b, hk, 1, 1)
+    qp = q_pos.to(dev)
+    out = torch.empty_like(query)
+    for i0 in range(0, q, tile):
+        i1 = min(q, i0 + tile)
+        hi = s - q + i1  # slots any query of the tile may see
+        j = torch.arange(hi, device=dev)
+        ok = j < lens - q + 1 + torch.arange(i0, i1, device=dev)[:, None]  # (b, hk, T, hi)
+        if window is not None:
+            ok &= lv.pos[:, :, None, :hi] > (qp[i0:i1, None] - window)
+        out[:, :, i0:i1] = sdpa(query[:, :, i0:i1], k[:, :, :hi], v[:, :, :hi], attn_mask=ok.repeat_interleave(rep, 1),
+                                scale=scaling, enable_gqa=True)
+    return out
 
 
 def cell_attention(

@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from evictlab.kv.budget import ByteReport
@@ -32,6 +33,18 @@ class CellView(NamedTuple):
     last: int  #: largest position held (``-1`` for an empty cell); an upper bound when ``holes``
     copied: bool  #: True when the entries had to be gathered (a transient copy of this cell)
     holes: bool = False  #: True when some ``pos`` are ``-1`` (the masked store's evicted entries)
+
+
+class LayerView(NamedTuple):
+    """All cells of one layer as rectangular views (:meth:`PagedKVStore.layer_view`): no copy.
+    Slot ``j`` of cell ``(b, h)`` is live iff ``j < lengths[b, h]``; live slots are in
+    position order and the last ``q_len`` of them are the current forward's keys."""
+
+    k: torch.Tensor  #: ``(batch, kv_heads, S, head_dim)``, S = the longest cell
+    v: torch.Tensor  #: ``(batch, kv_heads, S, head_dim)``
+    pos: torch.Tensor  #: int64 ``(batch, kv_heads, S)``; meaningful only on live slots
+    lengths: np.ndarray  #: int64 ``(batch, kv_heads)`` live entries per cell (host)
+    last: np.ndarray  #: int64 ``(batch, kv_heads)`` position of each cell's last entry (host)
 
 
 class KVStore(ABC):

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from evictlab.errors import BudgetExceededError, InputError
-from evictlab.kv.base import CellView, KVStore
+from evictlab.kv.base import CellView, KVStore, LayerView
 from evictlab.kv.budget import ByteReport, dtype_size
 from evictlab.models.geometry import ModelGeometry
 
@@ -176,12 +176,18 @@ class PagedKVStore(KVStore):
         return self.capacity_blocks - self._n_free
 
     def _regions(self, capacity_blocks: int, used: np.ndarray | None = None) -> np.ndarray:
-        """int64 ``(n_layers, batch, kv_heads)``: the first block of each cell's region when
-        the pool is split cell-major into equal regions (``used`` blocks per cell first)."""
+        """int64 ``(n_layers, batch, kv_heads)``: the first block of each cell's region, the
+        pool split cell-major into runs of each cell's ``used`` blocks followed by an equal
+        share of the spare blocks; when the cells are equal (or empty) these are equal
+        regions, so :meth:`layer_view` sees equally spaced cells."""
         cells = self.n_layers * self.batch * self.kv_heads
         nb = np.zeros(cells, dtype=np.int64) if used is None else used.reshape(-1)
-        gap = max(0, (capacity_blocks - int(nb.sum())) // cells)
-        start = np.concatenate([[0], np.cumsum(nb + gap)[:-1]]).astype(np.int64)
+        region = capacity_blocks // cells
+        gap = max(0, (capacity_blocks - int(nb.sum())) // cells)  # spare blocks each cell gets
+        if region > 0 and int(nb.max(initial=0)) + gap <= region:  # equal regions, same spare for all
+            start = np.arange(cells, dtype=np.int64) * region
+        else:  # unequal cells: a run of each cell's blocks followed by its share of the spare
+            start = np.concatenate([[0], np.cumsum(nb + gap)[:-1]]).astype(np.int64)
         return np.minimum(start, capacity_blocks - 1).reshape(self.n_layers, self.batch, self.kv_heads)
 
     def lengths(self, layer: int) -> torch.Tensor:
@@ -248,22 +254,31 @@ class PagedKVStore(KVStore):
                 f"layer {layer}: appending {q} entries per cell needs {extra} more blocks but only "
                 f"{self._n_free} of {self.capacity_blocks} are free; the store never grows past its budget"
             )
-        self._ensure_columns(int(need.max()))
-        for bi in range(b):
-            for hi in range(h):
-                for col in range(int(have[bi, hi]), int(need[bi, hi])):
-                    prev = int(self.block_table[layer, bi, hi, col - 1]) if col else -1
-                    self.block_table[layer, bi, hi, col] = self._alloc_block(prev, int(self._home[layer, bi, hi]))
-        if extra:
+        if extra:  # only when some cell crosses into a new block (every block_size decode steps)
+            self._ensure_columns(int(need.max()))
+            for bi in range(b):
+                for hi in range(h):
+                    for col in range(int(have[bi, hi]), int(need[bi, hi])):
+                        prev = int(self.block_table[layer, bi, hi, col - 1]) if col else -1
+                        self.block_table[layer, bi, hi, col] = self._alloc_block(prev, int(self._home[layer, bi, hi]))
             self._table_dev.pop(layer, None)
             self._layout.pop(layer, None)
-        flat = torch.from_numpy(self._flat_slots(layer, start, q).reshape(-1)).to(self.device)
-        self.k_pool.view(-1, d).index_copy_(0, flat, keys.reshape(-1, d).to(self.dtype))
-        self.v_pool.view(-1, d).index_copy_(0, flat, values.reshape(-1, d).to(self.dtype))
-        self.pos_pool.view(-1).index_copy_(0, flat, positions.to(self.device).expand(b, h, q).reshape(-1))
+        contig, first, _ = self._layout_of(layer)
+        if contig.all():  # every cell one run: entry j of a cell sits at its first slot + j
+            slots = (first + start)[..., None] + np.arange(q)
+        else:
+            slots = self._flat_slots(layer, start, q)
+        flat = torch.from_numpy(slots.reshape(-1)).to(self.device)
+        # Keys and values in one copy: (2, batch * kv_heads * q_len, d) into the (2, slots, d) pool.
+        self.kv_pool.view(2, -1, d).index_copy_(1, flat, torch.stack([keys, values]).reshape(2, -1, d).to(self.dtype))
+        host = positions.numpy() if positions.device.type == "cpu" else None  # no device sync for the last position
+        if q == 1 and host is not None:  # one decode token: the same position in every cell
+            self.pos_pool.view(-1).index_fill_(0, flat, int(host[0]))
+        else:
+            self.pos_pool.view(-1).index_copy_(0, flat, positions.to(self.device).expand(b, h, q).reshape(-1))
         self.cell_len[layer] = start + q
         if q:
-            self.cell_last[layer] = int(positions.max())
+            self.cell_last[layer] = int(host.max() if host is not None else positions.max())
         self._views.pop(layer, None)
 
     def _gather_layer(self, layer: int, s: int, *, scratch: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -320,17 +335,7 @@ class PagedKVStore(KVStore):
         lens = self.cell_len[layer]
         nbs = -(-lens // bs)
         table = self.block_table[layer]
-        layout = self._layout.get(layer)
-        if layout is None:  # recomputed only when the layer's block table changed
-            # A cell is contiguous iff every used column follows its predecessor by one block.
-            if table.shape[-1] > 1:
-                cols = np.arange(1, table.shape[-1])
-                contig = ((np.diff(table, axis=-1) == 1) | (cols >= nbs[..., None])).all(-1)
-            else:
-                contig = np.ones(lens.shape, dtype=bool)
-            first = np.maximum(table[..., 0], 0) * bs if table.shape[-1] else np.zeros(lens.shape, dtype=np.int64)
-            layout = self._layout[layer] = (contig, first)
-        contig, first = layout
+        contig, first, _ = self._layout_of(layer)
         lasts = self.cell_last[layer]
         out: list[list[CellView]] = []
         for bi in range(self.batch):
@@ -351,6 +356,62 @@ class PagedKVStore(KVStore):
         if not any(cv.copied for row in out for cv in row):
             self._views[layer] = out  # views only; per-cell copies are never kept alive
         return out
+
+    def _layout_of(self, layer: int) -> tuple[np.ndarray, np.ndarray, int | None]:
+        """``(contiguous, first_slot, stride)`` of the layer's cells, recomputed only when its
+        block table changed: whether each cell's used blocks are one run, the flat slot of each
+        cell's first entry, and the slot distance between consecutive cells (batch-major) when
+        every cell is contiguous and they start equally spaced (None otherwise)."""
+        layout = self._layout.get(layer)
+        if layout is not None:
+            return layout
+        bs, table = self.block_size, self.block_table[layer]
+        # A cell is contiguous iff every used column (a prefix of the row; -1 after it)
+        # follows its predecessor by one block.
+        if table.shape[-1] > 1:
+            contig = ((np.diff(table, axis=-1) == 1) | (table[..., 1:] < 0)).all(-1)
+        else:
+            contig = np.ones(table.shape[:-1], dtype=bool)
+        has = table[..., 0] >= 0 if table.shape[-1] else np.zeros(table.shape[:-1], dtype=bool)
+        first = np.maximum(table[..., 0], 0) * bs if table.shape[-1] else np.zeros(table.shape[:-1], dtype=np.int64)
+        stride: int | None = None
+        starts = first.reshape(-1)
+        if contig.all() and has.all():
+            steps = np.diff(starts)
+            if steps.size == 0:
+                stride = 0
+            elif steps[0] > 0 and (steps == steps[0]).all():
+                stride = int(steps[0])
+        layout = self._layout[layer] = (contig, first, stride)
+        return layout
+
+    def layer_view(self, layer: int) -> LayerView | None:
+        """The layer's cells as one zero-copy strided view of the pool, or None.
+
+        Possible when every cell of the layer is one contiguous run, the runs start equally
+        spaced (``stride`` slots apart, batch-major, as the per-cell regions of
+        :meth:`for_budget` and :meth:`resize` lay them out) and the longest cell ``S`` fits in
+        that spacing: then ``k``/``v`` ``(batch, kv_heads, S, d)`` and ``pos`` ``(batch,
+        kv_heads, S)`` are ``as_strided`` views (no copy), and slot ``j`` of a cell is live
+        iff ``j < lengths[b, h]`` (slots past a cell's length hold whatever that part of its
+        region holds: mask them by length, never by position). Attention then runs one
+        kernel per layer over exactly the bytes a dense cache of the longest cell would read.
+        """
+        _, first, stride = self._layout_of(layer)
+        lens = self.cell_len[layer]
+        s = int(lens.max()) if lens.size else 0
+        if stride is None or s == 0 or (stride and s > stride):
+            return None
+        start = int(first.reshape(-1)[0])
+        if start + stride * (lens.size - 1) + s > self.pos_pool.numel():
+            return None
+        b, h, d = self.batch, self.kv_heads, self.head_dim
+        kv = self.kv_pool.view(2, -1, d)
+        shape, strides = (b, h, s, d), (h * stride * d, stride * d, d, 1)
+        k = kv[0].as_strided(shape, strides, kv[0].storage_offset() + start * d)
+        v = kv[1].as_strided(shape, strides, kv[1].storage_offset() + start * d)
+        pos = self.pos_pool.view(-1).as_strided((b, h, s), (h * stride, stride, 1), start)
+        return LayerView(k, v, pos, lens.copy(), self.cell_last[layer].copy())
 
     def live_cells(self, layer: int) -> tuple[list[list[CellView]], torch.Tensor]:
         """:meth:`cell_views` (zero-copy when contiguous) and the left-aligned positions
