@@ -154,8 +154,13 @@ def layer_attention(
         ok = j < lens - q + 1 + torch.arange(i0, i1, device=dev)[:, None]  # (b, hk, T, hi)
         if window is not None:
             ok &= lv.pos[:, :, None, :hi] > (qp[i0:i1, None] - window)
-        out[:, :, i0:i1] = sdpa(query[:, :, i0:i1], k[:, :, :hi], v[:, :, :hi], attn_mask=ok.repeat_interleave(rep, 1),
-                                scale=scaling, enable_gqa=True)
+        # One additive mask for the layer, then one call per KV head (measured faster on CPU
+        # than one GQA call with the mask repeated for every query head).
+        bias = torch.zeros(ok.shape, dtype=query.dtype, device=dev).masked_fill_(~ok, float("-inf"))
+        for h in range(hk):
+            g = slice(h * rep, (h + 1) * rep)
+            out[:, g, i0:i1] = sdpa(query[:, g, i0:i1], k[:, h:h + 1, :hi], v[:, h:h + 1, :hi],
+                                    attn_mask=bias[:, h:h + 1], scale=scaling, enable_gqa=True)
     return out
 
 
