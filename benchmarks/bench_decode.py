@@ -10,6 +10,7 @@ the question, then ``--new`` greedy tokens), one torch thread each:
 - ``snapkv``: evictlab, physical store, SnapKV + uniform keeping ``--kept`` entries per
   cell (default 1/8 of the context), prefill chunk ``--chunk``, compression every 16 steps;
 - ``snapkv_onepass``: the same with one prefill pass (chunk >= context);
+- ``snapkv:N``: the ``snapkv`` run with prefill chunk ``N`` (any number of these);
 - ``kvpress_full`` / ``kvpress_snapkv``: kvpress 0.5.5 in its own venv
   (``benchmarks/peer_kvpress.py``): no press, and ``SnapKVPress`` keeping the same entries
   per head (``compression_ratio = 1 - kept / context``).
@@ -98,8 +99,9 @@ def _child(args: argparse.Namespace) -> dict:
                    decode_tok_s=(args.new - 1) / (t_end - first[0]), tokens=out[0, ids.shape[1]:].tolist(),
                    kv_peak_bytes=(n + question.shape[1] + args.new - 1) * _entry_bytes(model))
     else:
-        chunk = 1 << 30 if args.child in ("full", "snapkv_onepass") else args.chunk
-        if args.child == "full":
+        name, _, chunk_arg = args.child.partition(":")  # "snapkv:512" = snapkv with that chunk
+        chunk = 1 << 30 if name in ("full", "snapkv_onepass") else int(chunk_arg or args.chunk)
+        if name == "full":
             cfg = DecodeConfig(mode="full", chunk_size=chunk)
         else:
             cfg = DecodeConfig(mode="physical", budget=Budget("tokens_per_cell", args.kept or n // 8),
@@ -291,7 +293,7 @@ def main() -> None:
     import tempfile
 
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
-    unknown = [r for r in runs if r not in RUNS]
+    unknown = [r for r in runs if r.partition(":")[0] not in RUNS or (":" in r and not r.startswith("snapkv:"))]
     if unknown:
         ap.error(f"unknown runs {unknown}; use some of {','.join(RUNS)}")
     work = Path(args.work or tempfile.mkdtemp(prefix="bench_decode_"))
