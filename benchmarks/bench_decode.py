@@ -15,7 +15,10 @@ the question, then ``--new`` greedy tokens), one torch thread each:
   (``benchmarks/peer_kvpress.py``): no press, and ``SnapKVPress`` keeping the same entries
   per head (``compression_ratio = 1 - kept / context``).
 
-``--reps`` repetitions interleave the runs (A B C ... A B C ...); ratios are taken within a
+Every run (ours and the peers alike) gets ``MALLOC_MMAP_THRESHOLD_=131072`` (what
+``evictlab decode`` sets with ``mallopt``) unless ``--malloc-default``; peak RSS is the
+kernel's high-water mark since the model was loaded (VmHWM after a reset), so load-time
+transients are not counted. ``--reps`` repetitions interleave the runs (A B C ... A B C ...); ratios are taken within a
 repetition and reported as min / median / max over repetitions. The 1- and 5-minute load
 averages are recorded before and after every run. The kvpress venv is created by this
 script when ``--peer-venv`` has no python (``python3.11 -m venv``, ``pip install
@@ -213,6 +216,8 @@ def _run_one(name: str, args: argparse.Namespace, work: Path, peer_py: Path | No
                "--threads", str(args.threads), "--device", args.device, "--result", str(result)]
         env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(args.threads)
+    if not args.malloc_default:  # every run alike: glibc returns freed large blocks at once (see docs)
+        env["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
     load0 = os.getloadavg()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -280,6 +285,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--peer-venv", default=str(Path.home() / ".cache" / "evictlab" / "bench" / "kvpress-0.5.5"))
     ap.add_argument("--peer-pip-arg", action="append", default=[], help="extra pip argument for the kvpress venv")
+    ap.add_argument("--malloc-default", action="store_true",
+                    help="leave glibc's adaptive mmap threshold on (default: MALLOC_MMAP_THRESHOLD_=128KiB for every "
+                         "run, as `evictlab decode` sets it)")
     ap.add_argument("--work", default="", help="folder for the prompt and per-run results (default: a temp dir)")
     ap.add_argument("--out", default="")
     # child mode (internal)

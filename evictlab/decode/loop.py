@@ -79,6 +79,9 @@ from evictlab.kv.paged import PagedKVStore
 from evictlab.methods.base import AllocInputs, Allocator, Phase, Scorer, check_sizes
 from evictlab.models.geometry import ModelGeometry, model_geometry
 
+#: Most tokens one model forward of the evicting engine processes (see ``EvictionRunner.forward``).
+FORWARD_TOKENS = 1024
+
 Mode = Literal["physical", "masked", "full"]
 MODES: tuple[str, ...] = ("physical", "masked", "full")
 
@@ -376,9 +379,20 @@ class EvictionRunner:
             yield
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """One forward of ``ids`` ``(batch, q_len)`` through the model with the cache; returns the
-        last position's logits ``(batch, 1, vocab)``."""
-        out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1)
+        """Feed ``ids`` ``(batch, q_len)`` through the model with the cache; returns the last
+        position's logits ``(batch, 1, vocab)``.
+
+        Inputs longer than :data:`FORWARD_TOKENS` go through the model in consecutive pieces
+        of that many tokens with nothing evicted in between: the same attention (every piece
+        attends to everything before it), so the same logits up to float rounding, with the
+        model's activations bounded by one piece whatever the chunk (a one-pass prefill
+        holds the whole context's K/V, never its whole activations). Compressions happen
+        only where the protocol says (after ``chunk_size`` tokens)."""
+        out = None
+        for start in range(0, ids.shape[1], FORWARD_TOKENS):
+            out = self.model(input_ids=ids[:, start:start + FORWARD_TOKENS], cache=self.cache, use_cache=True,
+                             logits_to_keep=1)
+        assert out is not None
         return out.logits
 
     def report(self) -> ByteReport | None:

@@ -136,11 +136,10 @@ def layer_attention(
     dev = query.device
     full = bool((lv.lengths == s).all())
     if window is None and int(lv.last.max()) <= q_first:  # every key at or before every query
+        if full:  # no mask: transformers' own decode call (GQA kernel), bit for bit
+            return sdpa(query, k, v, scale=scaling, enable_gqa=True)
         qg = query.reshape(b, hk, rep * q, d)  # the group's queries as rows: K/V read once per KV head
-        mask = None
-        if not full:
-            lens = torch.from_numpy(lv.lengths).to(dev)
-            mask = (torch.arange(s, device=dev) < lens[..., None])[:, :, None, :]
+        mask = (torch.arange(s, device=dev) < torch.from_numpy(lv.lengths).to(dev)[..., None])[:, :, None, :]
         return sdpa(qg, k, v, attn_mask=mask, scale=scaling).view(b, hq, q, d)
     if window is None and full and s == q:  # only this forward's keys in every cell
         return sdpa(query, k, v, is_causal=True, scale=scaling, enable_gqa=True)
