@@ -208,7 +208,7 @@ def _run_one(name: str, args: argparse.Namespace, work: Path, peer_py: Path | No
         cmd = [str(peer_py), str(HERE / "peer_kvpress.py"), "--model-dir", _model_dir(args.model),
                "--prompt", str(work / "prompt.json"), "--press", name.removeprefix("kvpress_").replace("full", "none"),
                "--kept", str(args.kept or 0), "--new", str(args.new), "--threads", str(args.threads),
-               "--result", str(result)]
+               "--device", args.peer_device, "--result", str(result)]
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     else:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--prompt", str(work / "prompt.json"),
@@ -282,7 +282,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=32, help="generated tokens")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="cpu", help="device of the evictlab and transformers runs")
+    ap.add_argument("--peer-device", default="cpu", help="device of the kvpress runs")
     ap.add_argument("--peer-venv", default=str(Path.home() / ".cache" / "evictlab" / "bench" / "kvpress-0.5.5"))
     ap.add_argument("--peer-pip-arg", action="append", default=[], help="extra pip argument for the kvpress venv")
     ap.add_argument("--malloc-default", action="store_true",

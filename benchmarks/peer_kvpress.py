@@ -1,5 +1,6 @@
 """The kvpress side of ``benchmarks/bench_decode.py``: run in kvpress's own venv (torch,
-transformers < 5.3, kvpress 0.5.5; nothing from evictlab is imported here).
+transformers < 5.3, kvpress 0.5.5; nothing from evictlab is imported here, only the
+stdlib helpers of ``bench_decode.py`` beside it).
 
 One run: load the model with sdpa attention, prefill the context through the base model
 (no LM head) inside the press (as ``KVPressTextGenerationPipeline._forward`` does), feed the
@@ -21,6 +22,7 @@ import resource
 import time
 
 import torch
+from bench_decode import reset_peak_rss, run_peak_rss  # stdlib only; this script's folder is on sys.path
 
 
 def cache_bytes(cache) -> int:  # noqa: ANN001 - a transformers Cache
@@ -41,18 +43,20 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=64, help="SnapKVPress window_size")
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--result", required=True)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, DynamicCache
 
     prompt = json.load(open(args.prompt))
-    ctx = torch.tensor([prompt["context_ids"]])
-    question = torch.tensor([prompt["question_ids"]])
+    dev = torch.device(args.device)
+    ctx = torch.tensor([prompt["context_ids"]], device=dev)
+    question = torch.tensor([prompt["question_ids"]], device=dev)
     n = ctx.shape[1]
     t_load = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, attn_implementation="sdpa", dtype=torch.float32)
-    model.eval()
+    model.to(dev).eval()
     t_load = time.perf_counter() - t_load
     press = None
     ratio = 0.0
@@ -64,13 +68,19 @@ def main() -> None:
 
     peak = [0]
     cache = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=ctx[:, :16])  # warm-up (no cache), not timed
+    rss_loaded = reset_peak_rss()
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
 
     def track(module, inp, kwargs, out) -> None:  # noqa: ANN001 - a forward hook
         peak[0] = max(peak[0], cache_bytes(cache))
 
     handles = [layer.self_attn.register_forward_hook(track, with_kwargs=True) for layer in model.model.layers]
     with torch.no_grad():
-        model(input_ids=ctx[:, :16])  # warm-up (no cache), not timed
+        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+        sync()
         t0, c0 = time.perf_counter(), time.process_time()
         if press is not None:
             with press(model):
@@ -81,28 +91,33 @@ def main() -> None:
         kv_after_prefill = cache_bytes(cache)
         for h in handles:  # the peak is in the prefill; decoding only appends
             h.remove()
-        pos = torch.arange(n, n + question.shape[1])[None]
+        pos = torch.arange(n, n + question.shape[1], device=dev)[None]
         out = model(input_ids=question, past_key_values=cache, position_ids=pos, logits_to_keep=1)
         tokens = [int(out.logits[0, -1].argmax())]
         pos = pos[:, -1:] + 1
         t_dec = time.perf_counter()
         for i in range(args.new - 1):
-            out = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, position_ids=pos + i)
+            out = model(input_ids=torch.tensor([[tokens[-1]]], device=dev), past_key_values=cache,
+                        position_ids=pos + i)
             tokens.append(int(out.logits[0, -1].argmax()))
+        sync()
         t_end, c_end = time.perf_counter(), time.process_time()
-    import kvpress
-    import transformers
+    run_peak = run_peak_rss()
+    from importlib.metadata import version
 
     result = {
-        "run": f"kvpress_{args.press}", "tool": f"kvpress {kvpress.__version__ if hasattr(kvpress, '__version__') else '?'}",
-        "transformers": transformers.__version__, "torch": torch.__version__,
+        "run": f"kvpress_{args.press}", "tool": f"kvpress {version('kvpress')} (transformers {version('transformers')}, sdpa)",
+        "transformers": version("transformers"), "torch": torch.__version__,
         "context": n, "question": question.shape[1], "new_tokens": args.new, "compression_ratio": ratio,
         "kept_per_head": args.kept if press is not None else n, "load_s": t_load,
         "wall_s": t_end - t0, "cpu_s": c_end - c0, "prefill_s": t_prefill, "decode_s": t_end - t_dec,
         "decode_tok_s": (args.new - 1) / (t_end - t_dec), "kv_peak_bytes": max(peak[0], cache_bytes(cache)),
         "kv_after_prefill_bytes": kv_after_prefill, "kv_end_bytes": cache_bytes(cache),
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "tokens": tokens,
+        "peak_rss_bytes": run_peak, "rss_loaded_bytes": rss_loaded,
+        "process_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "tokens": tokens,
     }
+    if dev.type == "cuda":
+        result["cuda_peak_bytes"] = torch.cuda.max_memory_allocated()
     with open(args.result, "w") as fh:
         json.dump(result, fh)
 
