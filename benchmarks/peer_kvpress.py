@@ -95,7 +95,7 @@ def main() -> None:
         out = model(input_ids=question, past_key_values=cache, position_ids=pos, logits_to_keep=1)
         tokens = [int(out.logits[0, -1].argmax())]
         pos = pos[:, -1:] + 1
-        t_dec = time.perf_counter()
+        t_dec, c_dec = time.perf_counter(), time.process_time()
         for i in range(args.new - 1):
             out = model(input_ids=torch.tensor([[tokens[-1]]], device=dev), past_key_values=cache,
                         position_ids=pos + i)
@@ -111,6 +111,7 @@ def main() -> None:
         "context": n, "question": question.shape[1], "new_tokens": args.new, "compression_ratio": ratio,
         "kept_per_head": args.kept if press is not None else n, "load_s": t_load,
         "wall_s": t_end - t0, "cpu_s": c_end - c0, "prefill_s": t_prefill, "decode_s": t_end - t_dec,
+        "decode_cpu_s": c_end - c_dec,
         "decode_tok_s": (args.new - 1) / (t_end - t_dec), "kv_peak_bytes": max(peak[0], cache_bytes(cache)),
         "kv_after_prefill_bytes": kv_after_prefill, "kv_end_bytes": cache_bytes(cache),
         "peak_rss_bytes": run_peak, "rss_loaded_bytes": rss_loaded,
