@@ -101,11 +101,11 @@ def main() -> None:
     print(f"total wall time {time.perf_counter() - t0:.1f} s; all decided answers agreed")
     if args.out is not None:
         from evictlab.io import atomic_write_json
-        from evictlab.report.record import RunRecord
+        from evictlab.report.record import RunRecord, record_path
 
         atomic_write_json(args.out, rows)
         RunRecord(kind="bench-hardness", seed=args.seed, config=vars(args) | {"out": str(args.out)}).write(
-            args.out.with_suffix(".record.json"))
+            record_path(args.out))
 
 
 if __name__ == "__main__":

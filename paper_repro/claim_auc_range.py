@@ -1,7 +1,8 @@
 """Claim: dropped mass predicts a significant gap (kappa_hat > 1.11) with ROC AUC 0.76-0.89.
 
-Writes the AUC of the raw dropped mass per (model, s) and pooled over s, with bootstrap CIs,
-to the claims table; ROC curves (raw mass, and the calibrated mass-only logistic regression
+Reads the main solver results only and writes the AUC of the raw dropped mass per (model, s),
+pooled over s, and pooled over models when there are several, with prompt-clustered
+bootstrap CIs, to the claims table; ROC curves (raw mass, and the calibrated mass-only logistic regression
 on held-out rows) and the mass-vs-kappa scatter to figures/.
 
     .venv/bin/python paper_repro/claim_auc_range.py [--run runs/demo | --results R.parquet ...]
@@ -30,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     df = _common.results(args)
     auc = auc_by_group(df, "dropped_mass", threshold=args.threshold, seed=args.seed, n_boot=args.n_boot,
                        name="dropped mass (raw)")
+    if df["model"].n_unique() > 1:  # pooled over models: models, then prompts, then rows resampled
+        auc = pl.concat([auc, auc_by_group(df, "dropped_mass", threshold=args.threshold, seed=args.seed,
+                                           n_boot=args.n_boot, by=("s",), name="dropped mass (raw)")],
+                        how="diagonal_relaxed")
     used, _ = split_zero(df)
     parts = [used.select(pl.lit("dropped mass (raw)").alias("predictor"), "model", pl.col("s").cast(pl.Utf8),
                          (pl.col("kappa_hat") > args.threshold).alias("y"), pl.col("dropped_mass").alias("score"))]

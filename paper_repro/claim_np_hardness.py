@@ -14,7 +14,8 @@ import sys
 import _common
 
 from evictlab.io import atomic_path
-from evictlab.pipeline import run_hardness
+from evictlab.hardness.check import run_check
+from evictlab.hardness.generators import balanced
 from evictlab.plots.hardness import hardness_times
 from evictlab.report.record import RunRecord
 from evictlab.stats.claims import np_hardness
@@ -26,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", type=int, default=8, help="source values n; the image has 2n+1 (default 8)")
     args = p.parse_args(argv)
     record = RunRecord(kind="paper-repro-np-hardness", seed=args.seed, config=_common.config(args))
-    trials = run_hardness(args.trials, args.size, args.seed)
+    trials = run_check(balanced(args.seed, args.trials, args.size, None))
     with atomic_path(args.out / "hardness_trials.parquet", suffix=".parquet") as tmp:
         trials.write_parquet(tmp)
     made = [hardness_times(trials, _common.figures_dir(args) / "np_hardness_times")]

@@ -86,14 +86,29 @@ def test_smollm2_query_aware_task(smollm2, tmp_path: Path) -> None:
     assert store.meta["position"].min() >= 128 - 8  # inside the question, after the context
 
 
-def test_shakespeare_passages(smollm2) -> None:
+def test_shakespeare_prompts_are_plays_before_the_heldout_tail(smollm2) -> None:
     _, tok = smollm2
     text = prompts.shakespeare_text()
     assert len(text) > 4_000_000 and "THE TEMPEST" in text and "ROMEO" in text
-    a = prompts.shakespeare_passage(tok, 300, seed=3)
-    assert len(a) == 300 and a == prompts.shakespeare_passage(tok, 300, seed=3)
-    assert a != prompts.shakespeare_passage(tok, 300, seed=4)
-    assert tok.decode(a) in text  # a contiguous slice of the corpus
+    calib, heldout = prompts.heldout_split()
+    assert calib + heldout == text
+    ps = [prompts.build_prompt("shakespeare", 300, tok, seed=3, index=i) for i in range(8)]
+    assert all(len(p.tokens) == 300 and p.n_context == 300 for p in ps)
+    assert ps[0] == prompts.build_prompt("shakespeare", 300, tok, seed=3, index=0)
+    assert ps[0].tokens != prompts.build_prompt("shakespeare", 300, tok, seed=4, index=0).tokens
+    plays = [p.origin["document"] for p in ps]
+    assert len(set(plays)) == 8  # eight prompts, eight different plays
+    assert not any(name.startswith(("sonnets", "rape_of_lucrece", "lovers_complaint")) for name in plays)
+    offset, pos = {}, 0  # where each work starts in the concatenated corpus
+    for name, work in prompts.shakespeare_works():
+        offset[name] = pos
+        pos += len(work) + len(prompts.SEPARATOR)
+    works = dict(prompts.shakespeare_works())
+    for p in ps:
+        o = p.origin
+        window = works[o["document"]][o["char_start"]:o["char_end"]]
+        assert window.strip() and window.strip() in tok.decode(p.tokens)
+        assert offset[o["document"]] + o["char_end"] <= len(calib)  # never the held-out tail
 
 
 def test_fresh_conversion_matches_cache(smollm2, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

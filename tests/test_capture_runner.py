@@ -87,7 +87,7 @@ def test_interrupted_run_resumes_without_duplicates(tmp_path: Path, llama, monke
     full = tmp_path / "full"
     _run(CFG, full, llama)
     part = tmp_path / "part"
-    real = runner.capture_prompt
+    real = runner.capture_batch
     calls = {"n": 0}
 
     def flaky(*a, **k):
@@ -96,10 +96,10 @@ def test_interrupted_run_resumes_without_duplicates(tmp_path: Path, llama, monke
             raise KeyboardInterrupt  # as if the user pressed Ctrl-C during prompt 2
         return real(*a, **k)
 
-    monkeypatch.setattr(runner, "capture_prompt", flaky)
+    monkeypatch.setattr(runner, "capture_batch", flaky)
     with pytest.raises(KeyboardInterrupt):
         _run(CFG, part, llama)
-    monkeypatch.setattr(runner, "capture_prompt", real)
+    monkeypatch.setattr(runner, "capture_batch", real)
     with pytest.raises(InputError, match="incomplete row dataset"):
         RowStore.open(part)  # an interrupted capture never reads as a finished one
     st = RowStore.open(part, allow_incomplete=True)

@@ -167,11 +167,10 @@ def misnamed(path: list[str], callback) -> list[tuple[str, str, int]]:
     return sorted({f for f in _reachable_fields(module, node) if f[0].startswith("--") and f[0] not in opts})
 
 
-# demo reaches library errors named after options it lacks (--size/--trials). The branch
-# that owns pipeline.py fixes it (issue 10, item 8; decode, audit and models pull/verify
-# are fixed). Strict: when it is fixed this xfail turns into a failure, and the entry must
-# be removed.
-KNOWN_MISNAMED = {"demo"}
+# Commands known to reach errors named after options they lack (strict xfail: a fix turns it
+# into a failure, and the entry must be removed). demo was fixed by running the hardness
+# checker as `evictlab hardness check` in a subprocess, like its other stages.
+KNOWN_MISNAMED: set[str] = set()
 
 
 @pytest.mark.parametrize(

@@ -132,7 +132,7 @@ def test_decode_budget_above_the_full_cache_is_stated(tiny_folder: Path, tmp_pat
     # The pool: the full cache plus at most one partial page per cell and the null block
     # (2 layers x 2 KV heads, pages of 16 entries of 2 x 16 x 4 bytes).
     assert res["bytes_allocated_peak"] <= res["bytes_full_cache"] + (4 + 1) * 16 * 128
-    assert (tmp_path / "d.run.json").exists()
+    assert (tmp_path / "d.run_record.json").exists()
 
 
 def test_decode_params_reach_the_method_and_the_record(tiny_folder: Path, tmp_path: Path, capsys,
@@ -146,7 +146,7 @@ def test_decode_params_reach_the_method_and_the_record(tiny_folder: Path, tmp_pa
     res = json.loads(out.read_text())
     assert res["scorer_params"] == {"window": 8, "pooling": "max"} and res["allocator_params"] == {"alpha": 0.5}
     assert res["compressions"] >= 1 and res["budget_effective_tokens"] == res["budget_tokens"] == 24 * 4
-    record = json.loads((tmp_path / "d.run.json").read_text())
+    record = json.loads((tmp_path / "d.run_record.json").read_text())
     assert record["config"]["allocator_params"] == {"alpha": 0.5}
 
 
@@ -175,7 +175,7 @@ def test_audit_writes_every_output_with_params_per_method(tiny_folder: Path, tmp
     assert (big["budget_effective_tokens"] < big["budget_tokens"]).all()
     phys = big.filter(pl.col("mode") == "physical")
     assert (phys["bytes_allocated"] <= phys["bytes_full_cache"] + 5 * 16 * 128).all()
-    for suffix in (".png", ".pdf", ".md", ".run.json"):
+    for suffix in (".png", ".pdf", ".md", ".run_record.json"):
         assert out.with_suffix(suffix).exists()
 
 

@@ -103,7 +103,7 @@ def test_synthetic_export_has_minus_one_positions(tmp_path: Path) -> None:
     with np.load(tmp_path / "s.npz") as z:
         assert z["p"].shape[0] == 20 and (z["position"] == -1).all()
         assert (z["key_index"] == -1).all() and z["prompt_tokens"].shape == (1, 0)
-    rec = json.loads((tmp_path / "s.npz.record.json").read_text())
+    rec = json.loads((tmp_path / "s.run_record.json").read_text())
     assert rec["kind"] == "rows.export" and rec["config"]["limit"] == 20
 
 

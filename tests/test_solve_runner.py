@@ -14,11 +14,12 @@ import pytest
 
 from evictlab.core import reference as ref
 from evictlab.errors import InputError
+from evictlab.report.record import record_path
 from evictlab.rows.batch import RowBatch
 from evictlab.rows.reader import RowStore
 from evictlab.rows.synth import SynthConfig, synthesize
 from evictlab.solve.runner import (
-    CERT_COLUMNS, RESULT_COLUMNS, SolveConfig, parts_dir_for, record_path_for, solve_batch, solve_rows,
+    CERT_COLUMNS, RESULT_COLUMNS, SolveConfig, parts_dir_for, solve_batch, solve_rows,
 )
 
 EVICTLAB = str(Path(sys.executable).with_name("evictlab"))
@@ -48,7 +49,7 @@ def test_cli_end_to_end(rows: Path, tmp_path: Path) -> None:
     assert cert.height == df.height  # n <= 24 and s <= 8: everything certified
     assert (cert["es_cert"] <= cert["es_hat"]).all()
     assert df["model"].null_count() == 0
-    rec = json.loads(record_path_for(out).read_text())
+    rec = json.loads(record_path(out).read_text())
     assert rec["kind"] == "solve" and rec["config"]["budgets"] == [2, 4, 8]
     assert not parts_dir_for(out).exists()
     # numbers agree with the single-row reference

@@ -157,11 +157,12 @@ def test_bootstrap_auc_deterministic() -> None:
 
 
 def test_vectorised_bootstrap_auc_equals_explicit_resample() -> None:
-    from evictlab.stats.bootstrap import rng_for
+    from evictlab.stats.bootstrap import Design, resample_counts, rng_for
 
     rng = np.random.default_rng(2)
     y = rng.uniform(size=250) < 0.35
     s = np.round(rng.normal(size=250) + y, 1)
     est = bootstrap_auc(y, s, seed=11, key="x", n_boot=1)
-    idx = rng_for(11, "x").integers(0, 250, size=250)
+    counts = next(resample_counts(Design.rows(250), rng_for(11, "x"), 1))[0]
+    idx = np.repeat(np.arange(250), counts)
     assert est.lo == pytest.approx(roc_auc(y[idx], s[idx]), abs=1e-12)

@@ -15,7 +15,10 @@ import typer
 def capture(
     model: str = typer.Option("smollm2-135m", "--model", help="Registry name, local HF folder or hub id."),
     source: str = typer.Option("shakespeare", "--source",
-                               help="shakespeare, needle, multi_needle, multi_key or variable_tracking."),
+                               help="shakespeare (plays, before the held-out tail), file:PATH (a text file or a "
+                                    "folder of them), jsonl:PATH:FIELD (one JSON object per line), or a task: "
+                                    "needle, multi_needle, multi_key, variable_tracking. Text sources give one "
+                                    "seeded window of --context tokens per prompt."),
     context: int = typer.Option(2048, "--context", help="Context length in tokens."),
     positions: int = typer.Option(32, "--positions", help="Query positions per prompt."),
     prompts: int = typer.Option(4, "--prompts", help="Number of prompts (a resumed run may raise it)."),
@@ -26,8 +29,10 @@ def capture(
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     seed: int = typer.Option(0, "--seed", min=0, help="Seed of prompts and positions."),
     rows_per_shard: int = typer.Option(16384, "--rows-per-shard", help="Rows per array shard (cut at prompt ends)."),
-    threads: int = typer.Option(0, "--threads", help="torch CPU threads (0 = torch default; 1 is often "
-                                "fastest on a busy shared machine)."),
+    threads: int = typer.Option(0, "--threads", help="CPU threads of the computation (torch) (0 = the library default, all cores; 1 is "
+                                "often fastest on a busy shared machine)."),
+    batch: int = typer.Option(0, "--batch", help="Prompts per forward pass (consecutive prompts of equal length, "
+                              "e.g. text windows); 0 = auto: 8 on CUDA, 1 on CPU."),
     out: Path = typer.Option(..., "--out", help="Row dataset directory (created, or resumed if it exists)."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
 ) -> None:
@@ -51,7 +56,7 @@ def capture(
 
     cfg = CaptureConfig(model=model, source=source, context=context, positions=positions, prompts=prompts,
                         mode=mode, layers=layers, device=device, seed=seed, rows_per_shard=rows_per_shard,
-                        threads=threads)
+                        threads=threads, batch=batch)
     s = run_capture(cfg, out, progress=not quiet)
     typer.echo(f"{s.rows_written} rows from {s.prompts_written} prompts in {s.seconds:.1f} s "
                f"({s.rows_per_second:.0f} rows/s; {s.prompts_skipped} prompts already done); "

@@ -28,8 +28,12 @@ GQA
     Query head h reads KV head ``h // (n_q_heads // n_kv_heads)`` (transformers'
     ``repeat_kv`` layout); :meth:`LayerCapture.kv_head_of` records it.
 
-Only batch size 1 is supported (a capture is one prompt); the forward should use
-``use_cache=False`` (keys come from the hooks, not from a cache).
+Batches
+    Several prompts of equal length may run in one forward (batch B): pass one position list
+    per prompt (``positions=[[...], [...]]``); ``items[b]`` then holds prompt b's layers
+    (``captures`` is ``items[0]``). No padding is supported: rows of a padded prompt would
+    see pad keys. The forward should use ``use_cache=False`` (keys come from the hooks, not
+    from a cache).
 """
 
 from __future__ import annotations
@@ -99,7 +103,7 @@ class _Pending:
     q: torch.Tensor | None = None
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
-    head_out: torch.Tensor | None = None
+    head_out: list[torch.Tensor] | None = None  # per batch item: (H, P_b, d)
 
 
 @dataclass
@@ -113,15 +117,17 @@ class AttentionCapture:
         cap.layers[3].queries   # (n_q_heads, 2, d)
 
     ``positions``: absolute query positions to record queries and outputs at (keys and
-    values are recorded for every token). ``layers``: layer indices, None for all.
-    Every hook handle is removed on exit, also when the forward raised.
+    values are recorded for every token), or one such list per prompt of a batch (then
+    ``items[b]`` is prompt b's ``{layer: LayerCapture}``). ``layers``: layer indices, None
+    for all. Every hook handle is removed on exit, also when the forward raised.
     """
 
     model: nn.Module
-    positions: Sequence[int]
+    positions: Sequence[int] | Sequence[Sequence[int]]
     layers: Sequence[int] | None = None
     sites: list[AttentionSite] = field(init=False)
     captures: dict[int, LayerCapture] = field(init=False, default_factory=dict)
+    items: list[dict[int, LayerCapture]] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         all_sites = find_attention_sites(self.model)
@@ -135,18 +141,20 @@ class AttentionCapture:
                                  f"0..{max(known)})", "pick layers from that range, or 'all'")
             want = set(self.layers)
             self.sites = [s for s in all_sites if s.layer in want]
-        pos = np.unique(np.asarray(self.positions, dtype=np.int64))
-        if pos.size == 0 or pos[0] < 0:
+        per_item = len(self.positions) > 0 and all(isinstance(p, (Sequence, np.ndarray)) for p in self.positions)
+        sets = list(self.positions) if per_item else [self.positions]
+        self._pos_items = [np.unique(np.asarray(p, dtype=np.int64)) for p in sets]
+        if any(pos.size == 0 or pos[0] < 0 for pos in self._pos_items):
             raise InputError("positions", "must be a non-empty list of positions >= 0",
                              "pass the query positions to capture")
-        self._pos = pos
         self._handles: list[Any] = []
         self._pending: dict[int, _Pending] = {}
 
     # -- context manager --------------------------------------------------------------
 
     def __enter__(self) -> AttentionCapture:
-        self.captures = {}
+        self.items = [{} for _ in self._pos_items]
+        self.captures = self.items[0]
         try:
             for site in self.sites:
                 self._attach(site)
@@ -176,9 +184,9 @@ class AttentionCapture:
         def pre_attn(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             bound = fwd_sig.bind_partial(*args, **kwargs).arguments
             hs = bound.get("hidden_states", args[0] if args else None)
-            if hs is not None and hs.shape[0] != 1:
-                raise InputError("batch", f"capture takes one prompt at a time, got batch {hs.shape[0]}",
-                                 "run one sequence per forward")
+            if hs is not None and hs.shape[0] != len(self._pos_items):
+                raise InputError("batch", f"the forward has batch {hs.shape[0]} but {len(self._pos_items)} "
+                                 "position list(s) were given", "pass one position list per prompt of the batch")
             pe = bound.get("position_embeddings")
             if pe is None:
                 raise InputError("--model", f"{type(mod).__name__} received no position_embeddings",
@@ -198,31 +206,33 @@ class AttentionCapture:
         def pre_o(mod: nn.Module, args: tuple[Any, ...]) -> None:
             x = args[0]  # (B, L, H*d): the per-head outputs, concatenated over heads
             B, L, _ = x.shape
-            idx = torch.as_tensor(self._pos[self._pos < L], device=x.device)
-            st.head_out = x.view(B, L, site.n_q_heads, site.head_dim)[0, idx].transpose(0, 1)
+            heads = x.view(B, L, site.n_q_heads, site.head_dim)
+            st.head_out = [heads[b, torch.as_tensor(pos[pos < L], device=x.device)].transpose(0, 1)
+                           for b, pos in enumerate(self._pos_items)]
 
         def post_attn(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
             if st.q is None or st.k is None or st.v is None or st.cos_sin is None or st.head_out is None:
                 raise InputError("--model", f"{type(mod).__name__} did not run the expected "
                                  "q/k/v/o projections", "use a standard decoder attention module")
             cos, sin = st.cos_sin
-            q, k = site.rope(st.q, st.k, cos, sin)  # (1, H, L, d), (1, Hkv, L, d)
+            q, k = site.rope(st.q, st.k, cos, sin)  # (B, H, L, d), (B, Hkv, L, d)
             L = k.shape[2]
-            pos = self._pos[self._pos < L]
-            if pos.size < self._pos.size:
-                raise InputError("positions", f"position {int(self._pos[-1])} is beyond the "
-                                 f"{L}-token input", "capture positions inside the prompt")
-            idx = torch.as_tensor(pos, device=q.device)
             cpu = dict(device="cpu", dtype=torch.float32)
-            self.captures[site.layer] = LayerCapture(
-                layer=site.layer,
-                queries=q[0][:, idx].detach().to(**cpu),
-                keys=k[0].detach().to(**cpu),
-                values=st.v[0].detach().to(**cpu),
-                head_out=st.head_out.detach().to(**cpu),
-                positions=pos.copy(), scaling=site.scaling, sliding_window=site.sliding_window,
-                n_q_heads=site.n_q_heads, n_kv_heads=site.n_kv_heads,
-            )
+            for b, all_pos in enumerate(self._pos_items):
+                pos = all_pos[all_pos < L]
+                if pos.size < all_pos.size:
+                    raise InputError("positions", f"position {int(all_pos[-1])} is beyond the "
+                                     f"{L}-token input", "capture positions inside the prompt")
+                idx = torch.as_tensor(pos, device=q.device)
+                self.items[b][site.layer] = LayerCapture(
+                    layer=site.layer,
+                    queries=q[b][:, idx].detach().to(**cpu),
+                    keys=k[b].detach().to(**cpu),
+                    values=st.v[b].detach().to(**cpu),
+                    head_out=st.head_out[b].detach().to(**cpu),
+                    positions=pos.copy(), scaling=site.scaling, sliding_window=site.sliding_window,
+                    n_q_heads=site.n_q_heads, n_kv_heads=site.n_kv_heads,
+                )
             st.q = st.k = st.v = st.head_out = None
             st.cos_sin = None
 

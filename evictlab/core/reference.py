@@ -290,3 +290,65 @@ def entropy(p: object) -> float:
     p_n = _masses(p)
     nz = p_n[p_n > 0]
     return float(-(nz * np.log(nz)).sum())
+
+
+def affine_error(p: object, values: object, kept: object) -> float:
+    """Ablation (ours): ``min_{sum w = 1} ||mu - sum_{i in A} w_i v_i||``, weights of any sign.
+
+    The distance from ``mu`` to the affine hull of the kept values, by least squares on the
+    differences ``v_i - v_first`` (SVD ``lstsq``; see :func:`_affine_min`). Translation
+    invariant like ``e`` and ``e_free``; ``e_aff <= e_free``, and ``e_aff = 0`` for rows in
+    general position once ``|A| > d``.
+    """
+    p_n, v = _row(p, values)
+    a = validate_kept(kept, p_n.shape[0])
+    x = v[a] - (p_n @ v)[None, :]
+    return float(np.linalg.norm(_affine_min(x) @ x))
+
+
+def nonneg_error(p: object, values: object, kept: object) -> tuple[float, np.ndarray]:
+    """Ablation (ours): ``min_{w >= 0} ||mu - sum_{i in A} w_i v_i||``, weights need not sum to 1.
+
+    The distance from ``mu`` to the cone spanned by the kept values (through the origin, so
+    unlike ``e`` and ``e_free`` it is not invariant when all values are translated);
+    ``e_nn <= e_free``. Solved exactly by the Lawson-Hanson active-set method: add the
+    coordinate with the largest positive gradient ``V_A (mu - V_A^T w)`` to the passive
+    set, solve least squares on it, step back to the boundary and drop coordinates that
+    reach zero; stop when no gradient exceeds ``1e-12 * scale`` (the KKT conditions
+    ``w >= 0``, gradient ``<= 0``, gradient ``= 0`` on the support, to rounding).
+
+    Returns ``(e_nn, w)``, ``w`` float64 ``(len(kept),)``, aligned with ``kept``.
+    """
+    p_n, v = _row(p, values)
+    a = validate_kept(kept, p_n.shape[0])
+    A = v[a].T  # (d, k)
+    b = p_n @ v
+    k = A.shape[1]
+    w = np.zeros(k)
+    scale = float(np.abs(A).max(initial=0.0)) * max(float(np.abs(b).max(initial=0.0)), float(np.abs(A).max(initial=0.0)))
+    if scale == 0.0:
+        return float(np.linalg.norm(b)), w
+    tol = 1e-12 * scale
+    passive = np.zeros(k, dtype=bool)
+    for _ in range(3 * k + 10):
+        grad = A.T @ (b - A @ w)
+        cand = np.where(~passive, grad, -np.inf)
+        j = int(np.argmax(cand))
+        if not cand[j] > tol:
+            break
+        passive[j] = True
+        while True:  # inner loop: least squares on the passive set, kept feasible
+            z = np.zeros(k)
+            idx = np.flatnonzero(passive)
+            z[idx] = np.linalg.lstsq(A[:, idx], b, rcond=None)[0]
+            if np.all(z[idx] > WEIGHT_TOL):
+                w = z
+                break
+            neg = idx[z[idx] <= WEIGHT_TOL]
+            step = np.min(w[neg] / np.maximum(w[neg] - z[neg], 1e-300))
+            w = w + step * (z - w)
+            passive &= w > WEIGHT_TOL
+            w[~passive] = 0.0
+            if not passive.any():
+                break
+    return float(np.linalg.norm(b - A @ w)), w

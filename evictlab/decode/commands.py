@@ -48,7 +48,7 @@ _COMPRESS_EVERY = typer.Option(16, "--compress-every", help="decode steps betwee
 _WINDOW = typer.Option(32, "--window", help="observation window (queries) for scorers")
 _BLOCK_SIZE = typer.Option(16, "--block-size", help="page size of the physical store (entries)")
 _QUERY_AWARE = typer.Option(False, "--query-aware", help="LABELLED OPTION: let rankings see the question")
-_THREADS = typer.Option(0, "--threads", help="torch CPU threads (0 = torch default)")
+_THREADS = typer.Option(0, "--threads", help="CPU threads of the computation (torch) (0 = the library default, all cores)")
 _OVERWRITE = typer.Option(False, "--overwrite", help="replace an existing --out (and the files written beside it)")
 
 
@@ -119,7 +119,7 @@ def audit(
     n: int = typer.Option(2, help="examples per task"),
     context: int = typer.Option(1024, help="context tokens per example"),
     seed: int = typer.Option(0),
-    out: Path = typer.Option(Path("audit.parquet"), help="Parquet table; .png/.pdf/.md/.run.json written beside it"),
+    out: Path = typer.Option(Path("audit.parquet"), help="Parquet table; .png/.pdf/.md and .run_record.json written beside it"),
     device: str = _DEVICE, sinks: int = _SINKS, recent: int = _RECENT, chunk: int = _CHUNK,
     compress_every: int = _COMPRESS_EVERY, window: int = _WINDOW, block_size: int = _BLOCK_SIZE,
     query_aware: bool = _QUERY_AWARE, threads: int = _THREADS, overwrite: bool = _OVERWRITE,
@@ -183,6 +183,7 @@ def _write_audit(df: Any, out: Path, model: str, record: Any) -> None:
     from evictlab.io import atomic_path, atomic_write_text
     from evictlab.plots.audit import audit_bars
     from evictlab.report.audit import audit_markdown
+    from evictlab.report.record import record_path
 
     stem = out.with_suffix("")
     fig = audit_bars(df, stem)
@@ -190,7 +191,7 @@ def _write_audit(df: Any, out: Path, model: str, record: Any) -> None:
     atomic_write_text(stem.with_suffix(".md"), md)
     with atomic_path(out, suffix=".parquet") as tmp:
         df.write_parquet(tmp)
-    record.write(stem.with_suffix(".run.json"),
+    record.write(record_path(out),
                  outputs=[str(out), str(fig.png), str(fig.pdf), str(stem.with_suffix(".md"))])
 
 
@@ -213,7 +214,7 @@ def decode(
     from evictlab.io import check_output_file
     from evictlab.kv.budget import Budget
     from evictlab.methods import parse_assignments, parse_method
-    from evictlab.report.record import RunRecord
+    from evictlab.report.record import RunRecord, record_path
 
     with _as_options(DECODE_OPTIONS):
         # Everything the user typed, checked before the model loads.
@@ -276,7 +277,7 @@ def decode(
     from evictlab.io import atomic_write_json
 
     atomic_write_json(out, result)
-    record.write(out.with_suffix(".run.json"), outputs=[str(out)])
+    record.write(record_path(out), outputs=[str(out)])
     if res.budget_tokens is not None and res.budget_effective_tokens is not None \
             and res.budget_effective_tokens < res.budget_tokens:
         typer.echo(f"note: the budget ({res.budget_tokens} kept entries) is above the full cache "

@@ -1,7 +1,7 @@
 """The decode loop: chunked prefill that compresses as it goes, then decoding that
 compresses every N steps, on a stock transformers model (through :mod:`evictlab.kv.cache`).
 
-Protocol (query-agnostic by default):
+Protocol (query-agnostic by default, docs/theory.md section 9):
 
 1. The **context** is fed in chunks of ``chunk_size`` tokens. After each chunk, if the
    cache holds more than the budget, it is compressed to the budget: every cell is scored

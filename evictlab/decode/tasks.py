@@ -4,7 +4,7 @@ held-out Shakespeare windows for perplexity.
 The examples themselves come from :mod:`evictlab.capture.prompts` (``make_task``, the
 Shakespeare corpus); this module only turns them into what the decode loop consumes:
 context ids and question ids *separately*, because the query-agnostic protocol compresses
-the context before the question is appended (docs/kv.md, the decode loop).
+the context before the question is appended (docs/theory.md section 9).
 
 Tokenizer None means the byte-level vocabulary of the tiny test models
 (:func:`evictlab.capture.testing.tiny_model`, 256 ids): token ids are the UTF-8 bytes.
@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from evictlab.capture.prompts import TASKS, TaskExample, encode, make_task, shakespeare_text
+from evictlab.capture.prompts import TASKS, TaskExample, encode, heldout_split, make_task
 from evictlab.errors import InputError
 
 __all__ = [
@@ -144,21 +144,6 @@ class PerplexityWindow:
     seed: int
     context_ids: list[int]
     target_ids: list[int]
-
-
-HELDOUT_FRACTION = 0.1
-"""The last 10% of the Shakespeare corpus (in file-name order) is reserved for perplexity."""
-
-
-def heldout_split() -> tuple[str, str]:
-    """``(calibration, heldout)`` parts of the corpus, split at a line start near 90%.
-
-    Anything fitted on Shakespeare (e.g. ContourKV profiles) should draw from the first part
-    so that perplexity on the second is held out.
-    """
-    text = shakespeare_text()
-    cut = text.find("\n", int(len(text) * (1 - HELDOUT_FRACTION))) + 1
-    return text[:cut], text[cut:]
 
 
 def heldout_windows(

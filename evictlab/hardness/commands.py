@@ -50,14 +50,14 @@ def check_command(
     from evictlab.hardness.check import SOLVERS, Summary, run_check
     from evictlab.hardness.generators import balanced
     from evictlab.io import check_output_file
-    from evictlab.report.record import RunRecord
+    from evictlab.report.record import RECORD_NAME, RunRecord, record_path
 
     if time_limit is not None and not time_limit > 0:
         raise InputError("--time-limit", f"must be positive, got {time_limit}", "pass a positive number of seconds or omit it")
     if out is not None and out.exists():  # refused before the run, not after it
         if not out.is_dir():
             raise InputError("--out", f"{out} is a file", "pass a folder (new or existing) for --out")
-        for name in ("trials.parquet", "run_record.json"):
+        for name in ("trials.parquet", RECORD_NAME):
             check_output_file(out / name, "--out", overwrite=overwrite)
     record = RunRecord(kind="hardness-check", seed=seed,
                        config={"trials": trials, "size": size, "magnitude": magnitude, "time_limit": time_limit})
@@ -88,7 +88,7 @@ def check_command(
 
         with atomic_path(out / "trials.parquet") as tmp:
             table.write_parquet(tmp)
-        record.write(out / "run_record.json", summary={"tried": summary.tried, "agreed": summary.agreed,
+        record.write(record_path(out, folder=True), summary={"tried": summary.tried, "agreed": summary.agreed,
                                                        "disagreed": summary.disagreed})
         stdout.print(f"wrote {out / 'trials.parquet'} and {out / 'run_record.json'}")
     if summary.disagreed:

@@ -62,8 +62,9 @@ def write(path: str | os.PathLike[str], sections: Sequence[str]) -> Path:
     return Path(path)
 
 
-CLAIM_COLUMNS = ("claim", "paper_value", "our_value", "verdict", "model", "rows", "budgets", "definitions")
-CLAIM_HEADERS = ("claim", "paper value", "our value [95% CI]", "paper vs ours", "model", "rows", "budgets", "definitions used")
+CLAIM_COLUMNS = ("claim", "paper_value", "our_value", "interval", "verdict", "model", "rows", "budgets", "definitions")
+CLAIM_HEADERS = ("claim", "paper value", "our value [95% CI]", "interval method", "paper vs ours", "model", "rows",
+                 "budgets", "definitions used")
 
 
 def claims_table(claims: Iterable[Any]) -> str:

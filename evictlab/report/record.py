@@ -30,8 +30,23 @@ _PACKAGES = (
     "seaborn", "transformers", "gguf", "accelerate",
 )
 
+#: The one name of a run record: ``run_record.json`` inside an output folder, or
+#: ``<output stem>.run_record.json`` beside an output file (see :func:`record_path`).
+RECORD_NAME = "run_record.json"
+
 #: The pinned versions, at the top of the source tree (see README, "Install").
 CONSTRAINTS = Path(__file__).resolve().parents[2] / "constraints.txt"
+
+
+def record_path(output: str | os.PathLike[str], *, folder: bool = False) -> Path:
+    """Where the run record of ``output`` goes, the same rule for every command.
+
+    ``folder=True`` (the output is a directory, e.g. a row dataset or ``runs/demo``):
+    ``output/run_record.json``. Otherwise (a file): beside it, ``<stem>.run_record.json``
+    (``results.parquet`` -> ``results.run_record.json``).
+    """
+    output = Path(output)
+    return output / RECORD_NAME if folder else output.with_name(f"{output.stem}.{RECORD_NAME}")
 
 
 def git_state(cwd: str | os.PathLike[str] | None = None) -> dict[str, Any]:

@@ -156,7 +156,7 @@ def export(
 ) -> None:
     """Export rows as dense padded arrays (p, values, n, ids, key_index, prompt_tokens)."""
     from evictlab.io import check_output_path, exclusive_lock
-    from evictlab.report.record import RunRecord
+    from evictlab.report.record import RunRecord, record_path
     from evictlab.rows.export import export_npz
 
     if not max_gib > 0:
@@ -167,5 +167,5 @@ def export(
     with exclusive_lock(out, "--out"):  # also covers the run record
         info = export_npz(path, out, limit=limit, max_bytes=int(max_gib * 2**30),
                           overwrite=overwrite)
-        record.write(out.with_name(out.name + ".record.json"), output=str(out), summary=info)
+        record.write(record_path(out), output=str(out), summary=info)
     typer.echo(f"wrote {info['rows']} rows (n_max {info['n_max']}, d {info['head_dim']}) to {out}")

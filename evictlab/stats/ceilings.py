@@ -19,12 +19,13 @@ Rows with e(T_s) = 0 are excluded from every ratio and counted in ``rows_e_top_z
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 import polars as pl
 
-from evictlab.stats.bootstrap import Estimate, bootstrap_mean, bootstrap_median
+from evictlab.stats.bootstrap import Design, Estimate, Mean, Median, bootstrap, icc_oneway, rank_icc
 from evictlab.stats.results import ABS_TOL, REL_TOL
 
 DEFAULT_THRESHOLD = 1.11
@@ -34,6 +35,24 @@ LEVELS: dict[str, tuple[str, ...]] = {
     "model_s": ("model", "s"),
     "model_s_layer": ("model", "s", "layer"),
     "model_s_layer_head": ("model", "s", "layer", "head"),
+}
+#: Cluster levels of the resampling design, outermost first (columns of the results table):
+#: models, then prompts within a model, then attention rows within a prompt (one row has an
+#: observation per budget s). Levels that are constant within a group drop out.
+CLUSTER_LEVELS: tuple[str, ...] = ("model", "prompt_id", "row_id")
+_LEVEL_NAMES = {"model": "model", "prompt_id": "prompt", "row_id": "row"}
+#: Statistics that also get the row bootstrap as a comparison (``compare_rows``).
+COMPARED = ("gap_closed_median", "frac_significant", "pi_top_median")
+#: The statistics of a summary row: column prefix -> (source column, kind). ``median``
+#: statistics use finite values only; the ICC of a median is the rank ICC.
+STATISTICS: dict[str, tuple[str, str]] = {
+    "gap_closed_median": ("gap_closed", "median"),
+    "kappa_hat_median": ("kappa_hat", "median"),
+    "frac_significant": ("kappa_hat", "significant"),
+    "pi_top_median": ("pi_top", "median"),
+    "pi_opt_median": ("pi_opt", "median"),
+    "bal_gap_closed_median": ("bal_gap_closed", "median"),
+    "bal_reaches_opt_frac": ("bal_reaches_opt", "fraction"),
 }
 
 
@@ -45,6 +64,88 @@ def _finite(a: np.ndarray) -> np.ndarray:
     return a[np.isfinite(a)]
 
 
+@dataclass(frozen=True)
+class Clusters:
+    """The cluster levels of a whole results table, coded once (see :data:`CLUSTER_LEVELS`).
+
+    ``codes[k]``: int64 per observation, nested-unique (prompt 0 of two models gets two
+    codes); ``prompt``: the code of (model, prompt) per observation, for the ICC (None
+    without a ``prompt_id`` column).
+    """
+
+    names: tuple[str, ...]
+    codes: tuple[np.ndarray, ...]
+    prompt: np.ndarray | None
+
+    @classmethod
+    def of(cls, df: pl.DataFrame, levels: Sequence[str] | None = CLUSTER_LEVELS) -> "Clusters":
+        cols = [c for c in (levels or ()) if c in df.columns]
+        if not cols or df.height == 0:
+            return cls((), (), None)
+        d = Design.nested([df[c].to_numpy() for c in cols], [_LEVEL_NAMES.get(c, c) for c in cols])
+        prompt = None
+        if "prompt_id" in cols:
+            prompt = d.codes[cols.index("prompt_id")]
+        return cls(d.names, d.codes, prompt)
+
+    def design(self, idx: np.ndarray) -> Design:
+        """The design of the observations ``idx``: levels constant on them dropped (resampling
+        one cluster out of one changes nothing), except the prompt level, kept so that a group
+        from a single prompt is labelled as such; the innermost level always stays."""
+        idx = np.asarray(idx, dtype=np.int64)
+        if not self.codes or idx.size == 0:
+            return Design.rows(idx.size)
+        codes, names = [], []
+        last = len(self.codes) - 1
+        for k, (c, name) in enumerate(zip(self.codes, self.names)):
+            sub = c[idx]
+            if name != "prompt" and k != last and sub.min() == sub.max():
+                continue
+            codes.append(sub)
+            names.append(name)
+        # a drawn attention row brings all its observations (one per budget s), never a resample of them
+        return Design.from_codes(codes, names, whole_leaves=names[-1] == "row")
+
+
+def design_for(df: pl.DataFrame, levels: Sequence[str] | None = CLUSTER_LEVELS) -> Design:
+    """The resampling design of one group of a results table (see :meth:`Clusters.design`).
+
+    ``levels=None``, or no such column: the row bootstrap.
+    """
+    return Clusters.of(df, levels).design(np.arange(df.height))
+
+
+def _stats(cols: dict[str, np.ndarray], idx: np.ndarray, threshold: float
+           ) -> tuple[dict[str, object], dict[str, np.ndarray], int]:
+    """The :data:`STATISTICS` of the observations ``idx`` (rows with e_top > 0): Stat objects,
+    per-row values for the ICC, and the count of non-finite pi ratios."""
+    stats: dict[str, object] = {}
+    values: dict[str, np.ndarray] = {}
+    nonfinite = 0
+    for prefix, (col, kind) in STATISTICS.items():
+        raw = cols[col][idx]
+        fin = np.isfinite(raw)
+        if col in ("pi_top", "pi_opt"):
+            nonfinite += int((~fin).sum())
+        if kind == "median":
+            stats[prefix] = Median(np.where(fin, raw, 0.0), fin)
+            values[prefix] = raw
+        elif kind == "significant":
+            ind = (raw > threshold).astype(float)
+            stats[prefix] = Mean(ind, fin)
+            values[prefix] = np.where(fin, ind, np.nan)
+        else:
+            stats[prefix] = Mean(raw)
+            values[prefix] = raw
+    return stats, values, nonfinite
+
+
+def group_indices(df: pl.DataFrame, by: Sequence[str]) -> list[tuple[tuple[object, ...], np.ndarray]]:
+    """``[(key, row indices)]`` of ``df`` grouped by ``by``, sorted by key."""
+    g = df.select(*by).with_row_index("_i").group_by(list(by)).agg(pl.col("_i")).sort(list(by))
+    return [(tuple(r[c] for c in by), np.asarray(r["_i"], dtype=np.int64)) for r in g.iter_rows(named=True)]
+
+
 def summarize(
     df: pl.DataFrame,
     by: Sequence[str] = ("model", "s"),
@@ -53,66 +154,116 @@ def summarize(
     n_boot: int = 1000,
     level: float = 0.95,
     threshold: float = DEFAULT_THRESHOLD,
+    clusters: Sequence[str] | None = CLUSTER_LEVELS,
+    compare_rows: bool = False,
 ) -> pl.DataFrame:
     """Summary statistics per group of a prepared results table (see module docstring).
 
     ``df`` must come from :func:`evictlab.stats.results.prepare` (or ``load_results``).
-    The bootstrap for each group and statistic is seeded by ``seed`` and the group's key,
-    so results do not depend on group order.
+    Intervals resample the design of :meth:`Clusters.design` (``clusters`` levels; None = row
+    bootstrap), one set of replicates per group shared by all its statistics, seeded by
+    ``seed`` and the group's key, so results do not depend on group order. Per group:
+    ``interval`` (the design, in words), ``prompts`` (prompt clusters), and for each
+    statistic ``<stat>_icc``, the share of its per-row variation between prompts
+    (:func:`evictlab.stats.bootstrap.icc_oneway`; rank ICC for medians). With
+    ``compare_rows`` also ``<stat>_row_lo`` / ``_row_hi`` for the :data:`COMPARED` statistics:
+    the row bootstrap, for comparison.
     """
     by = list(by)
+    cl = Clusters.of(df, clusters)
+    cols = {c: df[c].cast(pl.Float64).to_numpy() for c in {c for c, _ in STATISTICS.values()} | {"e_top", "es_hat"}}
+    zero_all = df["e_top_zero"].to_numpy() | (cols["e_top"] <= 0.0)
     has_cert = "es_cert" in df.columns
+    if has_cert:
+        es_cert = df["es_cert"].cast(pl.Float64).to_numpy()
+        cert_ok = np.isfinite(es_cert)  # null -> NaN
+        if "cert_status" in df.columns:
+            status = df["cert_status"].cast(pl.Utf8).str.to_lowercase().fill_null("").to_numpy()
+            cert_ok &= np.isin(status, ["optimal", "certified", "proved", "ok"])
     out: list[dict[str, object]] = []
-    for key, g in sorted(df.group_by(by), key=lambda kv: kv[0]):
+    for key, idx in group_indices(df, by):
         keyd = dict(zip(by, key))
         tag = "|".join(f"{k}={v}" for k, v in keyd.items())
-        zero = (g["e_top_zero"].to_numpy() | (g["e_top"].to_numpy() <= 0.0))
-        nz = g.filter(pl.Series(~zero))
-        row: dict[str, object] = {**keyd, "rows": g.height, "rows_e_top_zero": int(zero.sum()),
-                                  "rows_used": nz.height}
-        gap = _finite(nz["gap_closed"].cast(pl.Float64).to_numpy())
-        row.update(_est_cols("gap_closed_median", bootstrap_median(gap, seed=seed, key=tag + "|gap", n_boot=n_boot, level=level)))
+        zero = zero_all[idx]
+        nz = idx[~zero]
+        design = cl.design(nz)
+        groups = cl.prompt[nz] if cl.prompt is not None else None
+        row: dict[str, object] = {**keyd, "rows": idx.size, "rows_e_top_zero": int(zero.sum()),
+                                  "rows_used": nz.size,
+                                  "prompts": int(np.unique(groups).size) if groups is not None else 0,
+                                  "interval": design.describe()}
+        stats, values, nonfinite = _stats(cols, nz, threshold)
+        est = bootstrap(stats, design, seed=seed, key=tag, n_boot=n_boot, level=level)  # type: ignore[arg-type]
+        for prefix, e in est.items():
+            row.update(_est_cols(prefix, e))
+            v = values[prefix]
+            fin = np.isfinite(v)
+            if groups is None:
+                row[f"{prefix}_icc"] = float("nan")
+            elif STATISTICS[prefix][1] == "median":
+                row[f"{prefix}_icc"] = rank_icc(v[fin], groups[fin])
+            else:
+                row[f"{prefix}_icc"] = icc_oneway(v[fin], groups[fin])
+        if compare_rows:
+            compared = {k: stats[k] for k in COMPARED}
+            est_r = bootstrap(compared, Design.rows(nz.size), seed=seed, key=tag + "|rows", n_boot=n_boot,  # type: ignore[arg-type]
+                              level=level)
+            for prefix, e in est_r.items():
+                row.update({f"{prefix}_row_lo": e.lo, f"{prefix}_row_hi": e.hi})
+        gap = _finite(cols["gap_closed"][nz])
         qs = np.quantile(gap, [0.1, 0.25, 0.75, 0.9]) if gap.size else [np.nan] * 4
         row.update({"gap_closed_q10": qs[0], "gap_closed_q25": qs[1], "gap_closed_q75": qs[2],
                     "gap_closed_q90": qs[3],
                     "gap_closed_mean": float(gap.mean()) if gap.size else float("nan")})
-        kap = _finite(nz["kappa_hat"].cast(pl.Float64).to_numpy())
-        row.update(_est_cols("kappa_hat_median", bootstrap_median(kap, seed=seed, key=tag + "|kappa", n_boot=n_boot, level=level)))
-        row.update(_est_cols("frac_significant", bootstrap_mean((kap > threshold).astype(float), seed=seed, key=tag + "|sig", n_boot=n_boot, level=level)))
-        nonfinite = 0
-        for name in ("pi_top", "pi_opt"):
-            raw = nz[name].cast(pl.Float64).to_numpy()
-            fin = _finite(raw)
-            nonfinite += raw.size - fin.size
-            row.update(_est_cols(f"{name}_median", bootstrap_median(fin, seed=seed, key=f"{tag}|{name}", n_boot=n_boot, level=level)))
         row["pi_nonfinite"] = nonfinite
-        bal = _finite(nz["bal_gap_closed"].cast(pl.Float64).to_numpy())
-        row.update(_est_cols("bal_gap_closed_median", bootstrap_median(bal, seed=seed, key=tag + "|bal", n_boot=n_boot, level=level)))
-        reach = nz["bal_reaches_opt"].to_numpy().astype(float)
-        row.update(_est_cols("bal_reaches_opt_frac", bootstrap_mean(reach, seed=seed, key=tag + "|reach", n_boot=n_boot, level=level)))
         if has_cert:
-            cert = g.filter(pl.col("es_cert").is_not_null() & pl.col("es_cert").is_finite())
-            if "cert_status" in cert.columns:
-                cert = cert.filter(pl.col("cert_status").cast(pl.Utf8).str.to_lowercase().is_in(["optimal", "certified", "proved", "ok"]))
-            es_hat = cert["es_hat"].to_numpy()
-            es_cert = cert["es_cert"].cast(pl.Float64).to_numpy()
-            beats = es_cert < es_hat - np.maximum(np.abs(es_hat) * REL_TOL, ABS_TOL)
-            row["rows_certified"] = cert.height
-            row.update(_est_cols("cert_beats_pool_frac", bootstrap_mean(beats.astype(float), seed=seed, key=tag + "|cert", n_boot=n_boot, level=level)))
+            ci = idx[cert_ok[idx]]
+            es_hat = cols["es_hat"][ci]
+            beats = (es_cert[ci] < es_hat - np.maximum(np.abs(es_hat) * REL_TOL, ABS_TOL)).astype(float)
+            row["rows_certified"] = ci.size
+            cdesign = cl.design(ci)
+            ce = bootstrap({"c": Mean(beats)}, cdesign, seed=seed, key=tag + "|cert", n_boot=n_boot, level=level)["c"]
+            row.update(_est_cols("cert_beats_pool_frac", ce))
+            row["cert_beats_pool_frac_icc"] = (icc_oneway(beats, cl.prompt[ci]) if cl.prompt is not None
+                                               else float("nan"))
+            row["cert_interval"] = ce.method
         out.append(row)
     return pl.DataFrame(out)
 
 
 def summarize_all(
     df: pl.DataFrame, *, seed: int = 0, n_boot: int = 1000, n_boot_cells: int = 200,
-    level: float = 0.95, threshold: float = DEFAULT_THRESHOLD,
+    level: float = 0.95, threshold: float = DEFAULT_THRESHOLD, clusters: Sequence[str] | None = CLUSTER_LEVELS,
 ) -> dict[str, pl.DataFrame]:
-    """The three standard summaries: per (model, s), per layer, per (layer, head).
+    """The standard summaries: per (model, s) (with the row bootstrap as a comparison), per
+    layer, per (layer, head), and, when the table holds several models, ``pooled_s``: all
+    models' rows pooled per s, resampling models, then prompts, then rows (``model`` column
+    ``pooled (A + B)``).
 
     The per-cell levels use ``n_boot_cells`` resamples (there are hundreds of cells).
     """
     res: dict[str, pl.DataFrame] = {}
     for name, by in LEVELS.items():
         nb = n_boot if name == "model_s" else n_boot_cells
-        res[name] = summarize(df, by, seed=seed, n_boot=nb, level=level, threshold=threshold)
+        res[name] = summarize(df, by, seed=seed, n_boot=nb, level=level, threshold=threshold, clusters=clusters,
+                              compare_rows=name == "model_s")
+    pooled = summarize_pooled(df, seed=seed, n_boot=n_boot, level=level, threshold=threshold, clusters=clusters)
+    if pooled is not None:
+        res["pooled_s"] = pooled
     return res
+
+
+def summarize_pooled(df: pl.DataFrame, **kwargs: object) -> pl.DataFrame | None:
+    """Per s, all models' rows pooled (models, then prompts, then rows resampled), with the row
+    bootstrap as comparison; ``model`` = ``pooled (A + B)``. None for a single model.
+    ``kwargs``: those of :func:`summarize`."""
+    models = sorted(df["model"].unique().to_list())
+    if len(models) < 2:
+        return None
+    pooled = summarize(df, ("s",), compare_rows=True, **kwargs)  # type: ignore[arg-type]
+    return pooled.select(pl.lit(pooled_name(models)).alias("model"), pl.all())
+
+
+def pooled_name(models: Sequence[str]) -> str:
+    """The ``model`` label of rows pooled over ``models``."""
+    return f"pooled ({' + '.join(sorted(models))})"

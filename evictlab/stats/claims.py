@@ -1,10 +1,11 @@
-"""The testable claims of "Trust the Mass" (SPEC section 2A) as report rows: paper value vs ours.
+"""The testable claims of "Trust the Mass" (arXiv 2608.25230; docs/theory.md) as report rows: paper value vs ours.
 
 Each function returns a list of :class:`ClaimRow`; the pipeline's report and the
 ``paper_repro/`` scripts render them with :mod:`evictlab.report.markdown`. A row states the
-claim, the paper's value, our value with its 95% bootstrap CI, where the paper's value lies
-relative to our CI, the model, the number of rows, the budgets, and the definitions used
-(ours are marked).
+claim, the paper's value, our value with its 95% bootstrap CI, how that interval was
+resampled (``interval``: prompts, or models then prompts for pooled rows), where the
+paper's value lies relative to our CI, the model, the number of rows, the budgets, and the
+definitions used (ours are marked).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 import polars as pl
 
 WEIGHTS_NOTE = "weights quantised (Q4 GGUF)"
-#: How the registry's models are stored (SPEC section 7); printed next to every number.
+#: How the registry's models are stored (docs/capture.md); printed next to every number.
 MODEL_WEIGHTS = {
     "smollm2-135m": "Q4_1 GGUF weights, dequantised to float32",
     "gemma3-270m": "Q4_K_M GGUF weights, dequantised to float32",
@@ -25,7 +26,9 @@ MODEL_WEIGHTS = {
 
 
 def weights_for(model: str, default: str = WEIGHTS_NOTE) -> str:
-    """The weights note of a registry model, else ``default``."""
+    """The weights note of a registry model, else ``default`` (rows pooled over models: each model's own)."""
+    if model.startswith("pooled ("):
+        return "each model's weights as in its own rows"
     return MODEL_WEIGHTS.get(model, default)
 POOL_NOTE = "ES_hat over candidate pool C_s(2, 2) (ours)"
 
@@ -43,6 +46,7 @@ class ClaimRow:
     rows: str
     budgets: str
     definitions: str
+    interval: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -70,7 +74,11 @@ def _rows_text(summary: pl.DataFrame) -> str:
 
 
 def selection_ceiling(summary: pl.DataFrame, weights_note: str = WEIGHTS_NOTE) -> list[ClaimRow]:
-    """Median gap closed per (model, s) against the paper's 0.021-0.047 over s = 4..32."""
+    """Median gap closed per (model, s) against the paper's 0.021-0.047 over s = 4..32.
+
+    ``summary`` may hold pooled rows (``model`` = ``pooled (...)``, from
+    :func:`evictlab.stats.ceilings.summarize_all`): they become rows of their own.
+    """
     out = []
     for r in summary.sort("model", "s").iter_rows(named=True):
         out.append(ClaimRow(
@@ -79,13 +87,19 @@ def selection_ceiling(summary: pl.DataFrame, weights_note: str = WEIGHTS_NOTE) -
             _fmt(r["gap_closed_median"], r["gap_closed_median_lo"], r["gap_closed_median_hi"]),
             _versus(r["gap_closed_median_lo"], r["gap_closed_median_hi"], 0.021, 0.047),
             f"{r['model']} ({weights_for(r['model'], weights_note)})", f"{r['rows_used']:,} used, {r['rows_e_top_zero']} e(T_s)=0 excluded",
-            f"s={r['s']}", f"g(s)=(e(T_s)-ES_hat)/e(T_s); {POOL_NOTE}; median, 95% percentile bootstrap CI"))
+            f"s={r['s']}", f"g(s)=(e(T_s)-ES_hat)/e(T_s); {POOL_NOTE}; median, 95% percentile bootstrap CI",
+            r.get("interval", "")))
     return out
 
 
-def penalty_trend(summary: pl.DataFrame, weights_note: str = WEIGHTS_NOTE) -> list[ClaimRow]:
-    """pi(s) at T_s per (model, s), against the paper's 1.07 (s=4) -> 1.79 (s=32), plus the trend."""
+def penalty_trend(summary: pl.DataFrame, weights_note: str = WEIGHTS_NOTE,
+                  head_dims: dict[str, int] | None = None) -> list[ClaimRow]:
+    """pi(s) at T_s per (model, s), against the paper's 1.07 (s=4) -> 1.79 (s=32), plus the trend.
+
+    ``head_dims`` (model -> head dimension, optional) adds s / head_dim to the budgets column.
+    """
     paper = {4: 1.07, 32: 1.79}
+    head_dims = head_dims or {}
     out = []
     for m in sorted(summary["model"].unique().to_list()):
         sub = summary.filter(pl.col("model") == m).sort("s")
@@ -97,7 +111,9 @@ def penalty_trend(summary: pl.DataFrame, weights_note: str = WEIGHTS_NOTE) -> li
                 _fmt(r["pi_top_median"], r["pi_top_median_lo"], r["pi_top_median_hi"]) + f"; at argmin {r['pi_opt_median']:.3f}",
                 _versus(r["pi_top_median_lo"], r["pi_top_median_hi"], p, p) if p is not None else "-",
                 f"{m} ({weights_for(m, weights_note)})", f"{r['rows_used']:,} used, {r['pi_nonfinite']} non-finite ratios excluded",
-                f"s={r['s']}", "pi(s)=median e(A)/e_free(A), e_free = distance to convex hull of kept values (ours), A=T_s"))
+                f"s={r['s']}" + (f" (s/d={r['s'] / head_dims[m]:.3g})" if m in head_dims else ""),
+                "pi(s)=median e(A)/e_free(A), e_free = distance to convex hull of kept values (ours), A=T_s",
+                r.get("interval", "")))
         s = sub["s"].to_numpy()
         med = sub["pi_top_median"].to_numpy()
         if s.size >= 2 and np.all(np.isfinite(med)):
@@ -105,8 +121,33 @@ def penalty_trend(summary: pl.DataFrame, weights_note: str = WEIGHTS_NOTE) -> li
             out.append(ClaimRow(
                 "penalty-trend", "pi(s) rises with s", "1.07 -> 1.79 (rising)",
                 " -> ".join(f"{v:.2f}" for v in med), "rising" if rising else "not monotone",
-                f"{m} ({weights_for(m, weights_note)})", _rows_text(sub), "s=" + ",".join(map(str, s)), "medians of pi(s) at T_s"))
+                f"{m} ({weights_for(m, weights_note)})", _rows_text(sub), "s=" + ",".join(map(str, s)), "medians of pi(s) at T_s",
+                "-"))
     return out
+
+
+def penalty_head_dim(verdict: str, table: pl.DataFrame, weights_note: str = WEIGHTS_NOTE) -> list[ClaimRow]:
+    """Which explanation of our pi(s) vs the paper's the data support (:func:`evictlab.stats.penalty.explain`).
+
+    ``table``: :func:`evictlab.stats.penalty.penalty_table`.
+    """
+    hull = table.filter(pl.col("definition") == "hull").sort("model", "s")
+    models = sorted(hull["model"].unique().to_list())
+    rows = hull.to_dicts()
+    pairs = [(a, b) for i, a in enumerate(rows) for b in rows[i + 1:]
+             if a["model"] != b["model"] and np.isclose(a["s_over_d"], b["s_over_d"])]
+    if pairs:  # the test itself: the models at equal s / head_dim
+        ours = "; ".join(f"s/d={a['s_over_d']:.3g}: {a['model']} (s={a['s']}) {a['pi']:.2f} vs {b['model']} (s={b['s']}) "
+                         f"{b['pi']:.2f}" for a, b in pairs)
+    else:
+        ours = "; ".join(f"{r['model']} s/d={r['s_over_d']:.3g}: {r['pi']:.2f}" for r in rows)
+    return [ClaimRow(
+        "penalty-head-dim", "(our check) is pi(s) a function of s / head_dim?",
+        "1.07 (s/d=4/128) -> 1.79 (s/d=32/128)", ours, verdict.split(":")[0],
+        f"{' + '.join(models)} ({'; '.join(f'{m}: {weights_for(m, weights_note)}' for m in models)})",
+        f"{int(hull['rows'].max()):,} sampled rows per (model, s)", "s=" + ",".join(map(str, sorted(set(hull["s"].to_list())))),
+        "pi at T_s against s/head_dim; alternative free weights (affine, cone, span, ratio of medians) as ablations (ours)",
+        str(hull["interval"][0]) if hull.height else "")]
 
 
 def auc_range(auc: pl.DataFrame, weights_note: str = WEIGHTS_NOTE, threshold: float = 1.11) -> list[ClaimRow]:
@@ -120,7 +161,8 @@ def auc_range(auc: pl.DataFrame, weights_note: str = WEIGHTS_NOTE, threshold: fl
             "auc", f"dropped mass predicts kappa_hat > {threshold}", "AUC 0.76-0.89",
             _fmt(r["auc"], r["auc_lo"], r["auc_hi"]), _versus(r["auc_lo"], r["auc_hi"], 0.76, 0.89),
             f"{r['model']} ({weights_for(r['model'], weights_note)})", f"{r['rows']:,} ({r['positives']:,} positive), {r['rows_e_top_zero']} e(T_s)=0 excluded",
-            f"s={r['s']}", f"score={r['predictor']}; label kappa_hat=e(T_s)/max(ES_hat,eps)>{threshold}; {POOL_NOTE}; ROC AUC, bootstrap CI"))
+            f"s={r['s']}", f"score={r['predictor']}; label kappa_hat=e(T_s)/max(ES_hat,eps)>{threshold}; {POOL_NOTE}; ROC AUC, bootstrap CI",
+            r.get("interval", "")))
     return out
 
 
@@ -135,7 +177,7 @@ def certified(summary: pl.DataFrame, weights_note: str = WEIGHTS_NOTE) -> list[C
             _fmt(r["cert_beats_pool_frac"], r["cert_beats_pool_frac_lo"], r["cert_beats_pool_frac_hi"]) + " of rows: ES(s) < ES_hat(s)",
             "-", f"{r['model']} ({weights_for(r['model'], weights_note)})",
             f"{r['rows_certified']:,} certified of {r['rows']:,} (short rows, n <= 48)", f"s={r['s']}",
-            f"ES(s) over all keys by branch and bound (proved); {POOL_NOTE}"))
+            f"ES(s) over all keys by branch and bound (proved); {POOL_NOTE}", r.get("cert_interval", "")))
     return out
 
 
@@ -150,4 +192,4 @@ def np_hardness(trials: pl.DataFrame, size: int, seed: int) -> list[ClaimRow]:
         f"{agreed}/{tried} instances agree ({yes} yes, {tried - yes} no); {certs} certificates mapped and verified",
         "consistent (no disagreement)" if agreed == tried else f"{tried - agreed} DISAGREEMENTS",
         "- (integer instances)", f"{tried} k-subset-sum instances, n={size}", f"seed={seed}",
-        "reduction k-subset-sum -> ZERO-ES (docs/theory.md), CP-SAT vs exact DP, integer arithmetic")]
+        "reduction k-subset-sum -> ZERO-ES (docs/theory.md), CP-SAT vs exact DP, integer arithmetic", "- (exact)")]

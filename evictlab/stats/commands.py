@@ -81,7 +81,7 @@ def fit(
 ) -> None:
     """Fit a calibrated logistic regression on RESULTS; report held-out AUC per s; write versioned JSON."""
     from evictlab.io import check_output_file
-    from evictlab.report.record import RunRecord
+    from evictlab.report.record import RunRecord, record_path
     from evictlab.stats.predictors import evaluate, fit_predictor
     from evictlab.stats.results import load_results
 
@@ -97,7 +97,7 @@ def fit(
     held = evaluate(pred, test, seed=seed, n_boot=n_boot, name="held-out")
     pred.metadata["held_out_auc"] = held.select("model", "s", "auc", "auc_lo", "auc_hi", "rows").to_dicts()
     pred.save(out)
-    record.write(out.with_name(out.stem + ".run_record.json"), output=str(out))
+    record.write(record_path(out), output=str(out))
     _print_auc(held, f"held-out AUC of {'+'.join(feats)} (label kappa_hat > {threshold})")
     typer.echo(f"wrote {out}")
 
@@ -113,7 +113,7 @@ def eval_(
 ) -> None:
     """ROC AUC (bootstrap 95% CI) and Brier score of a saved predictor on other results, per model and s."""
     from evictlab.io import atomic_path, check_output_file
-    from evictlab.report.record import RunRecord
+    from evictlab.report.record import RunRecord, record_path
     from evictlab.stats.predictors import Predictor, evaluate
     from evictlab.stats.results import load_results
 
@@ -130,5 +130,5 @@ def eval_(
     if out is not None:
         with atomic_path(out, suffix=".parquet") as tmp:
             table.write_parquet(tmp)
-        record.write(out.with_name(out.stem + ".run_record.json"), output=str(out))
+        record.write(record_path(out), output=str(out))
         typer.echo(f"wrote {out}")

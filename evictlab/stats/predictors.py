@@ -1,6 +1,6 @@
 """Dropped-mass predictors of a significant selection gap, as versioned JSON (no pickle).
 
-Label: ``kappa_hat > threshold`` (default 1.11, SPEC section 3), on rows with e(T_s) > 0.
+Label: ``kappa_hat > threshold`` (default 1.11, docs/theory.md section 2), on rows with e(T_s) > 0.
 Features (computed by :func:`feature_frame` from a prepared results table):
 
 - ``dropped_mass`` m_s = D(T_s), the attention mass outside the top-s keys;
@@ -33,8 +33,8 @@ import polars as pl
 
 from evictlab.errors import CorruptFileError, InputError
 from evictlab.io import atomic_write_json
-from evictlab.stats.bootstrap import bootstrap_auc, roc_auc
-from evictlab.stats.ceilings import DEFAULT_THRESHOLD
+from evictlab.stats.bootstrap import AUC, Design, bootstrap, roc_auc
+from evictlab.stats.ceilings import CLUSTER_LEVELS, DEFAULT_THRESHOLD, design_for
 from evictlab.stats.results import split_zero
 
 FORMAT = "evictlab.predictor"
@@ -265,48 +265,71 @@ def evaluate(
     by: Sequence[str] = ("model", "s"),
     source: str = "results",
     name: str = "predictor",
+    clusters: Sequence[str] | None = CLUSTER_LEVELS,
+    compare_rows: bool = False,
 ) -> pl.DataFrame:
     """ROC AUC (with bootstrap CI), Brier score and base rate per group, plus an ``all`` row per model.
 
-    Rows with e(T_s) = 0 are excluded and counted (``rows_e_top_zero``).
+    Rows with e(T_s) = 0 are excluded and counted (``rows_e_top_zero``). Intervals resample
+    ``clusters`` (see :func:`evictlab.stats.ceilings.design_for`; None = rows).
     """
     used, zero = split_zero(df)
     prob = pred.score_table(used, source)
     y = label(used, pred.threshold)
     used = used.with_columns(pl.Series("_p", prob), pl.Series("_y", y))
-    return _auc_rows(used, zero, "_p", by=list(by), seed=seed, n_boot=n_boot, name=name)
+    return _auc_rows(used, zero, "_p", by=list(by), seed=seed, n_boot=n_boot, name=name, clusters=clusters,
+                     compare_rows=compare_rows)
 
 
 def auc_by_group(df: pl.DataFrame, score: str = "dropped_mass", *, threshold: float = DEFAULT_THRESHOLD,
                  seed: int = 0, n_boot: int = 1000, by: Sequence[str] = ("model", "s"),
-                 name: str | None = None) -> pl.DataFrame:
-    """AUC of a raw column (default: dropped mass) as a score for kappa_hat > threshold, per group."""
+                 name: str | None = None, clusters: Sequence[str] | None = CLUSTER_LEVELS,
+                 compare_rows: bool = False) -> pl.DataFrame:
+    """AUC of a raw column (default: dropped mass) as a score for kappa_hat > threshold, per group.
+
+    ``by`` starting with ``model``: one row per group plus one per model pooled over the
+    other keys (``"all"``). ``by`` without ``model`` pools the models (resampling models,
+    then prompts, then rows; ``model`` = ``pooled (A + B)``).
+    """
     used, zero = split_zero(df)
     used = used.with_columns(pl.Series("_y", label(used, threshold)))
-    return _auc_rows(used, zero, score, by=list(by), seed=seed, n_boot=n_boot, name=name or score)
+    return _auc_rows(used, zero, score, by=list(by), seed=seed, n_boot=n_boot, name=name or score,
+                     clusters=clusters, compare_rows=compare_rows)
 
 
 def _auc_rows(used: pl.DataFrame, zero: pl.DataFrame, score: str, *, by: list[str], seed: int,
-              n_boot: int, name: str) -> pl.DataFrame:
+              n_boot: int, name: str, clusters: Sequence[str] | None, compare_rows: bool) -> pl.DataFrame:
+    from evictlab.stats.ceilings import pooled_name
+
     rows: list[dict[str, Any]] = []
     groups = [(k, g) for k, g in used.group_by(by)]
     groups.sort(key=lambda kv: kv[0])
     # pooled over budgets, per model
     extra = [(tuple([m] + ["all"] * (len(by) - 1)), g) for (m,), g in sorted(used.group_by(["model"]), key=lambda kv: kv[0])] \
         if by and by[0] == "model" and len(by) > 1 else []
+    models = sorted(used["model"].unique().to_list()) if "model" in used.columns else []
     for key, g in groups + extra:
         keyd = {k: str(v) for k, v in zip(by, key)}
         yy = g["_y"].to_numpy().astype(bool)
         sc = g[score].cast(pl.Float64).to_numpy()
         tag = f"{name}|" + "|".join(f"{k}={v}" for k, v in keyd.items())
-        est = bootstrap_auc(yy, sc, seed=seed, key=tag, n_boot=n_boot)
+        design = design_for(g, clusters)
+        est = bootstrap({"auc": AUC(yy, sc)}, design, seed=seed, key=tag, n_boot=n_boot)["auc"]
         zmask = np.ones(zero.height, dtype=bool)
         for k, v in keyd.items():
             if v != "all" and k in zero.columns:
                 zmask &= (zero[k].cast(pl.Utf8).to_numpy() == v)
         brier = float(np.mean((sc - yy) ** 2)) if score == "_p" and yy.size else float("nan")
-        rows.append({"predictor": name, **keyd, "rows": int(yy.size), "positives": int(yy.sum()),
-                     "base_rate": float(yy.mean()) if yy.size else float("nan"),
-                     "auc": est.value, "auc_lo": est.lo, "auc_hi": est.hi, "brier": brier,
-                     "rows_e_top_zero": int(zmask.sum())})
+        row = {"predictor": name, **({} if "model" in keyd else {"model": pooled_name(models)}), **keyd,
+               "rows": int(yy.size), "positives": int(yy.sum()),
+               "base_rate": float(yy.mean()) if yy.size else float("nan"),
+               "auc": est.value, "auc_lo": est.lo, "auc_hi": est.hi, "brier": brier,
+               "rows_e_top_zero": int(zmask.sum()),
+               "prompts": int(g.select(*[c for c in ("model", "prompt_id") if c in g.columns]).n_unique())
+               if "prompt_id" in g.columns else 0,
+               "interval": est.method}
+        if compare_rows:
+            r = bootstrap({"auc": AUC(yy, sc)}, Design.rows(g.height), seed=seed, key=tag + "|rows", n_boot=n_boot)["auc"]
+            row.update({"auc_row_lo": r.lo, "auc_row_hi": r.hi})
+        rows.append(row)
     return pl.DataFrame(rows)
