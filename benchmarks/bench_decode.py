@@ -46,6 +46,23 @@ from pathlib import Path
 RUNS = ("hf_generate", "full", "snapkv", "snapkv_onepass", "kvpress_full", "kvpress_snapkv")
 PEER_PACKAGES = ("kvpress==0.5.5", "transformers<5.3", "gguf", "accelerate")
 HERE = Path(__file__).resolve().parent
+#: The issue's targets (label, run, baseline run, result key, target), each on wall time and
+#: again on CPU time (process_time, one thread), which moves far less with the machine's load.
+RATIOS = (
+    ("full wall / hf_generate wall", "full", "hf_generate", "wall_s", "<= 1.05"),
+    ("full cpu / hf_generate cpu", "full", "hf_generate", "cpu_s", "(cpu) <= 1.05"),
+    ("snapkv wall / kvpress_snapkv wall", "snapkv", "kvpress_snapkv", "wall_s", "< 1"),
+    ("snapkv cpu / kvpress_snapkv cpu", "snapkv", "kvpress_snapkv", "cpu_s", "(cpu) < 1"),
+    ("snapkv KV peak / kvpress_snapkv KV peak", "snapkv", "kvpress_snapkv", "kv_peak_bytes", "<= 0.25"),
+    ("snapkv KV peak / kvpress full-context KV", "snapkv", "kvpress_full", "kv_peak_bytes", "<= 0.25"),
+    ("onepass peak RSS / chunked peak RSS", "snapkv_onepass", "snapkv", "peak_rss_bytes", "<= 1.2"),
+    ("onepass wall / chunked wall", "snapkv_onepass", "snapkv", "wall_s", "<= 1.3"),
+    ("onepass cpu / chunked cpu", "snapkv_onepass", "snapkv", "cpu_s", "(cpu) <= 1.3"),
+    ("snapkv decode tok/s / full decode tok/s", "snapkv", "full", "decode_tok_s", ">= 1.6"),
+    ("snapkv decode tok/cpu-s / full decode tok/cpu-s", "snapkv", "full", "decode_cpu_tok_s", "(cpu) >= 1.6"),
+    ("full wall / kvpress_full wall", "full", "kvpress_full", "wall_s", "(info)"),
+    ("full cpu / kvpress_full cpu", "full", "kvpress_full", "cpu_s", "(info)"),
+)
 
 
 # ------------------------------------------------------------------ child (one run, our venv)
@@ -249,13 +266,14 @@ def _summary(results: list[dict], runs: list[str]) -> tuple[list[dict], list[dic
     rows = []
     for r, xs in by.items():
         for x in xs:
-            x["decode_cpu_tok_s"] = (x["new_tokens"] - 1) / x["decode_cpu_s"]
-        med = {k: statistics.median(x[k] for x in xs) for k in ("wall_s", "cpu_s", "prefill_s", "decode_s",
-                                                                   "decode_tok_s", "decode_cpu_tok_s",
-                                                                   "kv_peak_bytes", "peak_rss_bytes") if k in xs[0]}
+            if "decode_cpu_s" in x:
+                x["decode_cpu_tok_s"] = (x["new_tokens"] - 1) / x["decode_cpu_s"]
+        keys = ("wall_s", "cpu_s", "prefill_s", "decode_s", "decode_tok_s", "decode_cpu_tok_s", "kv_peak_bytes",
+                "peak_rss_bytes")
+        med = {k: statistics.median(x[k] for x in xs if k in x) for k in keys if any(k in x for x in xs)}
         rows.append({"run": r, "reps": len(xs), "wall_s": med["wall_s"], "cpu_s": med["cpu_s"],
                      "prefill_s": med["prefill_s"], "decode_tok_s": med["decode_tok_s"],
-                     "decode_cpu_tok_s": med["decode_cpu_tok_s"], "kv_peak_MB": med["kv_peak_bytes"] / 1e6,
+                     "decode_cpu_tok_s": med.get("decode_cpu_tok_s"), "kv_peak_MB": med["kv_peak_bytes"] / 1e6,
                      "peak_rss_MB": med["peak_rss_bytes"] / 1e6, "tool": xs[0].get("tool", "")})
     ratios = []
     reps = sorted({x["rep"] for x in results})
@@ -267,27 +285,49 @@ def _summary(results: list[dict], runs: list[str]) -> tuple[list[dict], list[dic
         for rep in reps:
             xa = [x for x in by[a] if x["rep"] == rep]
             xb = [x for x in by[b] if x["rep"] == rep]
-            if xa and xb:
+            if xa and xb and key in xa[0] and key in xb[0]:
                 vals.append(xa[0][key] / xb[0][key])
         if vals:
             ratios.append({"ratio": label, "min": min(vals), "median": statistics.median(vals), "max": max(vals),
                            "target": target})
 
-    # The issue's targets are on wall time; the same ratios on CPU time (process_time, one
-    # thread) are printed beside them because they move far less with the machine's load.
-    ratio("full wall / hf_generate wall", "full", "hf_generate", "wall_s", "<= 1.05")
-    ratio("full cpu / hf_generate cpu", "full", "hf_generate", "cpu_s", "(cpu) <= 1.05")
-    ratio("snapkv wall / kvpress_snapkv wall", "snapkv", "kvpress_snapkv", "wall_s", "< 1")
-    ratio("snapkv cpu / kvpress_snapkv cpu", "snapkv", "kvpress_snapkv", "cpu_s", "(cpu) < 1")
-    ratio("snapkv KV peak / kvpress_snapkv KV peak", "snapkv", "kvpress_snapkv", "kv_peak_bytes", "<= 0.25")
-    ratio("snapkv KV peak / kvpress full-context KV", "snapkv", "kvpress_full", "kv_peak_bytes", "<= 0.25")
-    ratio("onepass peak RSS / chunked peak RSS", "snapkv_onepass", "snapkv", "peak_rss_bytes", "<= 1.2")
-    ratio("onepass wall / chunked wall", "snapkv_onepass", "snapkv", "wall_s", "<= 1.3")
-    ratio("onepass cpu / chunked cpu", "snapkv_onepass", "snapkv", "cpu_s", "(cpu) <= 1.3")
-    ratio("snapkv decode tok/s / full decode tok/s", "snapkv", "full", "decode_tok_s", ">= 1.6")
-    ratio("snapkv decode tok/cpu-s / full decode tok/cpu-s", "snapkv", "full", "decode_cpu_tok_s", "(cpu) >= 1.6")
-    ratio("full wall / kvpress_full wall", "full", "kvpress_full", "wall_s", "(info)")
-    ratio("full cpu / kvpress_full cpu", "full", "kvpress_full", "cpu_s", "(info)")
+    for label, a, b, key, target in RATIOS:
+        ratio(label, a, b, key, target)
+    return rows, ratios
+
+
+def _collect(folders: list[str]) -> tuple[list[dict], list[str]]:
+    """Per-run results ``<run>.<rep>.json`` of earlier ``--work`` folders; repetitions are
+    numbered across folders, so ratios pair runs of the same folder and repetition only."""
+    results: list[dict] = []
+    runs: list[str] = []
+    for i, folder in enumerate(folders):
+        for path in sorted(Path(folder).glob("*.json")):
+            name, _, rep = path.stem.rpartition(".")
+            if not rep.isdigit() or name.partition(":")[0] not in RUNS:
+                continue
+            res = json.loads(path.read_text())
+            res.update(run=name, rep=f"{i}.{rep}")
+            results.append(res)
+            if name not in runs:
+                runs.append(name)
+    contexts = {(x["context"], x["new_tokens"]) for x in results}
+    if len(contexts) > 1:
+        sys.exit(f"--summarize: the folders hold runs of different (context, new tokens) {sorted(contexts)}; "
+                 "summarize one benchmark setting at a time")
+    return results, [r for r in RUNS if r in runs] + sorted(r for r in runs if r not in RUNS)
+
+
+def _print_tables(results: list[dict], runs: list[str]) -> tuple[list[dict], list[dict]]:
+    runs = list(dict.fromkeys(runs))
+    rows, ratios = _summary(results, runs)
+    print(_table(rows, ["run", "reps", "wall_s", "cpu_s", "prefill_s", "decode_tok_s", "decode_cpu_tok_s", "kv_peak_MB",
+                        "peak_rss_MB", "tool"]))
+    print()
+    print(_table(ratios, ["ratio", "min", "median", "max", "target"]))
+    first = {r: next(x["tokens"] for x in results if x["run"] == r) for r in runs}
+    if "full" in first and "hf_generate" in first:
+        print(f"\nfull == hf_generate tokens: {first['full'] == first['hf_generate']}")
     return rows, ratios
 
 
@@ -310,6 +350,9 @@ def main() -> None:
                          "run, as `evictlab decode` sets it)")
     ap.add_argument("--work", default="", help="folder for the prompt and per-run results (default: a temp dir)")
     ap.add_argument("--out", default="")
+    ap.add_argument("--summarize", nargs="+", default=[], metavar="WORK",
+                    help="only print the tables from the per-run results (<run>.<rep>.json) already in these --work "
+                         "folders (each folder's repetitions counted separately), e.g. of an interrupted run")
     # child mode (internal)
     ap.add_argument("--child", default="")
     ap.add_argument("--prompt", default="")
@@ -320,6 +363,9 @@ def main() -> None:
         return
     import tempfile
 
+    if args.summarize:
+        _print_tables(*_collect(args.summarize))
+        return
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     unknown = [r for r in runs if r.partition(":")[0] not in RUNS or (":" in r and not r.startswith("snapkv:"))]
     if unknown:
@@ -339,17 +385,10 @@ def main() -> None:
             print(f"rep {rep} {name}: wall {res['wall_s']:.1f} s, cpu {res['cpu_s']:.1f} s, decode {res['decode_tok_s']:.2f} tok/s, "
                   f"KV peak {res['kv_peak_bytes'] / 1e6:.1f} MB, RSS {res['peak_rss_bytes'] / 1e6:.0f} MB, "
                   f"load {res['load_before'][0]:.1f}->{res['load_after'][0]:.1f}", file=sys.stderr, flush=True)
-    rows, ratios = _summary(results, runs)
     print(f"context {n} tokens (+{results[0]['question']} question), {args.new} new tokens, kept {args.kept} per "
           f"cell/head, chunk {args.chunk}, {args.threads} thread(s), {args.reps} interleaved reps, "
           f"{time.time() - t0:.0f} s\n")
-    print(_table(rows, ["run", "reps", "wall_s", "cpu_s", "prefill_s", "decode_tok_s", "decode_cpu_tok_s", "kv_peak_MB",
-                        "peak_rss_MB", "tool"]))
-    print()
-    print(_table(ratios, ["ratio", "min", "median", "max", "target"]))
-    same = {r: results[[x["run"] for x in results].index(r)]["tokens"] for r in runs}
-    if "full" in same and "hf_generate" in same:
-        print(f"\nfull == hf_generate tokens: {same['full'] == same['hf_generate']}")
+    rows, ratios = _print_tables(results, runs)
     if args.out:
         record = {"argv": sys.argv, "context": n, "args": vars(args), "results": results, "summary": rows,
                   "ratios": ratios}
