@@ -215,7 +215,7 @@ def _prompt(model: str, context: int, path: Path) -> None:
     from evictlab.models.loading import load_model
 
     _, tok = load_model(model)
-    p = build_prompt(make_task("needle", context, tok, 0), tok, "query-agnostic")
+    p = build_prompt(make_task("needle", context, tok, 0), tok)  # fed query-agnostic (the loop's default)
     path.write_text(json.dumps({"context_ids": list(p.context_ids), "question_ids": list(p.question_ids),
                                 "answer": p.answer}))
 

@@ -47,9 +47,15 @@ _CHUNK = typer.Option(256, "--chunk", help="prefill chunk (tokens) between compr
 _COMPRESS_EVERY = typer.Option(16, "--compress-every", help="decode steps between compressions")
 _WINDOW = typer.Option(32, "--window", help="observation window (queries) for scorers")
 _BLOCK_SIZE = typer.Option(16, "--block-size", help="page size of the physical store (entries)")
-_QUERY_AWARE = typer.Option(False, "--query-aware", help="LABELLED OPTION: let rankings see the question")
+_QUERY_AWARE = typer.Option(False, "--query-aware", help="LABELLED OPTION: the query-aware protocol: nothing is "
+                            "compressed before the question is fed (any --chunk), so the ranking sees it; holds the "
+                            "whole context until then")
 _THREADS = typer.Option(0, "--threads", help="CPU threads of the computation (torch) (0 = the library default, all cores)")
 _OVERWRITE = typer.Option(False, "--overwrite", help="replace an existing --out (and the files written beside it)")
+#: The loop's options, for other commands that run the decode loop (``evictlab eval run``).
+LOOP_OPTIONS = {"scorer_param": _SCORER_PARAM, "allocator_param": _ALLOCATOR_PARAM, "device": _DEVICE,
+                "sinks": _SINKS, "recent": _RECENT, "chunk": _CHUNK, "compress_every": _COMPRESS_EVERY,
+                "window": _WINDOW, "block_size": _BLOCK_SIZE}
 
 
 @contextlib.contextmanager
@@ -70,8 +76,9 @@ def return_freed_memory() -> None:
 
     glibc's default raises that threshold as large blocks are freed, after which a
     prefill's activation tensors come from the heap and stay resident once freed: measured
-    on a 4k one-pass prefill of SmolLM2, peak RSS 1.35 GB instead of 1.21 GB
-    (docs/performance.md). A no-op where glibc is not the allocator."""
+    on a 4k one-pass prefill of SmolLM2 during development, peak RSS 1.35 GB instead of
+    1.21 GB (``benchmarks/bench_decode.py --malloc-default`` compares). A no-op where glibc
+    is not the allocator."""
     import ctypes
     import ctypes.util
 
@@ -80,6 +87,9 @@ def return_freed_memory() -> None:
         libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):  # not glibc
         pass
+
+
+as_options = _as_options  # public: `evictlab eval` maps the library's fields the same way
 
 
 def _check_positive(**values: int) -> None:
@@ -247,8 +257,7 @@ def decode(
             torch.set_num_threads(threads)
         return_freed_memory()
         lm, tok = load_model(model, device=device, attention="decode")
-        prompt = build_prompt(make_task(task, context, tok, seed), tok,
-                              "query-aware" if query_aware else "query-agnostic")
+        prompt = build_prompt(make_task(task, context, tok, seed), tok)
         dev = next(lm.parameters()).device
         ctx = torch.tensor([prompt.context_ids], device=dev)
         q = torch.tensor([prompt.question_ids], device=dev)
@@ -264,7 +273,8 @@ def decode(
     result = {
         "method": method, "mode": mode, "task": task, "answer": prompt.answer, "prediction": text,
         "scorer_params": cfg.to_dict()["scorer_params"], "allocator_params": cfg.to_dict()["allocator_params"],
-        "protocol": "query-aware" if query_aware else "query-agnostic", "chunk_size": chunk,
+        "protocol": cfg.protocol, "chunk_size": chunk,
+        "bytes_live_peak": res.peak("bytes_live"),
         "exact_match": score_exact_match(text, prompt.answer), "budget_tokens": res.budget_tokens,
         "budget_effective_tokens": res.budget_effective_tokens,
         "bytes_full_cache": res.bytes_full_cache,
