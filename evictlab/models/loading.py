@@ -98,3 +98,50 @@ def check_device(device: str) -> "torch.device":
         raise InputError("--device", f"device type {dev.type!r} is not supported", "use cpu or cuda")
     return dev
 
+
+
+# --------------------------------------------------------------------------- per-process cache
+
+#: Models loaded by this process: (name, device) -> (model, tokenizer, weights digest or None).
+_LOADED: "dict[tuple[str, str], list[Any]]" = {}
+#: How many models one process keeps loaded (a remote worker runs tasks of one or two models).
+CACHE_SIZE = 2
+
+
+def load_cached(name: str, device: str = "cpu") -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of :func:`load_model`, loaded once per process and device (the
+    :data:`CACHE_SIZE` most recently used are kept): a remote worker that runs many tasks of
+    one model loads it once."""
+    key = (name, device)
+    hit = _LOADED.pop(key, None)
+    if hit is None:
+        hit = [*load_model(name, device=device), None]
+    _LOADED[key] = hit  # most recent last
+    while len(_LOADED) > CACHE_SIZE:
+        _LOADED.pop(next(iter(_LOADED)))
+    return hit[0], hit[1]
+
+
+def weights_digest(model: Any) -> str:
+    """SHA-256 (16 hex digits) of every parameter and buffer of ``model`` (names, dtypes,
+    shapes and bytes, in ``state_dict`` order): two processes that loaded the same weights
+    get the same digest, whichever node or cache they loaded them from. Cached for models
+    held by :func:`load_cached`."""
+    import hashlib
+
+    import torch
+
+    for hit in _LOADED.values():
+        if hit[0] is model and hit[2] is not None:
+            return hit[2]
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        t = t.detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy())
+    digest = h.hexdigest()[:16]
+    for hit in _LOADED.values():
+        if hit[0] is model:
+            hit[2] = digest
+    return digest
