@@ -142,13 +142,19 @@ def _fingerprint(path: Path) -> tuple:
             json.dumps(man["counts"]), json.dumps(man["source"], sort_keys=True))
 
 
-def test_capture_equals_local_resumes_and_survives_a_killed_worker(ray_local, tiny_folder: Path,
-                                                                    tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def local_capture(tiny_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    out = tmp_path_factory.mktemp("ray") / "local"
+    run_capture(_capture_cfg(tiny_folder), out, progress=False)
+    return _fingerprint(out)
+
+
+def test_capture_equals_local_resumes_and_survives_a_killed_worker(ray_local, tiny_folder: Path, tmp_path: Path,
+                                                                    local_capture: tuple) -> None:
     cfg = _capture_cfg(tiny_folder)
-    run_capture(cfg, tmp_path / "local", progress=False)
     s = run_capture(cfg, tmp_path / "ray", progress=False, executor=_ray())
     assert s.prompts_written == 3 and s.rows_written == 3 * 2 * 4 * 4
-    assert _fingerprint(tmp_path / "ray") == _fingerprint(tmp_path / "local")
+    assert _fingerprint(tmp_path / "ray") == local_capture
     assert len(RowStore.open(tmp_path / "ray").manifest["shards"]) == 2  # cut as the local run cut them
     # resumed: 2 prompts locally, the third on Ray -> the same dataset as 2 + 1 locally
     run_capture(_capture_cfg(tiny_folder, 2), tmp_path / "l2", progress=False)
@@ -163,7 +169,7 @@ def test_capture_equals_local_resumes_and_survives_a_killed_worker(ray_local, ti
     wrap = KillOnce(str(marks), select=lambda t: isinstance(t, CaptureTask) and 1 in t.prompt_ids)
     run_capture(cfg, tmp_path / "killed", progress=False, executor=_ray(wrap=wrap))
     assert killed_count(marks) == 1
-    assert _fingerprint(tmp_path / "killed") == _fingerprint(tmp_path / "local")
+    assert _fingerprint(tmp_path / "killed") == local_capture
 
 
 def test_capture_refuses_a_node_with_other_weights(ray_local, tiny_folder: Path) -> None:
@@ -181,12 +187,21 @@ def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]
     return code, out, err
 
 
-def test_cli_solve_on_ray(ray_local, rows: Path, tmp_path: Path, capsys, local_results: pl.DataFrame) -> None:
+def test_cli_solve_and_capture_on_ray(ray_local, rows: Path, tiny_folder: Path, tmp_path: Path, capsys,
+                                      local_results: pl.DataFrame, local_capture: tuple) -> None:
     out = tmp_path / "cli.parquet"
     code, _, err = _cli(capsys, "solve", str(rows), "--budgets", "2", "4", "8", "--pool", "2", "1", "--certify",
                         "--threads", "1", "--chunk-rows", "16", "--out", str(out), "--executor", "ray")
     assert code == 0, err
     assert pl.read_parquet(out).equals(local_results)
+    cfg = _capture_cfg(tiny_folder)
+    code, out_text, err = _cli(capsys, "capture", "--model", cfg.model, "--source", cfg.source, "--context",
+                               str(cfg.context), "--positions", str(cfg.positions), "--prompts", str(cfg.prompts),
+                               "--seed", str(cfg.seed), "--threads", "1", "--rows-per-shard", str(cfg.rows_per_shard),
+                               "--out", str(tmp_path / "cap"), "--executor", "ray")
+    assert code == 0, err
+    assert "96 rows from 3 prompts" in out_text and "running=" in err  # the task bar
+    assert _fingerprint(tmp_path / "cap") == local_capture
 
 
 @pytest.mark.parametrize("args, option, words", [
