@@ -226,3 +226,36 @@ def test_cli_without_ray_installed(rows: Path, tmp_path: Path, capsys, monkeypat
                         "--executor", "ray")
     assert code == 2 and err.strip().count("\n") == 0
     assert "--executor: ray is not installed" in err and "evictlab[ray]" in err
+
+
+# -- eval run --------------------------------------------------------------------------------
+
+
+def test_eval_grid_on_ray_equals_local_with_a_killed_worker(ray_local, tmp_path: Path, capsys, monkeypatch) -> None:
+    from evictlab.eval.grid import CellTask
+
+    folder = tmp_path / "llama"
+    save_tiny_folder(folder, "llama")
+    args = ["eval", "run", "--models", str(folder), "--tasks", "needle", "--context", "160", "--budgets", "24",
+            "--methods", "snapkv+adakv,h2o", "--modes", "physical", "--protocols", "query-agnostic", "--n", "2",
+            "--seed", "3", "--sinks", "2", "--recent", "8", "--chunk", "64", "--compress-every", "8",
+            "--window", "16", "--block-size", "8", "--threads", "1"]
+    code, _, err = _cli(capsys, *args, "--out", str(tmp_path / "local"), "--quiet")
+    assert code == 0, err
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    # the worker running the h2o cell is SIGKILLed once: the cell is run again elsewhere
+    wrap = KillOnce(str(marks), select=lambda t: isinstance(t, CellTask) and t.cell.method == "h2o")
+    import evictlab.executor.commands as commands
+
+    real = commands.make_executor
+    monkeypatch.setattr(commands, "make_executor",
+                        lambda name, address: _ray(wrap=wrap) if name == "ray" else real(name, address))
+    code, out, err = _cli(capsys, *args, "--out", str(tmp_path / "ray"), "--executor", "ray")
+    assert code == 0, err
+    assert "3 cells (3 run now, 0 already done)" in out and "failed=1" in err  # full + 2 methods; the task bar
+    assert killed_count(marks) == 1
+    a, b = (pl.read_parquet(tmp_path / d / "results.parquet").drop("wall_s") for d in ("local", "ray"))
+    assert a.height == 6 and a.equals(b)  # same rows, same order, same bits (wall time aside)
+    rec = json.loads((tmp_path / "ray" / "run_record.json").read_text())
+    assert rec["config"]["executor"] == "ray"

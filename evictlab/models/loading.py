@@ -9,6 +9,7 @@ tests need the explicit softmax, and the choice is made at load time, never by e
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -102,24 +103,37 @@ def check_device(device: str) -> "torch.device":
 
 # --------------------------------------------------------------------------- per-process cache
 
-#: Models loaded by this process: (name, device) -> (model, tokenizer, weights digest or None).
+#: Models loaded by this process: (name, device) -> [model, tokenizer, weights digest or None],
+#: least recently used first.
 _LOADED: "dict[tuple[str, str], list[Any]]" = {}
+_LOADED_LOCK = threading.Lock()
 #: How many models one process keeps loaded (a remote worker runs tasks of one or two models).
 CACHE_SIZE = 2
 
 
 def load_cached(name: str, device: str = "cpu") -> tuple[Any, Any]:
     """``(model, tokenizer)`` of :func:`load_model`, loaded once per process and device (the
-    :data:`CACHE_SIZE` most recently used are kept): a remote worker that runs many tasks of
-    one model loads it once."""
+    :data:`CACHE_SIZE` most recently used are kept; thread-safe): the one model cache of
+    every long-running command (a grid run, a remote worker that runs many tasks of one
+    model)."""
     key = (name, device)
-    hit = _LOADED.pop(key, None)
-    if hit is None:
-        hit = [*load_model(name, device=device), None]
-    _LOADED[key] = hit  # most recent last
-    while len(_LOADED) > CACHE_SIZE:
-        _LOADED.pop(next(iter(_LOADED)))
-    return hit[0], hit[1]
+    with _LOADED_LOCK:
+        hit = _LOADED.pop(key, None)
+        if hit is not None:
+            _LOADED[key] = hit  # most recent last
+            return hit[0], hit[1]
+    model, tok = load_model(name, device=device)  # outside the lock: loads take seconds
+    with _LOADED_LOCK:
+        _LOADED[key] = [model, tok, None]
+        while len(_LOADED) > CACHE_SIZE:
+            _LOADED.pop(next(iter(_LOADED)))
+    return model, tok
+
+
+def clear_loaded() -> None:
+    """Forget the models :func:`load_cached` holds in this process."""
+    with _LOADED_LOCK:
+        _LOADED.clear()
 
 
 def weights_digest(model: Any) -> str:
