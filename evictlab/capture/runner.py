@@ -18,6 +18,13 @@ dataset appends more prompts. Any other setting that differs is refused: rows of
 dataset must come from one configuration. A run record (``run_record.json``) is written at
 the end of every run.
 
+Executors: the local run does all of this here. A remote executor (``--executor ray``,
+``docs/cluster.md``) first runs :func:`capture_probe` on a worker (model geometry for the
+manifest, every prompt's forward length and token digest), then one :func:`capture_group`
+task per forward group (the local run's groups, :func:`plan_groups`); each task returns its
+prompts' :class:`PromptRows` and this process writes them with :func:`write_rows` in
+prompt order, so the dataset is the local run's bit for bit.
+
 Query positions (documented choice, ours)
     ``query-agnostic``: the context is the whole prompt (no question is appended); the P
     positions are stratified over the last half of the context: split
@@ -31,6 +38,7 @@ Query positions (documented choice, ours)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -591,14 +599,16 @@ def _capture_remote(cfg: CaptureConfig, out: Path, text: dict[str, str], executo
         groups = plan_groups(todo, lambda i: plan.lengths[i], _auto_batch(cfg, kind))
         tasks = [CaptureTask(cfg, tuple(g), plan.weights, tuple(plan.token_digests[i] for i in g)) for g in groups]
         bar = task_bar(f"capture {cfg.model}", disable=not progress)
-        try:
-            for _, rows_list in executor.map(capture_group, tasks, spec=spec, ordered=True, on_progress=bar):
-                for rows in rows_list:
-                    worst = max(worst, rows.verify_error)
-                    rows_written += write_rows(writer, rows)
-                    written += 1
-        finally:
-            bar.close()
+        # closing(): an error or Ctrl-C here cancels the tasks still out at once
+        with contextlib.closing(executor.map(capture_group, tasks, spec=spec, ordered=True, on_progress=bar)) as it:
+            try:
+                for _, rows_list in it:
+                    for rows in rows_list:
+                        worst = max(worst, rows.verify_error)
+                        rows_written += write_rows(writer, rows)
+                        written += 1
+            finally:
+                bar.close()
     return written, skipped, rows_written, worst
 
 
