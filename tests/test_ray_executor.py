@@ -19,7 +19,8 @@ from evictlab import cli
 from evictlab.capture.runner import CaptureConfig, CaptureTask, capture_group, run_capture
 from evictlab.capture.testing import save_tiny_folder
 from evictlab.errors import InputError
-from evictlab.executor import LocalExecutor, TaskCounts, make_executor
+from evictlab.executor import LocalExecutor, TaskCounts, TaskSpec
+from evictlab.executor.ray_backend import RayExecutor
 from evictlab.executor.testing import KillOnce, killed_count
 from evictlab.rows.reader import RowStore
 from evictlab.rows.synth import SynthConfig, synthesize
@@ -53,30 +54,35 @@ def local_results(rows: Path, tmp_path_factory: pytest.TempPathFactory) -> pl.Da
     return pl.read_parquet(out)
 
 
-def _ray(**kw) -> object:
-    return make_executor("ray") if not kw else __import__(
-        "evictlab.executor.ray_backend", fromlist=["RayExecutor"]).RayExecutor(**kw)
-
-
 # -- the executor itself ---------------------------------------------------------------------
 
 
 def test_map_orders_retries_a_killed_worker_and_counts_it(ray_local, tmp_path: Path) -> None:
     seen: list[TaskCounts] = []
-    ex = _ray(wrap=KillOnce(str(tmp_path), select=lambda x: x == 3))
+    ex = RayExecutor(wrap=KillOnce(str(tmp_path), select=lambda x: x == 3))
     got = list(ex.map(operator.neg, range(8), ordered=True, on_progress=lambda c: seen.append(replace(c))))
     assert got == [(i, -i) for i in range(8)]  # in order, every item once
     assert killed_count(tmp_path) == 1
     assert seen[-1].done == 8 and seen[-1].failed == 1 and seen[-1].running == 0
     assert max(c.running for c in seen) <= 2  # the 2 CPUs of the instance
     # unordered: same results as the local executor
-    assert sorted(_ray().map(operator.neg, range(5))) == list(LocalExecutor().map(operator.neg, range(5)))
+    assert sorted(RayExecutor().map(operator.neg, range(5))) == list(LocalExecutor().map(operator.neg, range(5)))
+
+
+def test_tasks_no_node_can_run_are_refused(ray_local, tiny_folder: Path, tmp_path: Path) -> None:
+    # capture --device cuda asks each task for a GPU; this instance has none (and 2 CPUs)
+    cfg = replace(_capture_cfg(tiny_folder), device="cuda")
+    with pytest.raises(InputError, match="--device: each task asks for 1 GPU, but no node"):
+        run_capture(cfg, tmp_path / "gpu", progress=False, executor=RayExecutor())
+    assert not (tmp_path / "gpu").exists()
+    with pytest.raises(InputError, match="--threads: each task asks for 4 CPUs"):
+        list(RayExecutor().map(operator.neg, [1], spec=TaskSpec(cpus=4)))
 
 
 def test_a_task_error_reaches_the_driver_as_raised(ray_local) -> None:
     task = SolvePart("/nonexistent/rows", "0" * 16, 0, 0, 3, SOLVE, None, 1)
     with pytest.raises(InputError, match="on node .*every node must read the same dataset"):
-        list(_ray().map(solve_part, [task]))
+        list(RayExecutor().map(solve_part, [task]))
 
 
 # -- solve -----------------------------------------------------------------------------------
@@ -85,17 +91,17 @@ def test_a_task_error_reaches_the_driver_as_raised(ray_local) -> None:
 def test_solve_equals_local_resumes_and_survives_a_killed_worker(ray_local, rows: Path, tmp_path: Path,
                                                                   local_results: pl.DataFrame) -> None:
     out = tmp_path / "ray.parquet"
-    s = solve_rows(rows, out, SOLVE, threads=1, progress=False, executor=_ray())
+    s = solve_rows(rows, out, SOLVE, threads=1, progress=False, executor=RayExecutor())
     assert s.complete and s.parts_total == 6
     assert pl.read_parquet(out).equals(local_results)  # bit for bit, same row order
     assert json.loads((tmp_path / "ray.run_record.json").read_text())["config"]["executor"] == "ray"
     # interrupted after 2 parts (the rest cancelled), resumed by the other executor and back
     part = tmp_path / "part.parquet"
-    s = solve_rows(rows, part, SOLVE, threads=1, progress=False, executor=_ray(), stop_after=2)
+    s = solve_rows(rows, part, SOLVE, threads=1, progress=False, executor=RayExecutor(), stop_after=2)
     assert not s.complete and len(list(parts_dir_for(part).glob("part-*.parquet"))) == 2
     s = solve_rows(rows, part, SOLVE, threads=1, progress=False, stop_after=1)
     assert s.parts_done_before == 2
-    s = solve_rows(rows, part, SOLVE, threads=1, progress=False, executor=_ray())
+    s = solve_rows(rows, part, SOLVE, threads=1, progress=False, executor=RayExecutor())
     assert s.complete and s.parts_done_before == 3 and s.parts_written == 3
     assert pl.read_parquet(part).equals(local_results)
     # a worker SIGKILLed in the middle of part 1: retried, nothing half-written, same bits
@@ -103,7 +109,7 @@ def test_solve_equals_local_resumes_and_survives_a_killed_worker(ray_local, rows
     marks.mkdir()
     killed = tmp_path / "killed.parquet"
     solve_rows(rows, killed, SOLVE, threads=1, progress=False,
-               executor=_ray(wrap=KillOnce(str(marks), select=lambda t: t.k == 1)))
+               executor=RayExecutor(wrap=KillOnce(str(marks), select=lambda t: t.k == 1)))
     assert killed_count(marks) == 1
     assert pl.read_parquet(killed).equals(local_results)
 
@@ -116,7 +122,7 @@ def test_solve_refuses_a_node_with_another_dataset(ray_local, rows: Path, tmp_pa
     # what a node whose copy at the same path differs sees: the driver's digest, other rows
     task = SolvePart(str(other), digest, 0, 0, 15, SOLVE, None, 1)
     with pytest.raises(InputError, match="different dataset .* would be mixed"):
-        list(_ray().map(solve_part, [task]))
+        list(RayExecutor().map(solve_part, [task]))
 
 
 def parts_dir_for_job(rows: Path, tmp_path: Path) -> Path:
@@ -152,7 +158,7 @@ def local_capture(tiny_folder: Path, tmp_path_factory: pytest.TempPathFactory) -
 def test_capture_equals_local_resumes_and_survives_a_killed_worker(ray_local, tiny_folder: Path, tmp_path: Path,
                                                                     local_capture: tuple) -> None:
     cfg = _capture_cfg(tiny_folder)
-    s = run_capture(cfg, tmp_path / "ray", progress=False, executor=_ray())
+    s = run_capture(cfg, tmp_path / "ray", progress=False, executor=RayExecutor())
     assert s.prompts_written == 3 and s.rows_written == 3 * 2 * 4 * 4
     assert _fingerprint(tmp_path / "ray") == local_capture
     assert len(RowStore.open(tmp_path / "ray").manifest["shards"]) == 2  # cut as the local run cut them
@@ -160,14 +166,14 @@ def test_capture_equals_local_resumes_and_survives_a_killed_worker(ray_local, ti
     run_capture(_capture_cfg(tiny_folder, 2), tmp_path / "l2", progress=False)
     run_capture(cfg, tmp_path / "l2", progress=False)
     run_capture(_capture_cfg(tiny_folder, 2), tmp_path / "r2", progress=False)
-    s = run_capture(cfg, tmp_path / "r2", progress=False, executor=_ray())
+    s = run_capture(cfg, tmp_path / "r2", progress=False, executor=RayExecutor())
     assert s.prompts_skipped == 2 and s.prompts_written == 1
     assert _fingerprint(tmp_path / "r2") == _fingerprint(tmp_path / "l2")
     # the worker capturing prompt 1 is SIGKILLed: retried, the dataset is the local one
     marks = tmp_path / "marks"
     marks.mkdir()
     wrap = KillOnce(str(marks), select=lambda t: isinstance(t, CaptureTask) and 1 in t.prompt_ids)
-    run_capture(cfg, tmp_path / "killed", progress=False, executor=_ray(wrap=wrap))
+    run_capture(cfg, tmp_path / "killed", progress=False, executor=RayExecutor(wrap=wrap))
     assert killed_count(marks) == 1
     assert _fingerprint(tmp_path / "killed") == local_capture
 
@@ -175,7 +181,7 @@ def test_capture_equals_local_resumes_and_survives_a_killed_worker(ray_local, ti
 def test_capture_refuses_a_node_with_other_weights(ray_local, tiny_folder: Path) -> None:
     task = CaptureTask(_capture_cfg(tiny_folder), (0,), "0" * 16, ("0" * 16,))
     with pytest.raises(InputError, match="other weights .* would be mixed"):
-        list(_ray().map(capture_group, [task]))
+        list(RayExecutor().map(capture_group, [task]))
 
 
 # -- the command line ------------------------------------------------------------------------
@@ -187,7 +193,7 @@ def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]
     return code, out, err
 
 
-def test_cli_solve_and_capture_on_ray(ray_local, rows: Path, tiny_folder: Path, tmp_path: Path, capsys,
+def test_cli_solve_and_capture_onRayExecutor(ray_local, rows: Path, tiny_folder: Path, tmp_path: Path, capsys,
                                       local_results: pl.DataFrame, local_capture: tuple) -> None:
     out = tmp_path / "cli.parquet"
     code, _, err = _cli(capsys, "solve", str(rows), "--budgets", "2", "4", "8", "--pool", "2", "1", "--certify",
@@ -250,7 +256,7 @@ def test_eval_grid_on_ray_equals_local_with_a_killed_worker(ray_local, tmp_path:
 
     real = commands.make_executor
     monkeypatch.setattr(commands, "make_executor",
-                        lambda name, address: _ray(wrap=wrap) if name == "ray" else real(name, address))
+                        lambda name, address: RayExecutor(address, wrap=wrap) if name == "ray" else real(name, address))
     code, out, err = _cli(capsys, *args, "--out", str(tmp_path / "ray"), "--executor", "ray")
     assert code == 0, err
     assert "3 cells (3 run now, 0 already done)" in out and "failed=1" in err  # full + 2 methods; the task bar

@@ -98,8 +98,11 @@ def connect(target: str | None) -> bool:
         ray.init(**kwargs)
     except Exception as exc:  # noqa: BLE001 -- Ray raises ConnectionError, RuntimeError, ValueError...
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        where = f"at {target}" if target else "(a local instance)"
-        raise InputError("--address", f"could not connect to Ray {where}: {first}",
+        if not target:
+            raise InputError("--address", f"could not start a local Ray instance: {first}",
+                             "rerun (a machine under heavy load can delay Ray's start-up), or start Ray "
+                             "yourself (`ray start --head`) and pass --address auto") from None
+        raise InputError("--address", f"could not connect to Ray at {target}: {first}",
                          "check that the cluster runs the same Ray and Python versions as this machine; "
                          + _ADDRESS_FIX) from None
     return True
