@@ -193,7 +193,7 @@ def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]
     return code, out, err
 
 
-def test_cli_solve_and_capture_onRayExecutor(ray_local, rows: Path, tiny_folder: Path, tmp_path: Path, capsys,
+def test_cli_solve_and_capture_on_ray(ray_local, rows: Path, tiny_folder: Path, tmp_path: Path, capsys,
                                       local_results: pl.DataFrame, local_capture: tuple) -> None:
     out = tmp_path / "cli.parquet"
     code, _, err = _cli(capsys, "solve", str(rows), "--budgets", "2", "4", "8", "--pool", "2", "1", "--certify",
