@@ -18,6 +18,7 @@ from evictlab.methods.base import (
     attention_probs,
     check_sizes,
     combine_groups,
+    query_attention,
     select_keep,
 )
 from evictlab.methods.params import parse_assignments
@@ -39,5 +40,6 @@ __all__ = [
     "make_scorer",
     "parse_assignments",
     "parse_method",
+    "query_attention",
     "select_keep",
 ]
