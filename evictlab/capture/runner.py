@@ -11,6 +11,10 @@ Blocks hold only the keys the layer's rows see: on full-attention layers keys
 ``[0, max position]``; on sliding-window layers (Gemma 3) keys
 ``[min position - W + 1, max position]``. Block key positions are absolute token positions.
 
+Labels: task prompts carry the token spans of their inserted facts
+(:attr:`~evictlab.capture.prompts.PromptTokens.facts`), written into the dataset's
+``facts`` column (schema version 2); text prompts have none.
+
 Resuming: the writer commits whole prompts; a rerun with the same settings skips the
 prompts listed in ``completed_prompts`` (prompt id = prompt index), so an interrupted run
 continues where it stopped without duplicating rows. Raising ``--prompts`` on a finished
@@ -208,10 +212,13 @@ def capture_batch(model: Any, token_lists: list[list[int]], position_lists: list
 def write_prompt(writer: Any, prompt_id: int, prompt: PromptTokens, mode: str,
                  captures: dict[int, Any]) -> int:
     """Write one prompt's blocks and rows; return the number of rows written."""
+    # fact labels (task sources) travel with the prompt; a resumed schema-1 dataset has none
+    facts = prompt.facts if writer.writes_labels else None
     writer.add_prompt(prompt_id, _tokens_for_forward(prompt, mode), source=prompt.source, mode=mode,
                       text=json.dumps({"name": prompt.prompt_id, "n_context": prompt.n_context,
                                        "answer": prompt.answer,
-                                       **({"origin": prompt.origin} if prompt.origin else {})}))
+                                       **({"origin": prompt.origin} if prompt.origin else {})}),
+                      facts=facts)
     rows = 0
     for layer in sorted(captures):
         c = captures[layer]
