@@ -350,6 +350,7 @@ def run_check(rows: str | Path, out: str | Path, cfg: CheckConfig, *, overwrite:
     chunks = [blocks[i:i + cfg.chunk_blocks] for i in range(0, len(blocks), cfg.chunk_blocks)]
     keys = [f"{k:05d}" for k in range(len(chunks))]
     with exclusive_lock(out, "--out"):
+        check_output_file(out, "--out", overwrite=overwrite)  # again: another run may have finished meanwhile
         parts = PartStore(out.with_name(out.name + ".parts"), _job(store, cfg)).open()
         todo = [(k, c) for k, c in zip(keys, chunks) if not parts.done(k)]
         skipped = sum(len(c) for k, c in zip(keys, chunks) if parts.done(k))

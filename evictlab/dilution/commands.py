@@ -108,6 +108,7 @@ def sweep(
     compress_every: int = typer.Option(16, "--compress-every", help="Decode steps between compressions."),
     threads: int = typer.Option(0, "--threads", help="CPU threads of the computation (torch) (0 = the library default)."),
     out: Path = typer.Option(..., "--out", help="Output folder (its parent must exist); rerun to resume."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Run again into a folder that holds a finished sweep."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
 ) -> None:
     """Needle retrieval with k distractors: full cache vs ORACLE (evicts distractors only) vs
@@ -123,6 +124,6 @@ def sweep(
                       budget=budget, context=context, kind=kind, seed=seed, device=device, sinks=sinks, recent=recent,
                       chunk=chunk, window=window, compress_every=compress_every)
     cfg.check()
-    s = run_sweep(cfg, out, progress=not quiet, threads=threads)
+    s = run_sweep(cfg, out, progress=not quiet, threads=threads, overwrite=overwrite)
     typer.echo(f"{s.units} runs ({s.units_skipped} already done) in {s.seconds:.0f} s; "
                f"{s.out}/report.md, results.parquet, summary.parquet, verdict.parquet")

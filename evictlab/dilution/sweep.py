@@ -77,7 +77,9 @@ class SweepConfig:
     def check(self) -> None:
         from evictlab.kv.budget import Budget
         from evictlab.methods import parse_method
+        from evictlab.models.loading import check_device
 
+        check_device(self.device)
         if not self.distractors or any(k < 0 or k > MAX_DISTRACTORS for k in self.distractors):
             raise InputError("--distractors", f"{list(self.distractors)} is empty or outside 0..{MAX_DISTRACTORS}",
                              f"pass counts like 0,4,16,64,256 (at most {MAX_DISTRACTORS})")
@@ -271,13 +273,20 @@ def summarize(results: pl.DataFrame) -> pl.DataFrame:
     ).sort("model", "kind", "distractors"))
 
 
+#: Fewer paired examples than this get no verdict: a bootstrap over 2-4 examples has a
+#: handful of distinct resamples, and its interval would claim far more than it knows.
+MIN_VERDICT_N = 5
+
+
 def verdicts(results: pl.DataFrame, seed: int = 0, n_boot: int = 2000) -> pl.DataFrame:
     """Each method against the full cache on the same examples, per (model, kind, distractors).
 
     ``em_diff`` / ``logprob_diff``: mean over examples of (method - full), with a 95% paired
     percentile-bootstrap interval over examples. Rule: ``beats full`` / ``loses to full``
     when the exact-match interval excludes 0; otherwise by the log-probability interval
-    (``beats full (log-prob)`` / ``loses to full (log-prob)``); otherwise ``tie``.
+    (``beats full (log-prob)`` / ``loses to full (log-prob)``); otherwise ``tie``. With fewer
+    than :data:`MIN_VERDICT_N` examples the verdict is ``too few examples`` (the means and
+    intervals are still reported).
     """
     from evictlab.stats.bootstrap import bootstrap_mean
 
@@ -291,7 +300,9 @@ def verdicts(results: pl.DataFrame, seed: int = 0, n_boot: int = 2000) -> pl.Dat
         lp = (grp["answer_logprob"] - grp["lp_full"]).to_numpy()
         e = bootstrap_mean(em, seed=seed, key=f"{model}/{kind}/{k}/{method}/em", n_boot=n_boot)
         p = bootstrap_mean(lp, seed=seed, key=f"{model}/{kind}/{k}/{method}/lp", n_boot=n_boot)
-        if e.lo > 0 or e.hi < 0:
+        if grp.height < MIN_VERDICT_N:
+            v = "too few examples"
+        elif e.lo > 0 or e.hi < 0:
             v = "beats full" if e.value > 0 else "loses to full"
         elif p.lo > 0 or p.hi < 0:
             v = "beats full (log-prob)" if p.value > 0 else "loses to full (log-prob)"
@@ -316,9 +327,23 @@ class SweepSummary:
     seconds: float
 
 
+def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
+    """Refuse a finished sweep folder (unless ``overwrite``) and a non-empty folder that is not a sweep's."""
+    if not out_dir.is_dir() or (out_dir / "results.parts").is_dir():
+        return  # a new folder, or an interrupted run to resume
+    if (out_dir / "results.parquet").is_file():
+        if not overwrite:
+            raise InputError("--out", f"{out_dir} holds a finished sweep",
+                             "pass --overwrite to run it again, or choose another --out")
+    elif any(not p.name.endswith(".lock") for p in out_dir.iterdir()):
+        raise InputError("--out", f"{out_dir} is a non-empty folder that holds no sweep",
+                         "choose a new folder name for --out (it is created)")
+
+
 def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True, model: Any = None,
-              tokenizer: Any = None, threads: int = 0) -> SweepSummary:
-    """Run (or resume) the sweep into ``out_dir`` (module docstring)."""
+              tokenizer: Any = None, threads: int = 0, overwrite: bool = False) -> SweepSummary:
+    """Run (or resume) the sweep into ``out_dir`` (module docstring). A finished sweep in
+    ``out_dir`` is refused unless ``overwrite`` (then it is computed again and replaced)."""
     import torch
     from tqdm.auto import tqdm
 
@@ -331,11 +356,13 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True, m
     cfg.check()
     t0 = time.perf_counter()
     out_dir = check_output_path(out_dir, "--out", directory=True)
+    _check_out_dir(out_dir, overwrite)
     out_dir.mkdir(exist_ok=True)
     record = RunRecord(kind="dilution.sweep", config=asdict(cfg), model=cfg.model, seed=cfg.seed)
     if threads:
         torch.set_num_threads(threads)
     with exclusive_lock(out_dir / "results.parquet", "--out"):
+        _check_out_dir(out_dir, overwrite)  # again under the lock: another run may have finished meanwhile
         parts = PartStore(out_dir / "results.parts", {"config": asdict(cfg), "version": 1}).open()
         units = [(k, i, m) for k in cfg.distractors for i in range(cfg.n) for m in cfg.methods]
         keys = {u: _key("k", u[0], "e", u[1], u[2]) for u in units}

@@ -105,7 +105,11 @@ def make_example(tokenizer: Any, index: int, distractors: int, *, filler: int = 
     pos = int(place.integers(0, len(needles)))
     needles.insert(pos, needles.pop(0))
     budget = filler + sum(_count(tokenizer, n + " ") for n in needles) + (extra if kind == "filler" else 0)
-    context = haystack(tokenizer, needles, budget, place)
+    try:
+        context = haystack(tokenizer, needles, budget, place)
+    except InputError:
+        raise InputError("--context", f"{filler} filler tokens are fewer than one passage of the filler text",
+                         f"use a larger --context (e.g. {2 * filler})") from None
     facts = locate_facts(context, needles, (value,))
     ctx = encode_text(tokenizer, context)
     spans = fact_token_spans(tokenizer, context, facts, ids=ctx)

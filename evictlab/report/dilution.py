@@ -94,9 +94,12 @@ def sweep_report(out_dir: Path, summary: pl.DataFrame, verdict: pl.DataFrame, cf
     report = out_dir / "report.md"
     sections = [
         "# Attention dilution: the distractor sweep",
-        "Each example is a needle task (one asked needle) with k near-miss needles (other keys, other values) "
-        "inserted into a noise haystack of fixed length; the context grows with k "
-        f"(distractor kind `{cfg.kind}`). Every method runs through the decode loop at the same kept-entry budget "
+        ("Each example is a needle task (one asked needle) with k near-miss needles (other keys, other values) "
+         "inserted into a noise haystack of fixed length; the context grows with k (distractor kind `near_miss`)."
+         if cfg.kind == "near_miss" else
+         "Each example is a needle task (one asked needle, no other needle) whose haystack grows by as many filler "
+         "tokens as k near-miss needles would take (distractor kind `filler`: the same lengths, no near miss).") +
+        f" Every method runs through the decode loop at the same kept-entry budget "
         f"**{cfg.budget}** (matched bytes; the paged store frees evicted entries), protocol **query-agnostic** "
         "(the context is compressed before the question is appended), then the answer is scored teacher-forced: "
         "exact match (greedy reproduces the answer tokens), answer log-probability (nats, sum over answer "
@@ -107,9 +110,12 @@ def sweep_report(out_dir: Path, summary: pl.DataFrame, verdict: pl.DataFrame, cf
         "docs/theory.md section 7).",
         "Weights: the registry models are Q4 GGUF checkpoints dequantised to float32.",
         "## Where eviction beats the full cache",
-        "A method beats the full cache at a distractor count when its exact match is higher, or equal with a "
-        "higher mean answer log-probability (difference of means over the same examples, with a 95% paired "
-        "bootstrap interval over examples).",
+        "Per distractor count, each method is compared with the full cache on the same examples: the mean "
+        "difference (method - full) of exact match and of answer log-probability, each with a 95% paired "
+        "percentile-bootstrap interval over examples (the unit resampled is the example). Verdict `beats full` / "
+        "`loses to full`: the exact-match interval excludes 0; otherwise `... (log-prob)`: the log-probability "
+        "interval excludes 0; otherwise `tie`; with fewer than 5 examples `too few examples`. Rows marked "
+        "`oracle` use information no real method has.",
         md.table(verdict, digits=3),
         "## Means per model, distractor count and method",
         md.table(summary, digits=3),
