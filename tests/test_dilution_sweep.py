@@ -112,12 +112,23 @@ def swept(llama, tmp_path_factory) -> Path:
     return out
 
 
-def _attention_on_span(model, ids: list[int], span: tuple[int, int]) -> float:
+def _attention_on_span(model, ids: list[int], span: tuple[int, int], layers=None) -> float:
     """Mean over layers and query heads of the last token's attention on ``span``, from the
     stock eager forward (output_attentions): independent of the sweep's capture hooks."""
     with torch.no_grad():
         att = model(torch.tensor([ids]), output_attentions=True).attentions
-    return float(np.mean([a[0, :, -1, span[0]:span[1]].double().sum(-1).numpy() for a in att]))
+    return float(np.mean([a[0, :, -1, span[0]:span[1]].double().sum(-1).numpy() for i, a in enumerate(att)
+                          if layers is None or i in layers]))
+
+
+def test_useful_mass_of_chosen_layers(llama) -> None:
+    ex = make_example(TOK, 1, 2, filler=CFG.context, seed=4)
+    ids = ex.context_ids + ex.question_ids
+    for layers in ([1], [0, 1]):
+        ref = sweep_mod.reference(llama, TOK, ex, CFG, layers)
+        assert ref.layers == layers and len(ref.rows) == len(layers)
+        mass, _, kept = sweep_mod.useful_mass(ref, ex, None)
+        assert mass == pytest.approx(_attention_on_span(llama, ids, ex.useful, layers), rel=1e-4) and kept == 1
 
 
 def test_sweep_results(swept: Path, llama) -> None:
@@ -208,6 +219,7 @@ def _main(argv: list[str], capsys, monkeypatch) -> tuple[int, str]:
     (["--budget", "lots"], "--budget"),
     (["--device", "tpu"], "--device"),
     (["--chunk", "0"], "--chunk"),
+    (["--layers", "1-x"], "--layers"),
     (["--threads", "-1"], "--threads"),
 ])
 def test_bad_options_are_one_line_before_any_model_loads(tmp_path: Path, capsys, monkeypatch, extra, option):

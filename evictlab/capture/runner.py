@@ -190,7 +190,9 @@ def capture_batch(model: Any, token_lists: list[list[int]], position_lists: list
     import torch
 
     if len({len(t) for t in token_lists}) != 1:
-        raise InputError("--batch", "prompts of one forward must have equal lengths", "use --batch 1")
+        # the runner groups equal lengths (capture's --batch), so this is a caller's bug, not user input
+        raise ValueError(f"capture_batch: prompts of one forward must have equal lengths, got "
+                         f"{sorted({len(t) for t in token_lists})}")
     ids = torch.tensor(token_lists, dtype=torch.long, device=device)
     # the decoder stack without the LM head: logits are not needed, and the head is ~20% of
     # SmolLM2's FLOPs (a 49k-word vocabulary)

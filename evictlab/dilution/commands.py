@@ -106,6 +106,8 @@ def sweep(
     chunk: int = typer.Option(256, "--chunk", help="Prefill chunk (tokens) between compressions."),
     window: int = typer.Option(32, "--window", help="Observation window (queries) for scorers."),
     compress_every: int = typer.Option(16, "--compress-every", help="Decode steps between compressions."),
+    layers: str = typer.Option("all", "--layers", help="Layers whose attention enters the useful mass: 'all' or "
+                               "a list like 0,5,10-12 (every layer is still evicted and decoded)."),
     threads: int = typer.Option(0, "--threads", help="CPU threads of the computation (torch) (0 = the library default)."),
     out: Path = typer.Option(..., "--out", help="Output folder (its parent must exist); rerun to resume."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Run again into a folder that holds a finished sweep."),
@@ -122,7 +124,7 @@ def sweep(
         raise InputError("--threads", f"must be >= 0, got {threads}", "pass 0 (library default) or a thread count")
     cfg = SweepConfig(model=model, distractors=_ints(distractors, "--distractors"), n=n, methods=_names(methods),
                       budget=budget, context=context, kind=kind, seed=seed, device=device, sinks=sinks, recent=recent,
-                      chunk=chunk, window=window, compress_every=compress_every)
+                      chunk=chunk, window=window, compress_every=compress_every, layers=layers)
     cfg.check()
     s = run_sweep(cfg, out, progress=not quiet, threads=threads, overwrite=overwrite)
     typer.echo(f"{s.units} runs ({s.units_skipped} already done) in {s.seconds:.0f} s; "

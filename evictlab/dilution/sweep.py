@@ -73,13 +73,17 @@ class SweepConfig:
     chunk: int = 256
     window: int = 32
     compress_every: int = 16
+    #: layers whose attention enters the useful mass ("all", or a list like 0,5,10-12)
+    layers: str = "all"
 
     def check(self) -> None:
+        from evictlab.capture.runner import parse_layers
         from evictlab.kv.budget import Budget
         from evictlab.methods import parse_method
         from evictlab.models.loading import check_device
 
         check_device(self.device)
+        parse_layers(self.layers, None)
         if not self.distractors or any(k < 0 or k > MAX_DISTRACTORS for k in self.distractors):
             raise InputError("--distractors", f"{list(self.distractors)} is empty or outside 0..{MAX_DISTRACTORS}",
                              f"pass counts like 0,4,16,64,256 (at most {MAX_DISTRACTORS})")
@@ -147,10 +151,12 @@ class Reference:
     bytes_full: int
     rows: list[np.ndarray]
     kv_of: list[np.ndarray]  # per layer: KV head of each query head
+    layers: list[int]        # the model layer of each entry of rows / kv_of
 
 
-def reference(lm: Any, tok: Any, ex: DilutionExample, cfg: SweepConfig) -> Reference:
-    """Run the full cache and the useful-mass forward on ``ex``."""
+def reference(lm: Any, tok: Any, ex: DilutionExample, cfg: SweepConfig, layers: list[int] | None = None) -> Reference:
+    """Run the full cache and the useful-mass forward on ``ex`` (``layers``: the layers whose
+    attention rows are recorded, None = all)."""
     import torch
 
     from evictlab.capture.runner import capture_prompt
@@ -162,7 +168,7 @@ def reference(lm: Any, tok: Any, ex: DilutionExample, cfg: SweepConfig) -> Refer
         out = run_sequence(lm, c, q, cfg.decode_config(FULL), answer_ids=a, tokenizer=tok)
     tokens = ex.context_ids + ex.question_ids
     last = np.array([len(tokens) - 1], np.int64)
-    caps = capture_prompt(lm, tokens, last, None, dev)
+    caps = capture_prompt(lm, tokens, last, layers, dev)
     rows, kv_of = [], []
     for layer in sorted(caps):
         cap = caps[layer]
@@ -175,7 +181,8 @@ def reference(lm: Any, tok: Any, ex: DilutionExample, cfg: SweepConfig) -> Refer
             P[h, lo:hi] = e / e.sum()
         rows.append(P)
         kv_of.append(np.array([cap.kv_head_of(h) for h in range(cap.n_q_heads)]))
-    return Reference(out.logits[0].float().cpu(), float(out.wall_s), int(out.bytes_full_cache), rows, kv_of)
+    return Reference(out.logits[0].float().cpu(), float(out.wall_s), int(out.bytes_full_cache), rows, kv_of,
+                     sorted(caps))
 
 
 def useful_mass(ref: Reference, ex: DilutionExample, kept: list[Any] | None) -> tuple[float, float, float]:
@@ -187,12 +194,12 @@ def useful_mass(ref: Reference, ex: DilutionExample, kept: list[Any] | None) -> 
     n_ctx = len(ex.context_ids)
     a, b = ex.useful
     alphas, kept_share = [], []
-    for layer, P in enumerate(ref.rows):
+    for i, (layer, P) in enumerate(zip(ref.layers, ref.rows)):
         L = P.shape[1]
         useful = np.zeros(L, bool)
         useful[a:b] = True
         if kept is None:
-            masks = {int(g): np.ones(L, bool) for g in np.unique(ref.kv_of[layer])}
+            masks = {int(g): np.ones(L, bool) for g in np.unique(ref.kv_of[i])}
         else:
             masks = {}
             pos = kept[layer][0].cpu().numpy()
@@ -204,7 +211,7 @@ def useful_mass(ref: Reference, ex: DilutionExample, kept: list[Any] | None) -> 
                 masks[g] = m
                 kept_share.append(float(m[a:b].mean()))
         for h in range(P.shape[0]):
-            m = masks[int(ref.kv_of[layer][h])]
+            m = masks[int(ref.kv_of[i][h])]
             pa = P[h, m].sum()
             alphas.append(P[h, m & useful].sum() / pa if pa > 0 else np.nan)
     arr = np.array(alphas)
@@ -347,6 +354,7 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True, m
     import torch
     from tqdm.auto import tqdm
 
+    from evictlab.capture.runner import parse_layers
     from evictlab.dilution.parts import PartStore
     from evictlab.dilution.tasks import make_example
     from evictlab.io import atomic_path, check_output_path, exclusive_lock
@@ -367,12 +375,14 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True, m
         units = [(k, i, m) for k in cfg.distractors for i in range(cfg.n) for m in cfg.methods]
         keys = {u: _key("k", u[0], "e", u[1], u[2]) for u in units}
         skipped = sum(parts.done(keys[u]) for u in units)
+        layers: list[int] | None = None
         if skipped < len(units):
             if model is None:
                 from evictlab.models.loading import load_model
 
                 model, tokenizer = load_model(cfg.model, device=cfg.device)
             g = model_geometry(model)
+            layers = parse_layers(cfg.layers, g.n_layers)
             for m in cfg.methods:  # a budget below the always-kept floor is refused before any run
                 if m != FULL:
                     try:
@@ -387,7 +397,7 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True, m
                 if not todo:
                     continue
                 ex = make_example(tokenizer, i, k, filler=cfg.context, kind=cfg.kind, seed=cfg.seed)
-                ref = reference(model, tokenizer, ex, cfg)
+                ref = reference(model, tokenizer, ex, cfg, layers)
                 for m in todo:
                     row = run_unit(model, tokenizer, ex, m, cfg, ref)
                     parts.write(keys[(k, i, m)], pl.DataFrame([row], schema=RESULT_COLUMNS))
