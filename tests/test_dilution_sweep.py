@@ -269,3 +269,23 @@ def test_sweep_on_the_default_model_at_a_short_context(tmp_path: Path) -> None:
     oracle = res.filter(pl.col("method") == "oracle_labels").sort("distractors")
     assert (oracle["useful_kept"] == 1).all() and (oracle["useful_mass"] >= full["useful_mass"] - 1e-12).all()
     assert (oracle["bytes_live"] < oracle["bytes_full"]).all()
+
+
+def test_claim_rows_name_where_eviction_beats_full() -> None:
+    from evictlab.dilution.claim import beats_full_claims
+
+    base = {"model": "m", "kind": "near_miss", "n": 8, "em_full": 0.5, "em": 0.5, "em_diff_lo": -0.1,
+            "em_diff_hi": 0.1, "logprob_diff": 0.0, "logprob_diff_lo": -1.0, "logprob_diff_hi": 1.0}
+    v = pl.DataFrame([
+        {**base, "distractors": 4, "method": "snapkv", "oracle": False, "em_diff": -0.25, "verdict": "loses to full"},
+        {**base, "distractors": 16, "method": "snapkv", "oracle": False, "em_diff": 0.0, "verdict": "tie"},
+        {**base, "distractors": 16, "method": "oracle_labels", "oracle": True, "em_diff": 0.25,
+         "verdict": "beats full"},
+    ])
+    rows = {r.claim_id: r for r in beats_full_claims(v)}
+    assert rows["dilution-beats-full"].verdict == "not reproduced on this model and task"
+    assert "beats full: never" in rows["dilution-beats-full"].our_value
+    assert rows["dilution-beats-full-oracle"].verdict.startswith("reproduced")
+    assert "oracle_labels at k=16" in rows["dilution-beats-full-oracle"].our_value
+    few = beats_full_claims(v.with_columns(pl.lit("too few examples").alias("verdict")))
+    assert {r.verdict for r in few} == {"not tested (too few examples per cell)"}
