@@ -226,7 +226,7 @@ def run_unit(lm: Any, tok: Any, ex: DilutionExample, method: str, cfg: SweepConf
     import torch
 
     from evictlab.decode.loop import run_sequence
-    from evictlab.decode.metrics import next_token_kl, token_nll, top1_agreement
+    from evictlab.eval.runner import example_metrics
     from evictlab.kv.budget import Budget
     from evictlab.methods import parse_method
     from evictlab.models.geometry import model_geometry
@@ -258,11 +258,11 @@ def run_unit(lm: Any, tok: Any, ex: DilutionExample, method: str, cfg: SweepConf
                    budget_tokens=Budget.parse(cfg.budget).total_tokens(g.n_layers, g.kv_heads, g.head_dim, g.dtype),
                    bytes_live=out.after_compression("bytes_live") or out.peak("bytes_live"),
                    compressions=out.compressions)
-    nll = token_nll(logits, answer)
+    # the evaluation grid's per-example metrics, so the sweep's numbers mean what the grid's do
+    met = example_metrics(ref.logits, logits, answer)
     mass, mass_max, kept_share = useful_mass(ref, ex, kept)
-    row.update(exact_match=float(bool((logits.argmax(-1) == answer).all())), answer_logprob=-float(nll.sum()),
-               kl=next_token_kl(ref.logits, logits).mean, top1_agreement=top1_agreement(ref.logits, logits),
-               useful_mass=mass, useful_mass_max=mass_max, useful_kept=kept_share, bytes_full=ref.bytes_full,
+    row.update(exact_match=met["exact_match"], answer_logprob=met["answer_logprob"], kl=met["kl"],
+               top1_agreement=met["top1_agreement"], useful_mass=mass, useful_mass_max=mass_max, useful_kept=kept_share, bytes_full=ref.bytes_full,
                wall_s=wall)
     return row
 
