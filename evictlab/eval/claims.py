@@ -86,7 +86,7 @@ def _detail(j: pl.DataFrame, on: list[str], name: str, stats: Any, results: pl.D
 def _where(model: str, g: pl.DataFrame, detail: pl.DataFrame) -> dict[str, str]:
     """The model, rows and budgets fields of a claim row."""
     return {"model": f"{model} ({weights_for(model, 'weights as loaded')})",
-            "rows": f"{g.height} paired examples, {detail.height} comparisons "
+            "rows": f"{g.height} paired examples, {detail.height} comparison{'s' if detail.height != 1 else ''} "
                     f"({', '.join(sorted(set(detail['task'])))})",
             "budgets": ", ".join(dict.fromkeys(detail["budget"].to_list()))}
 

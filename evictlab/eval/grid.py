@@ -162,7 +162,7 @@ def run_grid(spec: GridSpec, out: str | Path, *, map_cells: MapCells | None = No
 
     out = check_output_path(out, "out", directory=True)
     cells = spec.cells()
-    with exclusive_lock(out, "out"):
+    with exclusive_lock(out, "--out"):  # the option is named in the fix text too
         resume = _check_folder(spec, out)
         if not resume:
             # A grid refused by the checks that need the models leaves nothing behind, so the
