@@ -180,3 +180,53 @@ def test_bound_checks_count_violations_only_where_assumptions_hold() -> None:
     assert checks["mean_margin_lower"]["violations"] == 0 and checks["spread_upper"]["violations"] == 0
     assert "stated_margin_lower" not in checks
     assert "stated_margin_lower" in set(bound_checks(t, stated=True)["check"])
+
+
+@given(st.lists(st.floats(-15, 15), min_size=3, max_size=20), st.integers(0, 10**6), st.booleans())
+def test_theorems_2_and_3_on_random_rows_and_kept_sets(z: list[float], seed: int, keep_u: bool) -> None:
+    """Any A: the share criterion and Theorem 1 over A. A containing U: alpha_A = alpha_rho >=
+    alpha, and Theorem 3's identity, scaling and bound (values drawn per key)."""
+    z_arr = np.array(z)
+    n = len(z)
+    rng = np.random.default_rng(seed)
+    u = rng.random(n) < 0.35
+    u[0], u[-1] = True, False
+    k = rng.random(n) < 0.5
+    k[int(rng.integers(0, n))] = True
+    if keep_u:
+        k |= u
+    V = rng.normal(size=(n, 3)) * rng.uniform(0.1, 10)
+    P, Lg, vis = _block([z_arr], n)
+    rm = row_measures(P, Lg, vis, u)
+    km = kept_measures(P, Lg, vis, u, V, k[None, :])
+    a, aa, su, sd = rm["alpha"][0], km["alpha_kept"][0], km["sigma_useful"][0], km["sigma_distractor"][0]
+    if np.isfinite(sd) and 0 < a < 1:
+        assert aa - a == pytest.approx(a * (1 - a) * (su - sd) / (su * a + sd * (1 - a)), abs=TOL)
+        if abs(aa - a) > 1e-9 and abs(su - sd) > 1e-9:
+            assert (aa > a) == (su > sd)
+    if km["kept_useful"][0] > 0 and km["kept_distractors"][0] > 0:
+        assert aa >= km["bound_margin_kept"][0] - TOL
+        assert km["margin_kept"][0] >= rm["margin"][0] - 1e-12 or not keep_u
+    if keep_u:
+        assert km["contains_useful"][0] and aa >= a - TOL
+        assert aa == pytest.approx(km["alpha_rho"][0], abs=1e-12)
+        scale = 1 + km["value_scale"][0]
+        assert km["identity_gap"][0] <= 1e-9 * scale
+        assert km["err_kept"][0] <= km["err_bound"][0] + 1e-9 * scale
+        # the same error from the one-row reference
+        assert km["err_kept"][0] == pytest.approx(ref.useful_error(z_arr, u, V, k), rel=1e-9, abs=1e-9 * scale)
+        if np.isfinite(km["err_ratio"][0]) and np.isfinite(km["value_shift"][0]) and a < 1 - 1e-6:
+            assert km["err_ratio"][0] == pytest.approx(km["error_scaling"][0] * km["value_shift"][0], rel=1e-7)
+
+
+def test_theorem3_identity_fails_when_a_useful_key_is_evicted() -> None:
+    """Two useful keys with different values, one evicted: m_A - m_U is no longer a multiple of
+    m_{D n A} - m_U, so the identity (Theorem 3's conclusion) does not hold without U in A."""
+    z = np.array([1.0, 1.0, 0.0, 0.0])
+    u = np.array([True, True, False, False])
+    V = np.array([[1.0, 0.0], [-1.0, 0.0], [0.0, 1.0], [0.0, 1.0]])
+    P, Lg, vis = _block([z], 4)
+    km = kept_measures(P, Lg, vis, u, V, np.array([[True, False, True, True]]))
+    assert not km["contains_useful"][0] and km["identity_gap"][0] > 0.1
+    full = kept_measures(P, Lg, vis, u, V, np.array([[True, True, True, False]]))
+    assert full["contains_useful"][0] and full["identity_gap"][0] < 1e-12
