@@ -289,3 +289,30 @@ def test_claim_rows_name_where_eviction_beats_full() -> None:
     assert "oracle_labels at k=16" in rows["dilution-beats-full-oracle"].our_value
     few = beats_full_claims(v.with_columns(pl.lit("too few examples").alias("verdict")))
     assert {r.verdict for r in few} == {"not tested (too few examples per cell)"}
+
+
+def test_a_second_sweep_on_the_same_folder_is_refused_at_once(tmp_path: Path) -> None:
+    """While one run holds DIR (here: a thread holding its lock), another is refused, no model loaded."""
+    import threading
+
+    from evictlab.io import exclusive_lock
+
+    out = tmp_path / "s"
+    out.mkdir()
+    held, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with exclusive_lock(out / "results.parquet", "--out"):
+            held.set()
+            release.wait(60)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    try:
+        assert held.wait(60)
+        with pytest.raises(InputError, match="being written by another evictlab run") as exc:
+            run_sweep(CFG, out, progress=False, model=object(), tokenizer=TOK)
+        assert exc.value.field == "--out"
+    finally:
+        release.set()
+        t.join(60)
