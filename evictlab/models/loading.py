@@ -2,13 +2,22 @@
 
 Anything that is not a registry name is treated as a local Hugging Face folder (if such a
 directory exists) or else as a hub id, and goes through the same ``from_pretrained`` call.
-Attention is always loaded as ``attn_implementation="eager"``: capture and the exactness
-tests need the explicit softmax, and the choice is made at load time, never by editing
-``model.config`` afterwards.
+
+The attention implementation is chosen at load time (``attention=``), never by editing
+``model.config`` afterwards:
+
+- ``"eager"`` (the default; capture): the explicit softmax, which capture's exactness
+  contract is stated against;
+- ``"decode"`` (the decode loop, the audit): evictlab's ragged attention,
+  :data:`evictlab.kv.cache.RAGGED_ATTENTION` (registered under that new name in
+  transformers' ``AttentionInterface`` just before loading): scaled-dot-product kernels
+  over the store's cells inside the loop, transformers' own ``sdpa`` anywhere else;
+- ``"sdpa"``: transformers' own, unchanged (the baseline of ``benchmarks/bench_decode.py``).
 """
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,25 +55,43 @@ def resolve(name: str) -> tuple[str, Path | str]:
     return "hub", name
 
 
+ATTENTIONS = ("eager", "decode", "sdpa")
+
+
+def attn_implementation(attention: str) -> str:
+    """transformers' ``attn_implementation`` for one of :data:`ATTENTIONS` (``"decode"``
+    registers evictlab's ragged attention first); InputError for anything else."""
+    if attention == "decode":
+        from evictlab.kv.cache import register_ragged_attention
+
+        return register_ragged_attention()
+    if attention not in ATTENTIONS:
+        raise InputError("attention", f"unknown attention {attention!r}", f"use one of: {', '.join(ATTENTIONS)}")
+    return attention
+
+
 def load_model(
-    name: str = DEFAULT_MODEL, device: str = "cpu", dtype: "torch.dtype | None" = None,
+    name: str = DEFAULT_MODEL, device: str = "cpu", dtype: "torch.dtype | None" = None, attention: str = "eager",
 ) -> tuple[Any, Any]:
-    """Load ``(model, tokenizer)`` with eager attention, in eval mode, on ``device``.
+    """Load ``(model, tokenizer)`` in eval mode on ``device``.
 
     ``name`` is a registry name (pulled on first use), a local Hugging Face folder or a hub
     id (only where a hub is reachable). ``dtype`` defaults to float32: the exactness
     contract (captured rows reproduce the model's own attention to 1e-5) is stated in it.
+    ``attention``: ``"eager"`` (capture), ``"decode"`` (the decode loop: ragged
+    scaled-dot-product attention) or ``"sdpa"`` (see the module docstring).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = torch.float32 if dtype is None else dtype
+    impl = attn_implementation(attention)
     dev = check_device(device)
     kind, where = resolve(name)
     local = kind != "hub"
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            str(where), attn_implementation="eager", dtype=dtype, local_files_only=local,
+            str(where), attn_implementation=impl, dtype=dtype, local_files_only=local,
         )
         tok = AutoTokenizer.from_pretrained(str(where), local_files_only=local)
     except OSError as exc:
@@ -98,3 +125,64 @@ def check_device(device: str) -> "torch.device":
         raise InputError("--device", f"device type {dev.type!r} is not supported", "use cpu or cuda")
     return dev
 
+
+
+# --------------------------------------------------------------------------- per-process cache
+
+#: Models loaded by this process: (name, device) -> [model, tokenizer, weights digest or None],
+#: least recently used first.
+_LOADED: "dict[tuple[str, str, str], list[Any]]" = {}
+_LOADED_LOCK = threading.Lock()
+#: How many models one process keeps loaded (a remote worker runs tasks of one or two models).
+CACHE_SIZE = 2
+
+
+def load_cached(name: str, device: str = "cpu", attention: str = "eager") -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of :func:`load_model`, loaded once per process, device and
+    ``attention`` (eager for capture, ``"decode"`` for the decode loop and the grid; the
+    :data:`CACHE_SIZE` most recently used are kept; thread-safe): the one model cache of
+    every long-running command (a grid run, a remote worker that runs many tasks of one
+    model)."""
+    key = (name, device, attention)
+    with _LOADED_LOCK:
+        hit = _LOADED.pop(key, None)
+        if hit is not None:
+            _LOADED[key] = hit  # most recent last
+            return hit[0], hit[1]
+    model, tok = load_model(name, device=device, attention=attention)  # outside the lock: loads take seconds
+    with _LOADED_LOCK:
+        _LOADED[key] = [model, tok, None]
+        while len(_LOADED) > CACHE_SIZE:
+            _LOADED.pop(next(iter(_LOADED)))
+    return model, tok
+
+
+def clear_loaded() -> None:
+    """Forget the models :func:`load_cached` holds in this process."""
+    with _LOADED_LOCK:
+        _LOADED.clear()
+
+
+def weights_digest(model: Any) -> str:
+    """SHA-256 (16 hex digits) of every parameter and buffer of ``model`` (names, dtypes,
+    shapes and bytes, in ``state_dict`` order): two processes that loaded the same weights
+    get the same digest, whichever node or cache they loaded them from. Cached for models
+    held by :func:`load_cached`."""
+    import hashlib
+
+    import torch
+
+    for hit in _LOADED.values():
+        if hit[0] is model and hit[2] is not None:
+            return hit[2]
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        t = t.detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy())
+    digest = h.hexdigest()[:16]
+    for hit in _LOADED.values():
+        if hit[0] is model:
+            hit[2] = digest
+    return digest
