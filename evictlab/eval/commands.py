@@ -172,7 +172,11 @@ def compare(
         if not (grid / RESULTS).is_file():
             raise InputError("GRID", f"the grid in {grid} is not finished (no {RESULTS})",
                              "rerun the same `evictlab eval run` command to finish it")
-        out = check_output_file(out if out is not None else grid / "pairs.parquet", "--out", overwrite=overwrite)
+        out = out if out is not None else grid / "pairs.parquet"
+        if out.suffix != ".parquet":
+            raise InputError("--out", f"{out} does not end in .parquet (the pairs table is a Parquet file)",
+                             f"use e.g. --out {out.with_suffix('.parquet')}")
+        out = check_output_file(out, "--out", overwrite=overwrite)
         rule = TieRule(kind=tie_rule, tolerance=tolerance, level=level, n_boot=n_boot, seed=seed)  # type: ignore[arg-type]
         record = RunRecord(kind="eval.compare", seed=seed, config={
             "grid": str(grid), "tie_rule": tie_rule, "tolerance": tolerance, "level": level, "n_boot": n_boot})
