@@ -79,6 +79,9 @@ app.command("decode")(decode)
 from evictlab.eval.commands import eval_app  # noqa: E402
 
 app.add_typer(eval_app, name="eval")
+from evictlab.dilution.commands import app as dilution_app  # noqa: E402
+
+app.add_typer(dilution_app, name="dilution")
 # --- end registration -----------------------------------------------------------------
 
 

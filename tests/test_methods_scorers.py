@@ -67,7 +67,8 @@ def group_mean(x: np.ndarray) -> np.ndarray:
 
 
 def test_registry_complete_and_protocol() -> None:
-    assert set(REGISTRY) == {"streaming_llm", "h2o", "snapkv", "expected_attention", "kvzip", "compactor", "oracle"}
+    assert set(REGISTRY) == {"streaming_llm", "h2o", "snapkv", "expected_attention", "kvzip", "compactor", "oracle",
+                             "oracle_labels"}
     for name, factory in REGISTRY.items():
         sc = factory()
         assert isinstance(sc, Scorer) and sc.name == name

@@ -100,7 +100,7 @@ def test_missing_shard(ds: Path) -> None:
         _read_all(ds)
 
 
-@pytest.mark.parametrize("version", [0, 2, 99, "1", None])
+@pytest.mark.parametrize("version", [0, 3, 99, "1", None])
 def test_unknown_schema_version(ds: Path, version) -> None:
     man = _manifest(ds)
     man["schema_version"] = version

@@ -122,13 +122,13 @@ def test_cli_synth_inspect_export(tmp_path: Path) -> None:
     assert rec["kind"] == "rows.synth" and rec["seed"] == 7
     r = runner.invoke(app, ["rows", "inspect", str(tmp_path / "a")])
     assert r.exit_code == 0, r.output
-    for needle in ("status          complete", "schema version  1", "models", "synthetic", "capture modes",
+    for needle in ("status          complete", "schema version  2", "models", "synthetic", "capture modes",
                    "rows            120 (query 0, logits 120)", "n range", "d range",
                    "8..8", "blocks          3"):
         assert needle in r.output, needle
     r = runner.invoke(app, ["rows", "inspect", str(tmp_path / "a"), "--json", "--verify"])
     s = json.loads(r.output)
-    assert s["rows"] == 120 and s["n_max"] <= 16 and s["schema_version"] == 1
+    assert s["rows"] == 120 and s["n_max"] <= 16 and s["schema_version"] == 2
     # existing output: the same command has nothing to do; other settings are refused,
     # then replace it with --overwrite
     r = runner.invoke(app, [*args, "--out", str(tmp_path / "a")])

@@ -39,12 +39,21 @@ Synthetic tasks (in the style of RULER; ours)
     - ``multi_key_word``: four such needles with different keys and colours; asked for one.
     - ``multi_value``: two magic numbers for the same key (``multi_needle`` with two values);
       the question ends with the needles' colon, answer = both values in order.
+
+Fact labels (ours; used by :mod:`evictlab.dilution`)
+    Every inserted needle or assignment is a :class:`Fact`: its character span in the
+    context, the spans of its key and value where the template has them, and whether the
+    question asks for it (:func:`locate_facts`). :func:`fact_token_spans` turns the character
+    spans into exact token spans under the prompt's tokenizer (from the tokenizer's offset
+    mapping, or by incremental encoding for tokenizers without one), and checks that the
+    tokens cover the fact and nothing but whitespace besides. Text sources have no facts.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -167,7 +176,8 @@ class TaskExample:
     ``context`` is the haystack with the needles (about ``context_tokens`` tokens);
     ``question`` ends with an answer prefix so the model's continuation is the answer;
     ``answer`` is the exact string expected (``answers`` lists its parts when there are
-    several, e.g. multi-value needles); ``seed`` reproduces the example.
+    several, e.g. multi-value needles); ``seed`` reproduces the example. ``facts`` are the
+    inserted needles / assignments in order of appearance (:func:`locate_facts`).
     """
 
     task: str
@@ -176,6 +186,7 @@ class TaskExample:
     answer: str
     seed: int
     answers: tuple[str, ...] = field(default=())
+    facts: tuple[Fact, ...] = field(default=())
 
     def score(self, prediction: str) -> float:
         """Fraction of the expected answer parts found verbatim in ``prediction`` (RULER)."""
@@ -284,7 +295,7 @@ def make_task(task: str, context_tokens: int, tokenizer: Any, seed: int) -> Task
     context = _haystack(tokenizer, needles, context_tokens, rng)
     return TaskExample(task=task, context=context, question=question,
                        answer=" ".join(answers) if task == "variable_tracking" else ", ".join(answers),
-                       seed=seed, answers=answers)
+                       seed=seed, answers=answers, facts=locate_facts(context, needles, answers))
 
 
 @dataclass(frozen=True)
@@ -293,7 +304,9 @@ class PromptTokens:
 
     ``origin`` (text sources): where the tokens came from, as
     :meth:`evictlab.capture.texts.Origin.to_dict` (source, document, line, character
-    offsets, SHA-256 of the document and of the tokens).
+    offsets, SHA-256 of the document and of the tokens). ``facts`` (task sources): the
+    token spans of the inserted facts (:func:`fact_token_spans`, positions in ``tokens``);
+    None for text sources, whose prompts carry no labels.
     """
 
     prompt_id: str
@@ -302,6 +315,7 @@ class PromptTokens:
     n_context: int
     answer: str | None = None
     origin: dict[str, Any] | None = None
+    facts: tuple[dict[str, Any], ...] | None = None
 
 
 def check_source(source: str) -> None:
@@ -335,4 +349,143 @@ def build_prompt(source: str, context_tokens: int, tokenizer: Any, seed: int, in
     ex = make_task(source, context_tokens, tokenizer, s)
     ctx = encode(tokenizer, ex.context)
     q = encode(tokenizer, "\n\n" + ex.question, special=False)
-    return PromptTokens(f"{source}-s{seed}-i{index}", source, ctx + q, len(ctx), ex.answer)
+    facts = fact_token_spans(tokenizer, ex.context, ex.facts, ids=ctx)
+    return PromptTokens(f"{source}-s{seed}-i{index}", source, ctx + q, len(ctx), ex.answer, facts=facts)
+
+
+# --------------------------------------------------------------------------- fact labels
+
+#: Kinds of inserted facts: a magic-number (or any "... for KEY is VALUE.") needle, and a
+#: variable assignment ``VAR KEY = VALUE.``. A template neither pattern parses is a
+#: ``fact`` (its span only, no key or value span).
+FACT_KINDS = ("needle", "assignment", "fact")
+_ASSIGNMENT = re.compile(r"^VAR (?P<key>\S+) = (?P<value>.+?)\.$")
+_NEEDLE = re.compile(r"^.* for (?P<key>.+?) is:? (?P<value>\S+?)\.$")
+
+
+@dataclass(frozen=True)
+class Fact:
+    """One inserted fact of a task context, as character spans of ``TaskExample.context``.
+
+    ``context[start:end] == text``; ``key`` and ``value`` are the ``(start, end)`` character
+    spans of the fact's key (the needle's key word, the assigned variable) and value (the
+    magic number, the right-hand side), or None when the template has none. ``asked``: the
+    question asks for this fact (:func:`locate_facts`).
+    """
+
+    kind: str
+    text: str
+    start: int
+    end: int
+    key: tuple[int, int] | None
+    value: tuple[int, int] | None
+    asked: bool
+
+
+def _mentions(text: str, part: str) -> bool:
+    return re.search(rf"(?<!\w){re.escape(part)}(?!\w)", text) is not None
+
+
+def locate_facts(context: str, needles: list[str], answers: tuple[str, ...]) -> tuple[Fact, ...]:
+    """The :class:`Fact` of every needle of ``needles`` (in the order they appear in ``context``).
+
+    Rule (ours): a fact is **asked** when its text states part of the answer, i.e. one of
+    ``answers`` occurs in it as a whole word. So the one needle of ``needle``, all four of
+    ``multi_needle``, the asked key's needle of ``multi_key`` (the other three are near-miss
+    distractors: other keys, other values) and all five assignments of
+    ``variable_tracking`` (each names one answer variable) are asked.
+    """
+    facts: list[Fact] = []
+    at = 0
+    for text in needles:
+        start = context.find(text, at)
+        if start < 0:  # _haystack keeps every needle, in order: this is a bug, not bad input
+            raise RuntimeError(f"needle {text!r} is not in the context after character {at}")
+        end = start + len(text)
+        kind, key, value = "fact", None, None
+        for name, pattern in (("assignment", _ASSIGNMENT), ("needle", _NEEDLE)):
+            m = pattern.match(text)
+            if m:
+                kind = name
+                key = (start + m.start("key"), start + m.end("key"))
+                value = (start + m.start("value"), start + m.end("value"))
+                break
+        facts.append(Fact(kind, text, start, end, key, value, any(_mentions(text, a) for a in answers)))
+        at = end
+    return tuple(facts)
+
+
+def haystack(tokenizer: Any, needles: list[str], context_tokens: int, rng: np.random.Generator) -> str:
+    """Noise filler with ``needles`` at seeded increasing depths, at most ``context_tokens`` tokens
+    (the tasks' own haystack, for task generators elsewhere, e.g. :mod:`evictlab.dilution.tasks`)."""
+    return _haystack(tokenizer, needles, context_tokens, rng)
+
+
+def _char_offsets(tokenizer: Any, text: str, special: bool, ids: list[int]) -> list[tuple[int, int]] | None:
+    """Character ``(start, end)`` of every token of ``ids`` from the tokenizer's offset mapping,
+    or None when the tokenizer has none (then :func:`fact_token_spans` encodes prefixes)."""
+    if tokenizer is None:  # the byte vocabulary: token i is byte i of the UTF-8 text
+        out = []
+        for pos, ch in enumerate(text):
+            out += [(pos, pos + 1)] * len(ch.encode("utf-8"))
+        return out
+    try:
+        enc = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
+        offsets = enc["offset_mapping"]
+    except (TypeError, NotImplementedError, KeyError, ValueError):
+        return None
+    if list(enc["input_ids"]) != ids:
+        return None
+    return [(int(a), int(b)) for a, b in offsets]
+
+
+def _span_by_prefix(tokenizer: Any, text: str, special: bool, ids: list[int], a: int, b: int) -> tuple[int, int]:
+    """Token span of characters ``[a, b)`` by incremental encoding: the tokens of ``text[:a]``
+    and of ``text[:b]`` must be prefixes of ``ids`` (true of byte and character vocabularies;
+    a tokenizer that merges across the boundary is refused)."""
+    lo = encode(tokenizer, text[:a], special=special)
+    hi = encode(tokenizer, text[:b], special=special)
+    if ids[:len(lo)] != lo or ids[:len(hi)] != hi:
+        raise InputError("tokenizer", f"tokens of the text before character {a} or {b} are not a prefix of the "
+                         "text's tokens, and the tokenizer has no offset mapping",
+                         "use a fast (Rust) tokenizer, which reports offsets")
+    return len(lo), len(hi)
+
+
+def fact_token_spans(tokenizer: Any, text: str, facts: tuple[Fact, ...], *, ids: list[int],
+                     special: bool = True) -> tuple[dict[str, Any], ...]:
+    """Exact token spans of ``facts`` in ``ids`` = the tokens of ``text`` (``special``: with the
+    tokenizer's prefix, as :func:`encode`; ``tokenizer=None``: UTF-8 bytes, no prefix).
+
+    Returns one dict per fact: ``kind``, ``start``, ``end`` (the fact's tokens are
+    ``ids[start:end]``), ``key_start``, ``key_end``, ``value_start``, ``value_end`` (-1 when
+    absent) and ``asked`` (the row dataset's ``facts`` column, docs/formats.md). A span is
+    the tokens whose characters overlap the fact's; they must cover nothing but whitespace
+    outside it (a leading space is part of a token like ``" One"``), else
+    :class:`InputError` (field ``tokenizer``): a fact boundary inside a token has no exact span.
+    """
+    if tokenizer is None:
+        special = False
+    offsets = _char_offsets(tokenizer, text, special, ids)
+
+    def span(a: int, b: int) -> tuple[int, int]:
+        if offsets is None:
+            return _span_by_prefix(tokenizer, text, special, ids, a, b)
+        hit = [i for i, (x, y) in enumerate(offsets) if y > x and x < b and y > a]
+        if not hit:
+            raise InputError("tokenizer", f"no token covers characters [{a}, {b})", "use a tokenizer with offsets")
+        lo, hi = hit[0], hit[-1] + 1
+        x0, y1 = offsets[lo][0], offsets[hi - 1][1]
+        if text[x0:a].strip() or text[b:y1].strip():
+            raise InputError("tokenizer", f"the fact {text[a:b]!r} starts or ends inside a token "
+                             f"(tokens cover {text[x0:y1]!r})", "use a tokenizer whose tokens respect the fact's boundaries")
+        return lo, hi
+
+    out = []
+    for f in facts:
+        s0, s1 = span(f.start, f.end)
+        k0, k1 = span(*f.key) if f.key else (-1, -1)
+        v0, v1 = span(*f.value) if f.value else (-1, -1)
+        out.append({"kind": f.kind, "start": s0, "end": s1, "key_start": k0, "key_end": k1,
+                    "value_start": v0, "value_end": v1, "asked": bool(f.asked)})
+    return tuple(out)

@@ -11,6 +11,10 @@ Blocks hold only the keys the layer's rows see: on full-attention layers keys
 ``[0, max position]``; on sliding-window layers (Gemma 3) keys
 ``[min position - W + 1, max position]``. Block key positions are absolute token positions.
 
+Labels: task prompts carry the token spans of their inserted facts
+(:attr:`~evictlab.capture.prompts.PromptTokens.facts`), written into the dataset's
+``facts`` column (schema version 2); text prompts have none.
+
 Resuming: the writer commits whole prompts; a rerun with the same settings skips the
 prompts listed in ``completed_prompts`` (prompt id = prompt index), so an interrupted run
 continues where it stopped without duplicating rows. Raising ``--prompts`` on a finished
@@ -194,7 +198,9 @@ def capture_batch(model: Any, token_lists: list[list[int]], position_lists: list
     import torch
 
     if len({len(t) for t in token_lists}) != 1:
-        raise InputError("--batch", "prompts of one forward must have equal lengths", "use --batch 1")
+        # the runner groups equal lengths (capture's --batch), so this is a caller's bug, not user input
+        raise ValueError(f"capture_batch: prompts of one forward must have equal lengths, got "
+                         f"{sorted({len(t) for t in token_lists})}")
     ids = torch.tensor(token_lists, dtype=torch.long, device=device)
     # the decoder stack without the LM head: logits are not needed, and the head is ~20% of
     # SmolLM2's FLOPs (a 49k-word vocabulary)
@@ -243,6 +249,8 @@ class PromptRows:
     text: str
     blocks: list[BlockRows]
     verify_error: float
+    #: fact labels of a task prompt (token spans, rows schema version 2), None for text prompts
+    facts: tuple[dict[str, Any], ...] | None = None
 
     @property
     def n_rows(self) -> int:
@@ -267,12 +275,15 @@ def prompt_rows(prompt_id: int, prompt: PromptTokens, mode: str, captures: dict[
     return PromptRows(prompt_id, list(_tokens_for_forward(prompt, mode)), prompt.source, mode,
                       json.dumps({"name": prompt.prompt_id, "n_context": prompt.n_context, "answer": prompt.answer,
                                   **({"origin": prompt.origin} if prompt.origin else {})}),
-                      blocks, max([0.0, *(float(getattr(c, "verify_error", 0.0)) for c in captures.values())]))
+                      blocks, max([0.0, *(float(getattr(c, "verify_error", 0.0)) for c in captures.values())]),
+                      prompt.facts)
 
 
 def write_rows(writer: Any, rows: PromptRows) -> int:
     """Write one prompt's blocks and rows into ``writer``; return the number of rows written."""
-    writer.add_prompt(rows.prompt_id, rows.tokens, source=rows.source, mode=rows.mode, text=rows.text)
+    # fact labels travel with the prompt; a resumed schema-1 dataset takes none
+    writer.add_prompt(rows.prompt_id, rows.tokens, source=rows.source, mode=rows.mode, text=rows.text,
+                      facts=rows.facts if writer.writes_labels else None)
     for b in rows.blocks:
         block = writer.add_block(rows.prompt_id, b.layer, b.kv_head, b.keys, b.values, b.key_positions)
         writer.add_query_rows(block, b.queries, b.q_heads, b.positions, b.key_lo, b.key_hi, b.scale)

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from evictlab.errors import InputError
 from evictlab.methods import allocators, contour, scorers
+from evictlab.methods.oracle_labels import OracleLabels
 from evictlab.methods.base import Allocator, Scorer
 from evictlab.methods.params import build, settable_params
 from evictlab.models.geometry import RopeSpec, rope_spec_of
@@ -28,6 +29,7 @@ REGISTRY: dict[str, Callable[..., Scorer]] = {
     "kvzip": scorers.KVzip,
     "compactor": scorers.Compactor,
     "oracle": scorers.Oracle,
+    "oracle_labels": OracleLabels,  # ORACLE: reads the task's labels (evictlab.dilution)
 }
 """Scorer name -> scorer dataclass; ``make_scorer(name, **params)`` builds one."""
 

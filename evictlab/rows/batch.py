@@ -49,6 +49,8 @@ class RowBatch:
             q_head, kv_head, position, n`` (plus any extra index columns asked for).
         keys: float64 ``[K, d]`` aligned with ``values`` (post-RoPE keys) when requested
             and every block in the batch has keys; otherwise ``None``.
+        queries: float64 ``[N, d]``, row i's post-RoPE query (NaN for a logits row), when
+            requested (``with_queries=True``); otherwise ``None``.
     """
 
     p: np.ndarray
@@ -58,6 +60,7 @@ class RowBatch:
     key_index: np.ndarray
     meta: pl.DataFrame
     keys: np.ndarray | None = None
+    queries: np.ndarray | None = None
 
     @property
     def n_rows(self) -> int:
@@ -84,6 +87,7 @@ class RowBatch:
             p=self.p[idx], p_off=ragged_offsets(n), values=self.values,
             v_start=self.v_start[order], key_index=self.key_index[idx],
             meta=self.meta[order.tolist()] if len(order) else self.meta.clear(), keys=self.keys,
+            queries=None if self.queries is None else self.queries[order],
         )
 
     @staticmethod
@@ -102,9 +106,11 @@ class RowBatch:
             p_base += b.p.shape[0]
             v_base += b.values.shape[0]
         keys = None if any(k is None for k in k_parts) else np.concatenate(k_parts)
+        queries = (None if any(b.queries is None for b in batches)
+                   else np.concatenate([b.queries for b in batches]))
         return RowBatch(
             p=np.concatenate(p_parts), p_off=np.concatenate(off_parts),
             values=np.concatenate(v_parts), v_start=np.concatenate(vs_parts),
             key_index=np.concatenate([b.key_index for b in batches]),
-            meta=pl.concat([b.meta for b in batches], how="vertical"), keys=keys,
+            meta=pl.concat([b.meta for b in batches], how="vertical"), keys=keys, queries=queries,
         )

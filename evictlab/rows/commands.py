@@ -104,6 +104,7 @@ def inspect(
         ("capture modes", ", ".join(s["capture_modes"])),
         ("rows", f"{s['rows']} (query {s['query_rows']}, logits {s['logit_rows']})"),
         ("prompts", s["prompts"]),
+        ("labels", f"fact spans on {s['labelled_prompts']} of {s['prompts']} prompts"),
         ("blocks", s["blocks"]),
         ("shards", f"{s['shards']} ({s['bytes'] / 2**20:.1f} MiB)"),
         ("n range", f"{s['n_min']}..{s['n_max']} (mean {s['n_mean']:.1f})" if s["rows"] else "-"),

@@ -37,6 +37,7 @@ from evictlab.rows.schema import (
     SHARD_ARRAYS,
     check_manifest,
     is_complete,
+    prompt_schema,
     shard_name,
 )
 
@@ -107,6 +108,9 @@ def _read_table(path: Path, schema: dict[str, pl.DataType], sha: str | None) -> 
 def load_tables(path: Path, man: dict[str, Any]) -> tuple[pl.DataFrame, pl.DataFrame]:
     """Index and prompts restricted to what the manifest committed; checked for consistency.
 
+    The prompts always have the columns of :data:`PROMPT_SCHEMA`: a version-1 dataset's
+    prompts (written before fact labels existed) get a null ``facts`` column (unlabelled).
+
     The files' SHA-256 are checked against the manifest when it is complete and records
     them. In an incomplete dataset the files may legitimately be one commit ahead of the
     manifest (a commit interrupted between the table writes and the manifest write), so
@@ -121,8 +125,10 @@ def load_tables(path: Path, man: dict[str, Any]) -> tuple[pl.DataFrame, pl.DataF
     else:
         index = pl.DataFrame(schema=INDEX_SCHEMA)
     if counts["prompts"]:
-        prompts = _read_table(path / PROMPTS_FILE, PROMPT_SCHEMA, sums.get("prompts_sha256"))
+        prompts = _read_table(path / PROMPTS_FILE, prompt_schema(man["schema_version"]), sums.get("prompts_sha256"))
         prompts = prompts.head(counts["prompts"])
+        if "facts" not in prompts.columns:  # version 1: no labels
+            prompts = prompts.with_columns(pl.lit(None, dtype=PROMPT_SCHEMA["facts"]).alias("facts"))
     else:
         prompts = pl.DataFrame(schema=PROMPT_SCHEMA)
     if index.height != counts["rows"]:
@@ -248,7 +254,8 @@ class RowStore:
 
     @property
     def prompts(self) -> pl.DataFrame:
-        """The prompts table (``prompt_id, tokens, source, mode, text``)."""
+        """The prompts table (``prompt_id, tokens, source, mode, text, facts``; ``facts`` null
+        on unlabelled prompts, docs/formats.md)."""
         return self._prompts
 
     @property
@@ -287,6 +294,7 @@ class RowStore:
             "query_rows": man["counts"]["query_rows"],
             "logit_rows": man["counts"]["logit_rows"],
             "prompts": self._prompts.height,
+            "labelled_prompts": int(self._prompts["facts"].is_not_null().sum()),
             "blocks": man["counts"]["blocks"],
             "shards": len(man["shards"]),
             "bytes": sum(sh["bytes"] for sh in man["shards"]),
@@ -361,7 +369,7 @@ class RowStore:
             raise bad("a logits row's length differs from n")
 
     def _batch_from_shard(self, sh: _Shard, rows: pl.DataFrame, with_keys: bool,
-                          extra: Sequence[str]) -> RowBatch:
+                          extra: Sequence[str], with_queries: bool = False) -> RowBatch:
         """Build the RowBatch for ``rows`` (index rows, all in shard ``sh``)."""
         a = sh.a
         n = rows["n"].to_numpy()
@@ -428,8 +436,12 @@ class RowStore:
                                      "its attention logits overflow (not finite)",
                                      "check the stored query, keys and scale")
         meta = rows.select([*META_COLUMNS, *[c for c in extra if c not in META_COLUMNS]])
+        queries = None
+        if with_queries:  # logits rows have no query: NaN
+            queries = np.full((rows.height, self.head_dim), np.nan)
+            queries[qi_all] = a["queries"][local[qi_all]]
         return RowBatch(p=p, p_off=p_off, values=values, v_start=v_start, key_index=key_index,
-                        meta=meta, keys=keys)
+                        meta=meta, keys=keys, queries=queries)
 
     # -- public reads ---------------------------------------------------------------------
 
@@ -441,6 +453,7 @@ class RowStore:
         columns: Sequence[str] = (),
         with_keys: bool = False,
         verify: bool = True,
+        with_queries: bool = False,
     ) -> Iterator[RowBatch]:
         """Stream the rows in ``row_id`` order as batches of at most ``max_rows`` rows.
 
@@ -448,7 +461,8 @@ class RowStore:
         but the last has exactly ``max_rows`` rows). ``filter``: a polars expression on the
         index columns selecting rows (e.g. ``pl.col("layer") == 3``); ``columns``: extra
         index columns to carry in ``meta``; ``with_keys``: also return float64 keys;
-        ``verify``: check each shard's size and SHA-256 before first use.
+        ``verify``: check each shard's size and SHA-256 before first use; ``with_queries``:
+        also return each row's float64 query (NaN for logits rows).
         """
         if not isinstance(max_rows, (int, np.integer)) or max_rows < 1:
             raise InputError("max_rows", f"must be a positive integer, got {max_rows!r}",
@@ -467,7 +481,8 @@ class RowStore:
             start = 0
             while start < rows.height:
                 take = min(max_rows - carried, rows.height - start)
-                carry.append(self._batch_from_shard(sh, rows.slice(start, take), with_keys, columns))
+                carry.append(self._batch_from_shard(sh, rows.slice(start, take), with_keys, columns,
+                                                    with_queries))
                 carried += take
                 start += take
                 if carried == max_rows:

@@ -27,8 +27,11 @@ from evictlab.errors import CorruptFileError
 FORMAT_NAME = "evictlab-rows"
 #: The schema version this code writes. Readers accept exactly the versions in
 #: :data:`SUPPORTED_SCHEMA_VERSIONS`; a change to any file layout, dtype or meaning bumps it.
-SCHEMA_VERSION = 1
-SUPPORTED_SCHEMA_VERSIONS = frozenset({1})
+#: Version 2 added the ``facts`` column of prompts.parquet (fact labels); a version-1
+#: dataset is read with ``facts`` null on every prompt (unlabelled), and a writer that
+#: resumes one keeps writing version 1 (:func:`prompt_schema`).
+SCHEMA_VERSION = 2
+SUPPORTED_SCHEMA_VERSIONS = frozenset({1, 2})
 
 MANIFEST_FILE = "manifest.json"
 INDEX_FILE = "index.parquet"
@@ -69,14 +72,36 @@ INDEX_SCHEMA: dict[str, pl.DataType] = {
 #: The columns of ``RowBatch.meta`` (the contract in docs/architecture.md).
 META_COLUMNS = ("row_id", "prompt_id", "layer", "q_head", "kv_head", "position", "n")
 
-#: prompts.parquet columns, in commit order of the prompts.
-PROMPT_SCHEMA: dict[str, pl.DataType] = {
+#: Kinds of labelled facts (``facts[].kind``): a needle ("... for KEY is VALUE."), a
+#: variable assignment ("VAR KEY = VALUE."), or another fact (span only).
+FACT_KINDS = ("needle", "assignment", "fact")
+
+#: One labelled fact of a prompt (schema version 2): token positions in the prompt's
+#: ``tokens``; the fact is ``tokens[start:end]``, its key ``[key_start, key_end)`` and its
+#: value ``[value_start, value_end)`` (-1, -1 when absent); ``asked``: the question asks
+#: for it (its keys are the *useful* keys of docs/theory.md section 7).
+FACT_STRUCT = pl.Struct({
+    "kind": pl.String(), "start": pl.Int64(), "end": pl.Int64(),
+    "key_start": pl.Int64(), "key_end": pl.Int64(),
+    "value_start": pl.Int64(), "value_end": pl.Int64(), "asked": pl.Boolean(),
+})
+
+#: prompts.parquet columns of schema version 1.
+PROMPT_SCHEMA_V1: dict[str, pl.DataType] = {
     "prompt_id": pl.Int64(),
     "tokens": pl.List(pl.Int64()),
     "source": pl.String(),     # where the prompt came from (dataset name, generator)
     "mode": pl.String(),       # capture mode of this prompt
     "text": pl.String(),       # free-form metadata (e.g. a short description), may be ""
 }
+#: prompts.parquet columns (this version), in commit order of the prompts. ``facts`` is
+#: null for an unlabelled prompt (text sources, synthetic rows, every version-1 prompt).
+PROMPT_SCHEMA: dict[str, pl.DataType] = {**PROMPT_SCHEMA_V1, "facts": pl.List(FACT_STRUCT)}
+
+
+def prompt_schema(version: int) -> dict[str, pl.DataType]:
+    """The prompts.parquet columns a dataset of schema ``version`` has on disk."""
+    return PROMPT_SCHEMA_V1 if version == 1 else PROMPT_SCHEMA
 
 #: Arrays inside one shard-XXXXX.npz, with dtype and shape (B blocks, Rq query rows,
 #: Rl logits rows, d head dim). Blocks are stored once, rows point into them.

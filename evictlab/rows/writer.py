@@ -30,7 +30,7 @@ from evictlab.io import (
     write_npz,
 )
 from evictlab.rows.batch import ragged_offsets
-from evictlab.rows.checks import float_matrix, int_array
+from evictlab.rows.checks import check_facts, float_matrix, int_array
 from evictlab.rows.reader import load_tables, read_manifest
 from evictlab.rows.schema import (
     CAPTURE_MODES,
@@ -39,10 +39,10 @@ from evictlab.rows.schema import (
     INDEX_FILE,
     INDEX_SCHEMA,
     MANIFEST_FILE,
-    PROMPT_SCHEMA,
     PROMPTS_FILE,
     SCHEMA_VERSION,
     is_complete,
+    prompt_schema,
     shard_name,
 )
 
@@ -94,7 +94,10 @@ class RowWriter:
 
     Opening a writer on an existing dataset resumes it (the model, capture mode and head dim
     must match): row ids, block ids and shard numbers continue; index rows and shard files
-    of an interrupted, uncommitted shard are discarded.
+    of an interrupted, uncommitted shard are discarded. A dataset keeps the schema version
+    it was created with: resuming a version-1 dataset writes version-1 prompts, which have no
+    fact labels (:attr:`writes_labels` is False and ``add_prompt(facts=...)`` is refused), so
+    one dataset never mixes labelled and unlabelled layouts.
 
     Completion: the manifest says ``complete: false`` from the writer's first change to the
     dataset (a new dataset's first manifest; on a resumed complete dataset, a manifest
@@ -154,6 +157,16 @@ class RowWriter:
         self._next_row = self._manifest["counts"]["rows"]
         self._next_block = self._manifest["counts"]["blocks"]
 
+    @property
+    def schema_version(self) -> int:
+        """The dataset's schema version (this code's for a new dataset, the old one's when resuming)."""
+        return int(self._manifest["schema_version"])
+
+    @property
+    def writes_labels(self) -> bool:
+        """Whether prompts of this dataset can carry fact labels (schema version >= 2)."""
+        return self.schema_version >= 2
+
     def _start(self, source: dict[str, Any] | None, expected: dict[str, int] | None) -> None:
         """Resume the dataset at ``self.path`` or create it (caller holds the lock)."""
         man_path = self.path / MANIFEST_FILE
@@ -211,6 +224,8 @@ class RowWriter:
         self._disk_complete = is_complete(man)
         index, prompts = load_tables(self.path, man)
         self._index_parts = [index] if index.height else []
+        # the reader adds a null ``facts`` column to version-1 prompts; keep the disk layout
+        prompts = prompts.select(list(prompt_schema(man["schema_version"])))
         self._prompt_parts = [prompts] if prompts.height else []
         self._prompt_ids = set(prompts["prompt_id"].to_list())
         if not self._disk_complete:
@@ -237,7 +252,7 @@ class RowWriter:
         man = self._manifest
         for name, parts, schema, key, used in (
                 (INDEX_FILE, self._index_parts, INDEX_SCHEMA, "index_sha256", bool(man["shards"])),
-                (PROMPTS_FILE, self._prompt_parts, PROMPT_SCHEMA, "prompts_sha256",
+                (PROMPTS_FILE, self._prompt_parts, prompt_schema(self.schema_version), "prompts_sha256",
                  man["counts"]["prompts"] > 0)):
             if used:
                 man[key] = self._write_table(name, parts, schema)
@@ -274,11 +289,15 @@ class RowWriter:
         source: str = "",
         mode: str = "",
         text: str = "",
+        facts: Sequence[dict[str, Any]] | None = None,
     ) -> None:
         """Open prompt ``prompt_id`` (token ids ``tokens``, int ``[L]``, may be empty).
 
         ``source`` names where the prompt came from, ``mode`` its capture mode (defaults to
-        the dataset's), ``text`` is free-form metadata. One prompt is open at a time.
+        the dataset's), ``text`` is free-form metadata. ``facts``: the prompt's fact labels
+        (token spans inside ``tokens``, in order, not overlapping; checked by
+        :func:`evictlab.rows.checks.check_facts`), or None for an unlabelled prompt; refused
+        on a version-1 dataset (:attr:`writes_labels`). One prompt is open at a time.
         """
         self._check_not_closed()
         if self._open is not None:
@@ -290,12 +309,19 @@ class RowWriter:
                              "use a new prompt id (skip ids in writer.completed_prompts)")
         toks = int_array(np.asarray(tokens, dtype=np.int64) if len(tokens) == 0 else tokens,
                           "tokens")
+        labels = check_facts(facts, int(toks.shape[0]))
+        if labels is not None and not self.writes_labels:
+            raise InputError("facts", f"the dataset at {self.path} has schema version {self.schema_version}, "
+                             "which has no fact labels", "write labelled prompts into a new dataset")
         self._open = int(pid)
         self._open_buf = _Pending()
-        self._open_buf.prompts.append({
+        row: dict[str, Any] = {
             "prompt_id": int(pid), "tokens": toks.tolist(), "source": str(source),
             "mode": str(mode or self.capture_mode), "text": str(text),
-        })
+        }
+        if self.writes_labels:
+            row["facts"] = labels
+        self._open_buf.prompts.append(row)
 
     def add_block(
         self,
@@ -494,8 +520,9 @@ class RowWriter:
                 INDEX_FILE, self._index_parts, INDEX_SCHEMA)
         elif man["shards"] and "index_sha256" not in man:  # a dataset from before checksums
             man["index_sha256"] = sha256_file(self.path / INDEX_FILE)
-        self._prompt_parts.append(pl.DataFrame(p.prompts, schema=PROMPT_SCHEMA))
-        man["prompts_sha256"] = self._write_table(PROMPTS_FILE, self._prompt_parts, PROMPT_SCHEMA)
+        schema = prompt_schema(self.schema_version)
+        self._prompt_parts.append(pl.DataFrame(p.prompts, schema=schema))
+        man["prompts_sha256"] = self._write_table(PROMPTS_FILE, self._prompt_parts, schema)
         c = man["counts"]
         c["rows"] += p.n_rows
         c["prompts"] += len(p.prompts)

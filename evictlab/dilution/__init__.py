@@ -1,0 +1,13 @@
+"""Attention dilution: useful mass, its bounds on captured rows, and the distractor sweep.
+
+* :mod:`evictlab.dilution.labels` -- useful keys U from a dataset's fact labels; refuses unlabelled data.
+* :mod:`evictlab.dilution.measures` -- alpha, margins, bounds, alpha_A, error scaling on one block (numpy).
+* :mod:`evictlab.dilution.reference` -- the same quantities for one row, written out (tests compare).
+* :mod:`evictlab.dilution.keptsets` -- kept sets: top-mass, the row-evaluable scorers, the pool optimum.
+* :mod:`evictlab.dilution.check` -- ``evictlab dilution check`` (tables, bound checks, report).
+* :mod:`evictlab.dilution.tasks` -- needle tasks with k near-miss distractors, labelled.
+* :mod:`evictlab.dilution.sweep` -- ``evictlab dilution sweep`` (decode loop at matched bytes).
+* :mod:`evictlab.dilution.parts` -- resumable part files shared by both commands.
+
+Definitions and proofs: docs/theory.md section 7; usage and results: docs/dilution.md.
+"""
