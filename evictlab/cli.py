@@ -66,6 +66,9 @@ app.add_typer(hardness_app, name="hardness")
 from evictlab.stats.commands import predictor_app  # noqa: E402
 
 app.add_typer(predictor_app, name="predictor")
+from evictlab.contour.commands import contour_app  # noqa: E402
+
+app.add_typer(contour_app, name="contour")
 from evictlab.pipeline import demo  # noqa: E402
 
 app.command("demo")(demo)

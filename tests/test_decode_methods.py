@@ -12,6 +12,7 @@ from evictlab.decode.audit import task_examples
 from evictlab.decode.loop import DecodeConfig, run_sequence
 from evictlab.kv.budget import Budget, kv_bytes
 from evictlab.methods import ALLOCATORS, REGISTRY
+from evictlab.methods.testing import example_predictor
 from evictlab.models.geometry import model_geometry
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
@@ -36,8 +37,10 @@ def real():
 @pytest.mark.parametrize(("scorer", "allocator"), GRID)
 def test_method_runs_physically_within_budget(real, scorer: str, allocator: str) -> None:
     model, tok, ctx, q, a, full = real
+    params = {"predictor": str(example_predictor())} if allocator == "contourkv_pred" else {}
     cfg = DecodeConfig(mode="physical", budget=Budget("tokens_per_cell", PER_CELL), scorer=scorer,
-                       allocator=allocator, chunk_size=64, compress_every=2, window=16, sinks=4, recent=8)
+                       allocator=allocator, allocator_params=params, chunk_size=64, compress_every=2, window=16,
+                       sinks=4, recent=8)
     out = run_sequence(model, ctx, q, cfg, answer_ids=a, tokenizer=tok)
     geo = model_geometry(model)
     n_layers, hk, d, dtype = geo.n_layers, geo.kv_heads, geo.head_dim, geo.dtype

@@ -16,11 +16,14 @@ from hypothesis import strategies as st
 from evictlab.errors import InputError
 from evictlab.methods import ALLOCATORS, AllocationError, AllocInputs, check_sizes, make_allocator, select_keep
 from evictlab.methods.allocators import pyramid_weights
+from evictlab.methods.testing import allocator_for_tests, with_needs
 
 
 def allocate(name: str, scores, budget: int, *, floor: int, lengths=None, **params) -> np.ndarray:
-    """One allocator call on hand-made inputs (the allocator's raw output, unchecked)."""
-    return make_allocator(name, **params).allocate(AllocInputs.build(scores, budget, floor=floor, lengths=lengths))
+    """One allocator call on hand-made inputs (the allocator's raw output, unchecked), with
+    what the allocator needs from the decode loop (ContourKV online: a window profile)."""
+    alloc = allocator_for_tests(name, **params)
+    return alloc.allocate(with_needs(alloc, AllocInputs.build(scores, budget, floor=floor, lengths=lengths)))
 
 
 def uniform(scores, budget, n_layers, kv_heads, *, floor, lengths=None):  # noqa: ANN001, ANN201
@@ -177,9 +180,10 @@ def test_budget_errors_name_the_field(name: str) -> None:
     with pytest.raises(InputError, match="budget.*below the total floor"):
         allocate(name, scores, 4 * 3 - 1, floor=3)
     # The rule: a budget above everything held keeps everything (sizes = lengths).
-    inputs = AllocInputs.build(scores, 41, floor=3)
+    alloc = allocator_for_tests(name)
+    inputs = with_needs(alloc, AllocInputs.build(scores, 41, floor=3))
     assert inputs.target == 40
-    sizes = check_sizes(inputs, make_allocator(name).allocate(inputs))
+    sizes = check_sizes(inputs, alloc.allocate(inputs))
     assert (sizes == 10).all()
     with pytest.raises(InputError, match="scores"):
         allocate(name, scores, 20, floor=3, lengths=np.full((3, 2), 10))
@@ -298,7 +302,7 @@ def test_check_sizes_enforces_the_rule() -> None:
 def test_make_allocator_types_and_validates_parameters() -> None:
     assert make_allocator("adakv", alpha="0.35").alpha == 0.35  # strings from the CLI are typed
     assert make_allocator("pyramidkv", beta="4").beta == 4.0
-    with pytest.raises(InputError, match="unknown allocator 'nope'.*adakv, pyramidkv, uniform"):
+    with pytest.raises(InputError, match="unknown allocator 'nope'.*adakv, contourkv, contourkv_pred, pyramidkv, uniform"):
         make_allocator("nope")
     with pytest.raises(InputError, match=r"allocator_param: allocator adakv has no parameter bet.*alpha"):
         make_allocator("adakv", bet="1")

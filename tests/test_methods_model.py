@@ -11,7 +11,8 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from evictlab.capture.testing import tiny_model
-from evictlab.methods import ALLOCATORS, REGISTRY, AllocInputs, ScoreInputs, make_allocator, make_scorer, select_keep
+from evictlab.methods import ALLOCATORS, REGISTRY, AllocInputs, ScoreInputs, make_scorer, select_keep
+from evictlab.methods.testing import allocator_for_tests, with_needs
 from evictlab.methods.scorers import H2O, rope_rotate
 from evictlab.models.geometry import rope_theta_of
 
@@ -82,7 +83,8 @@ def test_every_scorer_and_allocator_on_model_tensors() -> None:
             assert sc.shape == (1, 2, 48) and torch.isfinite(sc).all(), name
             scores.append(sc)
         for alloc_name in ALLOCATORS:
-            sizes = make_allocator(alloc_name).allocate(AllocInputs.build(scores, 2 * 2 * 20, floor=4 + 8))
+            alloc = allocator_for_tests(alloc_name)
+            sizes = alloc.allocate(with_needs(alloc, AllocInputs.build(scores, 2 * 2 * 20, floor=4 + 8)))
             assert sizes.sum() == 80, (name, alloc_name)
             for li in range(2):
                 keep = select_keep(scores[li], sizes[li], pos[chunk], sinks=4, recent=8)

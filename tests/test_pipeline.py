@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 import pytest
@@ -19,7 +20,7 @@ def run_dir(tmp_path_factory) -> Path:
                     planted_results(300, seed=2, model="planted-b", a=-1.0, b=3.0, search_all=True)])
     cert = planted_results(200, budgets=(4, 8), seed=3, certify=True, search_all=True)
     analyse(df, out, AnalysisConfig(n_boot=50, n_boot_cells=20, hardness_trials=4, hardness_size=6),
-            log=lambda m: None, cert_results=cert)
+            log=lambda m: None, cert_results=cert, contour=_contour_result(out))
     return out
 
 
@@ -96,3 +97,62 @@ def test_search_pool_skips_the_beyond_pool_section(tmp_path: Path) -> None:
     beyond, figs = beyond_pool_stage(df, None, AnalysisConfig(n_boot=20), tmp_path / "t", tmp_path / "f", notes)
     assert beyond is None and figs == [] and not (tmp_path / "t").exists()
     assert len(notes) == 1 and "--search all" in notes[0]
+
+
+def _contour_result(tmp: Path) -> Any:
+    """A ContourResult from a hand-made grid: ContourKV wins 2 of 3 examples at 64/cell, ties at 128."""
+    from evictlab.eval.claims import contourkv_versus
+    from evictlab.eval.runner import RESULT_COLUMNS
+    from evictlab.pipeline.stages import ContourResult
+
+    rows = []
+    for method, budget, em in (("snapkv+contourkv", "64/cell", [1, 1, 0]), ("snapkv", "64/cell", [0, 0, 0]),
+                               ("snapkv+contourkv", "128/cell", [1, 1, 1]), ("snapkv", "128/cell", [1, 1, 1]),
+                               ("full", None, [1, 1, 1])):
+        full = method == "full"
+        for i, e in enumerate(em):
+            rows.append({c: None for c in RESULT_COLUMNS} | {
+                "model": "smollm2-135m", "task": "needle_word", "context": 512, "method": method,
+                "mode": "full" if full else "physical", "scorer": None if full else "snapkv",
+                "allocator": None if full else ("contourkv" if "+" in method else "uniform"),
+                "protocol": "none" if full else "query-agnostic", "budget": budget, "example": i,
+                "exact_match": float(e), "answer_logprob": -1.0, "ppl": 1.0, "bytes_live": 100})
+    res = pl.DataFrame(rows, schema=RESULT_COLUMNS)
+    claims, detail = contourkv_versus(res, n_boot=50)
+    grid = {"models": ["smollm2-135m"], "tasks": ["needle_word"], "contexts": [512], "budgets": ["64", "128"],
+            "methods": ["snapkv+contourkv", "snapkv"], "modes": ["physical"], "protocols": ["query-agnostic"], "n": 3}
+    return ContourResult(grid=grid, folder=tmp / "contourkv", results=res, claims=claims, detail=detail)
+
+
+def test_contourkv_section_in_the_report(run_dir: Path) -> None:
+    tmp_path = run_dir
+    text = (tmp_path / "report.md").read_text()
+    assert "## ContourKV at matched bytes (decode loop, physical)" in text
+    assert "1 wins / 1 ties / 0 losses over 2 comparisons" in text and "93 wins / 22 ties / 22 losses" in text
+    assert "needle_word" in text and "full cache on the same examples" in text
+    detail = pl.read_parquet(tmp_path / "tables" / "contourkv_comparisons.parquet")
+    assert detail.sort("budget")["verdict"].to_list() == ["tie", "win"]
+    ids = pl.read_parquet(tmp_path / "tables" / "claims.parquet")["claim_id"].to_list()
+    assert "contourkv:contourkv_vs_uniform" in ids and "contourkv:vs_kvzip" in ids
+
+
+def test_contour_stage_runs_eval_run_with_the_grid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from evictlab.pipeline import stages
+
+    given = _contour_result(tmp_path)
+    calls: list[list[str]] = []
+
+    def fake(args: list[str], log: Any, ok: tuple[int, ...] = (0,)) -> float:
+        calls.append(args)
+        out = Path(args[args.index("--out") + 1])
+        out.mkdir(parents=True)
+        given.results.write_parquet(out / "results.parquet")
+        return 0.0
+
+    monkeypatch.setattr(stages, "_evictlab", fake)
+    got = stages.contour_stage(given.grid, tmp_path / "c", AnalysisConfig(n_boot=20, threads=1), lambda m: None)
+    assert calls == [["eval", "run", "--models", "smollm2-135m", "--tasks", "needle_word", "--context", "512",
+                      "--budgets", "64,128", "--methods", "snapkv+contourkv,snapkv", "--modes", "physical",
+                      "--protocols", "query-agnostic", "--n", "3", "--seed", "0", "--threads", "1", "--quiet",
+                      "--out", str(tmp_path / "c")]]
+    assert got.detail.height == 2 and {c.claim_id for c in got.claims} >= {"contourkv:contourkv_vs_uniform"}

@@ -144,9 +144,12 @@ def run_audit(
     progress: Callable[[str], None] | None = None,
     scorer_params: Mapping[str, Any] | None = None,
     allocator_params: Mapping[str, Any] | None = None,
+    compression_trace: Any = None,
 ) -> pl.DataFrame:
     """Run every (method, budget, mode) on ``examples``; return one row per combination
     (plus one ``mode="full"`` reference row). See the module docstring for the columns.
+    ``compression_trace``: a :class:`~evictlab.decode.trace.CompressionTrace` that records
+    every compression of every run, labelled by method, mode, budget, task and example.
 
     Everything is validated (:func:`audit_configs`, and each budget against the model's
     always-kept floor) before the first run.
@@ -162,6 +165,7 @@ def run_audit(
     shortest = min(len(ex.context_ids) + len(ex.question_ids) + len(ex.answer_ids) for ex in examples)
     for _, cfg in configs:
         cfg.budget_tokens(g, shortest)  # below the floor: refused before anything runs
+        cfg.build_allocator().check(g)  # e.g. a ContourKV profile of another model
     say = progress or (lambda _m: None)
 
     def tensors(ex: Example) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -193,10 +197,14 @@ def run_audit(
         assert budget is not None
         say(f"{spec} {cfg.mode} budget={budget.value} {budget.unit}")
         outs, mets = [], []
-        for ex, full in zip(examples, fulls):
+        for i, (ex, full) in enumerate(zip(examples, fulls)):
             c, q, a = tensors(ex)
+            if compression_trace is not None:
+                compression_trace.label(method=spec, mode=cfg.mode, budget_unit=budget.unit,
+                                        budget_value=budget.value, protocol=protocol, task=ex.task, example=i)
             rss_before = _rss()
-            out = run_sequence(model, c, q, cfg, answer_ids=a, tokenizer=tokenizer)
+            out = run_sequence(model, c, q, cfg, answer_ids=a, tokenizer=tokenizer,
+                               compression_trace=compression_trace)
             outs.append((out, rss_before))
             mets.append(_metrics(full, out, a))
         btok = outs[0][0].budget_tokens

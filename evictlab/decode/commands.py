@@ -13,7 +13,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import typer
 
@@ -28,7 +28,7 @@ _COMMON = {
     "task": "--task", "tasks": "--task", "--source": "--task",
     "chunk_size": "--chunk", "compress_every": "--compress-every", "window": "--window",
     "block_size": "--block-size", "sinks": "--sinks", "recent": "--recent",
-    "model": "--model", "model.config": "--model",
+    "model": "--model", "model.config": "--model", "max_subsets": "--trace-max-subsets",
 }
 DECODE_OPTIONS = {**_COMMON, "method": "--method", "scorer": "--method", "allocator": "--method",
                   "mode": "--mode", "answer_ids": "--max-new-tokens"}
@@ -52,6 +52,11 @@ _QUERY_AWARE = typer.Option(False, "--query-aware", help="LABELLED OPTION: the q
                             "whole context until then")
 _THREADS = typer.Option(0, "--threads", help="CPU threads of the computation (torch) (0 = the library default, all cores)")
 _OVERWRITE = typer.Option(False, "--overwrite", help="replace an existing --out (and the files written beside it)")
+_TRACE = typer.Option(None, "--trace", help="Parquet file of per-compression diagnostics: one row per (compression, "
+                      "layer, KV head) with kept/held entries, the observation window's dropped mass, e(A), e(T_s) and "
+                      "ES_hat (docs/methods.md)")
+_TRACE_MAX_SUBSETS = typer.Option(20_000, "--trace-max-subsets", help="largest pool enumeration per row for the "
+                                  "trace's ES_hat (larger: null with the reason)")
 #: The loop's options, for other commands that run the decode loop (``evictlab eval run``).
 LOOP_OPTIONS = {"scorer_param": _SCORER_PARAM, "allocator_param": _ALLOCATOR_PARAM, "device": _DEVICE,
                 "sinks": _SINKS, "recent": _RECENT, "chunk": _CHUNK, "compress_every": _COMPRESS_EVERY,
@@ -111,6 +116,19 @@ def _check_tasks(tasks: list[str]) -> None:
         raise InputError("--task", f"task {dup[0]} is given twice", "give each task once")
 
 
+def _trace_for(trace: Path | None, out: Path, max_subsets: int, overwrite: bool) -> Any:
+    """A :class:`~evictlab.decode.trace.CompressionTrace` for ``--trace`` (checked like --out), or None."""
+    if trace is None:
+        return None
+    from evictlab.decode.trace import CompressionTrace
+    from evictlab.io import check_output_file
+
+    trace = check_output_file(trace, "--trace", overwrite=overwrite)
+    if trace.resolve() == out.resolve():
+        raise InputError("--trace", f"{trace} is also --out", "write the trace to another file")
+    return CompressionTrace(max_subsets=max_subsets)
+
+
 def _base_config(sinks: int, recent: int, chunk: int, compress_every: int, window: int, block_size: int,
                  query_aware: bool, **kw: Any):  # noqa: ANN202 - returns DecodeConfig (lazy import)
     from evictlab.decode.loop import DecodeConfig
@@ -133,6 +151,7 @@ def audit(
     device: str = _DEVICE, sinks: int = _SINKS, recent: int = _RECENT, chunk: int = _CHUNK,
     compress_every: int = _COMPRESS_EVERY, window: int = _WINDOW, block_size: int = _BLOCK_SIZE,
     query_aware: bool = _QUERY_AWARE, threads: int = _THREADS, overwrite: bool = _OVERWRITE,
+    trace: Optional[Path] = _TRACE, trace_max_subsets: int = _TRACE_MAX_SUBSETS,
 ) -> None:
     """Each method at the same budget, masked vs physically enforced, side by side."""
     from rich.console import Console
@@ -145,6 +164,7 @@ def audit(
     with _as_options(AUDIT_OPTIONS):
         # Everything the user typed, checked before the model loads.
         out = check_output_file(out, "--out", overwrite=overwrite)
+        tracer = _trace_for(trace, out, trace_max_subsets, overwrite)
         _check_positive(n=n, context=context)
         if threads < 0:
             raise InputError("--threads", f"must be >= 0, got {threads}", "pass 0 (torch default) or a thread count")
@@ -180,14 +200,16 @@ def audit(
             console.print(f"[{done[0]}/{total}] {msg}")
 
         df = run_audit(lm, examples, method_list, budgets, base=base, tokenizer=tok, progress=progress,
-                       scorer_params=sp, allocator_params=ap)
-    _write_audit(df, out, model, record)
+                       scorer_params=sp, allocator_params=ap, compression_trace=tracer)
+    if tracer is not None:
+        tracer.write(trace)
+    _write_audit(df, out, model, record, trace)
     console.print(df.select("method", "mode", "budget_per_cell", "bytes_live", "bytes_allocated",
                             "bytes_full_cache", "kl", "exact_match"))
     typer.echo(str(out))
 
 
-def _write_audit(df: Any, out: Path, model: str, record: Any) -> None:
+def _write_audit(df: Any, out: Path, model: str, record: Any, trace: Path | None = None) -> None:
     """Figure and report first, then the table, then the run record: each file is atomic,
     and the record (written last) marks a finished audit."""
     from evictlab.io import atomic_path, atomic_write_text
@@ -202,7 +224,8 @@ def _write_audit(df: Any, out: Path, model: str, record: Any) -> None:
     with atomic_path(out, suffix=".parquet") as tmp:
         df.write_parquet(tmp)
     record.write(record_path(out),
-                 outputs=[str(out), str(fig.png), str(fig.pdf), str(stem.with_suffix(".md"))])
+                 outputs=[str(out), str(fig.png), str(fig.pdf), str(stem.with_suffix(".md"))]
+                 + ([] if trace is None else [str(trace)]))
 
 
 def decode(
@@ -219,6 +242,7 @@ def decode(
     device: str = _DEVICE, sinks: int = _SINKS, recent: int = _RECENT, chunk: int = _CHUNK,
     compress_every: int = _COMPRESS_EVERY, window: int = _WINDOW, block_size: int = _BLOCK_SIZE,
     query_aware: bool = _QUERY_AWARE, threads: int = _THREADS, overwrite: bool = _OVERWRITE,
+    trace: Optional[Path] = _TRACE, trace_max_subsets: int = _TRACE_MAX_SUBSETS,
 ) -> None:
     """Run one method on one task example (greedy), with a progress bar and a run record."""
     from evictlab.io import check_output_file
@@ -229,6 +253,10 @@ def decode(
     with _as_options(DECODE_OPTIONS):
         # Everything the user typed, checked before the model loads.
         out = check_output_file(out, "--out", overwrite=overwrite)
+        tracer = _trace_for(trace, out, trace_max_subsets, overwrite)
+        if tracer is not None and mode == "full":
+            raise InputError("--trace", "--mode full compresses nothing, so there is nothing to trace",
+                             "use --mode physical or masked, or drop --trace")
         _check_positive(context=context, max_new_tokens=max_new_tokens)
         if threads < 0:
             raise InputError("--threads", f"must be >= 0, got {threads}", "pass 0 (torch default) or a thread count")
@@ -261,13 +289,19 @@ def decode(
         dev = next(lm.parameters()).device
         ctx = torch.tensor([prompt.context_ids], device=dev)
         q = torch.tensor([prompt.question_ids], device=dev)
-        if mode != "full":  # a budget below the always-kept floor: refused before the run starts
-            from evictlab.models.geometry import model_geometry
+        if mode != "full":  # a budget below the always-kept floor, a profile of another model:
+            from evictlab.models.geometry import model_geometry  # refused before the run starts
 
-            cfg.budget_tokens(model_geometry(lm), ctx.shape[1] + q.shape[1] + max_new_tokens)
+            geometry = model_geometry(lm)
+            cfg.budget_tokens(geometry, ctx.shape[1] + q.shape[1] + max_new_tokens)
+            cfg.build_allocator().check(geometry)
         t0 = time.perf_counter()
         with tqdm(total=ctx.shape[1] + q.shape[1] + max_new_tokens, unit="tok", desc=f"{method} {mode}") as bar:
-            res = run_sequence(lm, ctx, q, cfg, max_new_tokens=max_new_tokens, progress=bar.update, tokenizer=tok)
+            if tracer is not None:
+                tracer.label(method=method, mode=mode, budget=budget, protocol="query-aware" if query_aware
+                             else "query-agnostic", task=task)
+            res = run_sequence(lm, ctx, q, cfg, max_new_tokens=max_new_tokens, progress=bar.update, tokenizer=tok,
+                               compression_trace=tracer)
     text = decode_ids(tok, res.tokens[0].tolist())
     final = res.trace[-1].report if res.trace else None
     result = {
@@ -286,8 +320,11 @@ def decode(
     }
     from evictlab.io import atomic_write_json
 
+    if tracer is not None:
+        tracer.write(trace)
+        result["trace"] = str(trace)
     atomic_write_json(out, result)
-    record.write(record_path(out), outputs=[str(out)])
+    record.write(record_path(out), outputs=[str(out)] + ([] if trace is None else [str(trace)]))
     if res.budget_tokens is not None and res.budget_effective_tokens is not None \
             and res.budget_effective_tokens < res.budget_tokens:
         typer.echo(f"note: the budget ({res.budget_tokens} kept entries) is above the full cache "

@@ -85,7 +85,7 @@ from evictlab.kv.budget import Budget, ByteReport, kv_bytes
 from evictlab.kv.cache import EvictionCache, attach
 from evictlab.kv.masked import MaskedKVStore
 from evictlab.kv.paged import PagedKVStore
-from evictlab.methods.base import AllocInputs, Allocator, Phase, Scorer, check_sizes
+from evictlab.methods.base import AllocInputs, Allocator, Phase, Scorer, WindowProfile, check_sizes
 from evictlab.models.geometry import ModelGeometry, model_geometry
 
 #: Most tokens one model forward of the evicting engine processes (see ``EvictionRunner.forward``).
@@ -370,6 +370,9 @@ class EvictionRunner:
         self.layer_scorers = list(layer_scorers) if layer_scorers is not None else cfg.build_scorers(g)
         self.scorer = self.layer_scorers[0]
         self.allocator = cfg.build_allocator()
+        self.allocator.check(g)  # e.g. a fitted profile of another model: refused before the run
+        #: per-compression diagnostics (:class:`evictlab.decode.trace.CompressionTrace`), or None
+        self.compression_trace: Any = None
         #: True: the scorer gets every query since its previous call (consumed by each
         #: compression); False: the last ``cfg.window`` queries (a sliding window).
         self.all_queries = bool(getattr(self.scorer, "uses_all_queries", False))
@@ -499,6 +502,14 @@ class EvictionRunner:
         cell_pos: list[torch.Tensor] = []
         lengths = np.zeros((self.n_layers, self.kv_heads), dtype=np.int64)
         fill = -torch.finfo(torch.float32).max
+        # The observation window (the scorers' last `window` queries), for an allocator that
+        # measures it (ContourKV online) and for the trace; nothing is computed otherwise.
+        profile = "window_profile" in self.allocator.needs
+        if profile:
+            from evictlab.contour.profile import window_stats
+        tails: list[np.ndarray] = []
+        entropy = np.zeros((self.batch, self.n_layers, self.kv_heads))
+        windows_q: list[tuple[torch.Tensor, torch.Tensor]] = []
         for l in range(self.n_layers):
             cells, pos = self.store.live_cells(l)  # per-cell views (paged: no copy) + padded positions
             lens = self.store.lengths(l)
@@ -509,6 +520,11 @@ class EvictionRunner:
             if rec is None:
                 raise RuntimeError(f"no queries recorded for layer {l}; run a forward inside attach() first")
             q, qpos = rec
+            obs_q, obs_pos = q[:, :, -self.cfg.window:], qpos[-self.cfg.window:]
+            if self.compression_trace is not None:
+                windows_q.append((obs_q, obs_pos))
+            if profile:
+                tails.append(np.zeros((self.batch, self.kv_heads, pos.shape[2] + 1)))
             sc = torch.full((self.batch, self.kv_heads, pos.shape[2]), fill, dtype=torch.float32, device=pos.device)
             inputs: list[ScoreInputs] = []
             for b in range(self.batch):
@@ -523,6 +539,9 @@ class EvictionRunner:
                         queries=q[b:b + 1, h * rep:(h + 1) * rep], q_positions=qpos, scaling=self.scaling,
                         extra_queries=extra, state=self.states.setdefault((l, b, h), {}),
                     ))
+                    if profile:
+                        tails[l][b, h, :int(lens[b, h]) + 1], entropy[b, l, h] = window_stats(
+                            obs_q[b, h * rep:(h + 1) * rep], cell.k, self.scaling, obs_pos, cell.pos)
             scorer = self.layer_scorers[l]
             many = getattr(scorer, "score_cells", None)  # the same scores in fewer calls, when offered
             outs = many(inputs) if many is not None else [scorer.score(x) for x in inputs]
@@ -535,7 +554,8 @@ class EvictionRunner:
         alloc_inputs = AllocInputs(
             tuple(layer_scores), lengths, np.minimum(self.floors, lengths), tuple(self.windows), self.budget_tokens,
             phase=phase, positions=tuple(cell_pos), next_position=self.cache.seen, head_dim=g.head_dim,
-            dtype_bytes=g.dtype_bytes, geometry=g)
+            dtype_bytes=g.dtype_bytes, geometry=g,
+            window=WindowProfile(tuple(tails), entropy) if profile else None)
         sizes = check_sizes(alloc_inputs, self.allocator.allocate(alloc_inputs), f"allocator {self.cfg.allocator!r}")
         sinks, recent = self.cfg.sinks, self.cfg.recent
         for l in range(self.n_layers):
@@ -548,6 +568,10 @@ class EvictionRunner:
                 keep = [[select_keep_ordered(layer_scores[l][b:b + 1, h:h + 1, :int(lengths[l, h])], [int(sizes[l, h])],
                                              sinks=sinks, recent=recent)[0][0] for h in range(self.kv_heads)]
                         for b in range(self.batch)]
+            if self.compression_trace is not None:
+                k, v, pos = self.store.gather(l)
+                self.compression_trace.record(self.compressions, phase, self.cache.seen, l, k, v, pos, lengths[l], keep,
+                                              *windows_q[l], self.scaling)
             self.store.keep(l, keep)
         self.compressions += 1
         if self.live_per_sequence() > self.budget_tokens:
@@ -657,6 +681,7 @@ def run_sequence(
     max_new_tokens: int = 0,
     progress: Callable[[int], None] | None = None,
     tokenizer: Any = None,
+    compression_trace: Any = None,
 ) -> DecodeOutput:
     """Run the protocol on a batch and return the decode-phase logits and accounting.
 
@@ -667,6 +692,8 @@ def run_sequence(
     only by scorers with a ``reconstruction_ids(chunk, tokenizer)`` method (KVzip: its
     "repeat the context" prompt before the chunk); ``None`` means the byte vocabulary of the
     tiny test models (ids = UTF-8 bytes), as in :func:`evictlab.decode.tasks.encode_text`.
+    ``compression_trace``: a :class:`~evictlab.decode.trace.CompressionTrace` that records every
+    compression, per layer, before the store evicts (off by default: nothing is computed).
     """
     t0 = time.perf_counter()
     peak = _rss()
@@ -689,8 +716,9 @@ def run_sequence(
     if cfg.mode == "full":
         engine, query_aware = FullCache(model), False
     else:
-        engine, query_aware = _evicting_engine(model, cfg, context_ids, question_ids, answer_ids, T, g, tokenizer), \
-            cfg.query_aware
+        runner = _evicting_engine(model, cfg, context_ids, question_ids, answer_ids, T, g, tokenizer)
+        runner.compression_trace = compression_trace
+        engine, query_aware = runner, cfg.query_aware
 
     def note(phase: str) -> None:
         nonlocal peak

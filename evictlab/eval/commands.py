@@ -62,6 +62,9 @@ def run(
     threads: int = typer.Option(0, "--threads", help="torch CPU threads (0 = torch default; with --executor ray: CPUs "
                                 "per cell task, 1 if 0)"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
+    trace: bool = typer.Option(False, "--trace", help="also write per-compression diagnostics (OUT/trace.parquet: "
+                               "one row per (cell, example, compression, layer, KV head) with kept/held entries, the "
+                               "observation window's dropped mass, e(A), e(T_s), ES_hat; docs/methods.md)"),
     executor: str = EXECUTOR_OPTIONS["executor"],
     address: Optional[str] = EXECUTOR_OPTIONS["address"],
 ) -> None:
@@ -92,7 +95,7 @@ def run(
                               window=window, block_size=block_size),
             scorer_params=parse_assignments(scorer_param, "--scorer-param"),
             allocator_params=parse_assignments(allocator_param, "--allocator-param"),
-            target_tokens=ppl_target, device=device)
+            target_tokens=ppl_target, device=device, trace=trace)
         spec.check_models()
         from evictlab.models.loading import check_device
 
@@ -193,7 +196,7 @@ def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any
     import polars as pl
 
     from evictlab.errors import InputError
-    from evictlab.eval.claims import enforcement_cost, query_aware_margin
+    from evictlab.eval.claims import contourkv_versus, enforcement_cost, query_aware_margin
     from evictlab.eval.compare import compare as compare_pairs
     from evictlab.io import atomic_path, atomic_write_text
     from evictlab.plots.evaluation import accuracy_vs_bytes, wtl_bars
@@ -202,6 +205,7 @@ def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any
     pairs = compare_pairs(results, rule)
     claims_e, detail_e = enforcement_cost(results, seed=rule.seed, n_boot=rule.n_boot)
     claims_m, detail_m = query_aware_margin(results, seed=rule.seed, n_boot=rule.n_boot)
+    claims_c, detail_c = contourkv_versus(results, tolerance=rule.tolerance, seed=rule.seed, n_boot=rule.n_boot)
     stem = out.with_suffix("")
     figs = []
     for make, suffix in ((lambda p: wtl_bars(pairs, p), "_wtl"), (lambda p: accuracy_vs_bytes(results, p), "_accuracy")):
@@ -212,8 +216,8 @@ def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any
     spec = manifest["spec"]
     config = {k: spec[k] for k in ("models", "tasks", "contexts", "budgets", "methods", "modes", "protocols", "n",
                                    "seed", "loop", "scorer_params", "allocator_params", "device")}
-    md = evaluation_markdown(results, pairs, rule=rule.describe(), claims=[*claims_e, *claims_m],
-                             enforcement=detail_e, margin=detail_m,
+    md = evaluation_markdown(results, pairs, rule=rule.describe(), claims=[*claims_e, *claims_m, *claims_c],
+                             enforcement=detail_e, margin=detail_m, contour=detail_c,
                              figures=[(f.png.name, f.caption) for f in figs], config=config,
                              skipped=manifest.get("skipped", []), seed=rule.seed, n_boot=rule.n_boot)
     report = stem.with_suffix(".md")
@@ -221,7 +225,7 @@ def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any
     with atomic_path(out, suffix=".parquet") as tmp:
         pairs.write_parquet(tmp)
     claims_path = stem.parent / (stem.name + "_claims.parquet")
-    rows = [c.to_dict() for c in (*claims_e, *claims_m)]
+    rows = [c.to_dict() for c in (*claims_e, *claims_m, *claims_c)]
     with atomic_path(claims_path, suffix=".parquet") as tmp:
         pl.DataFrame(rows, schema={k: pl.Utf8 for k in ("claim_id", "claim", "paper_value", "our_value", "interval",
                                                          "verdict", "model", "rows", "budgets", "definitions")}

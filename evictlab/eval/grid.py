@@ -7,6 +7,8 @@ Layout of ``DIR`` (docs/evaluation.md):
                            checks that need its models (:func:`preflight`), never changed
     DIR/parts/<key>.parquet  one file per finished cell (atomic), rows of run_cell
     DIR/results.parquet    every part, in the grid's cell order (written when all are done)
+    DIR/parts/<key>.trace.parquet, DIR/trace.parquet   with ``trace``: each evicting
+                           cell's per-compression diagnostics, and all of them in order
     DIR/run_record.json    the run record (RunRecord), written last: marks a finished grid
 
 A rerun with the same grid resumes: cells whose part exists are not run again. A different
@@ -35,7 +37,7 @@ from typing import Any
 import polars as pl
 
 from evictlab.errors import CorruptFileError, InputError
-from evictlab.eval.runner import RESULT_COLUMNS, check_context, check_lengths, load_cached, run_cell
+from evictlab.eval.runner import RESULT_COLUMNS, check_context, check_lengths, load_cached, run_cell, run_cell_traced
 from evictlab.eval.spec import GRID_VERSION, CellSpec, GridSpec
 
 __all__ = ["CellTask", "CheckModels", "GridRun", "MapCells", "local_map", "preflight", "read_manifest", "remote_cells",
@@ -43,6 +45,7 @@ __all__ = ["CellTask", "CheckModels", "GridRun", "MapCells", "local_map", "prefl
 
 MANIFEST = "grid.json"
 RESULTS = "results.parquet"
+TRACE = "trace.parquet"
 PARTS = "parts"
 
 MapCells = Callable[[Callable[..., pl.DataFrame], list[CellSpec]], Iterable[tuple[CellSpec, pl.DataFrame]]]
@@ -79,12 +82,13 @@ class CellTask:
     threads: int
 
 
-def run_cell_task(task: CellTask) -> pl.DataFrame:
-    """:func:`~evictlab.eval.runner.run_cell` on a worker, with the task's torch threads."""
+def run_cell_task(task: CellTask) -> Any:
+    """:func:`~evictlab.eval.runner.run_cell` on a worker, with the task's torch threads
+    (:func:`~evictlab.eval.runner.run_cell_traced` for a traced cell: ``(frame, trace)``)."""
     import torch
 
     torch.set_num_threads(task.threads)
-    return run_cell(task.cell)
+    return run_cell_traced(task.cell) if _traced(task.cell) else run_cell(task.cell)
 
 
 def preflight_task(task: tuple[GridSpec, list[CellSpec], int]) -> None:
@@ -112,8 +116,8 @@ def remote_cells(executor: Any, threads: int, device: str,
     spec = TaskSpec(cpus=threads or 1, gpus=1 if device.startswith("cuda") else 0)
 
     def map_cells(fn: Callable[..., pl.DataFrame], cells: list[CellSpec]) -> Iterator[tuple[CellSpec, pl.DataFrame]]:
-        if fn is not run_cell:
-            raise ValueError("a remote executor runs run_cell only")
+        if fn is not run_cell and fn is not run_cell_traced:
+            raise ValueError("a remote executor runs run_cell (or run_cell_traced) only")
         tasks = [CellTask(c, threads or 1) for c in cells]
         with contextlib.closing(executor.map(run_cell_task, tasks, spec=spec, on_progress=on_progress)) as it:
             for task, frame in it:
@@ -127,6 +131,15 @@ def remote_cells(executor: Any, threads: int, device: str,
 
 def part_path(out: Path, cell: CellSpec) -> Path:
     return out / PARTS / f"{cell.key}.parquet"
+
+
+def trace_path(out: Path, cell: CellSpec) -> Path:
+    """The per-compression diagnostics of a traced evicting cell."""
+    return out / PARTS / f"{cell.key}.trace.parquet"
+
+
+def _traced(cell: CellSpec) -> bool:
+    return cell.trace and not cell.is_full
 
 
 def read_manifest(out: Path) -> dict[str, Any]:
@@ -169,8 +182,10 @@ def _done(out: Path, cells: list[CellSpec]) -> set[str]:
 
     parts = out / PARTS
     parts.mkdir(exist_ok=True)
-    remove_temp_files(parts, tuple(f"{c.key}.parquet" for c in cells))
-    return {c.key for c in cells if part_path(out, c).is_file()}
+    remove_temp_files(parts, tuple(f"{c.key}.parquet" for c in cells)
+                      + tuple(f"{c.key}.trace.parquet" for c in cells if _traced(c)))
+    # a traced cell is done once both files exist (its trace is written first)
+    return {c.key for c in cells if part_path(out, c).is_file() and (not _traced(c) or trace_path(out, c).is_file())}
 
 
 def preflight(spec: GridSpec, cells: list[CellSpec]) -> None:
@@ -236,7 +251,12 @@ def run_grid(spec: GridSpec, out: str | Path, *, map_cells: MapCells | None = No
         if on_start is not None:
             on_start(len(cells) * spec.n, len(done) * spec.n)
         mapper = map_cells or local_map(progress)
-        for cell, frame in mapper(run_cell, pending):
+        for cell, frame in mapper(run_cell_traced if spec.trace else run_cell, pending):
+            if isinstance(frame, tuple):  # run_cell_traced: (results, trace)
+                frame, trace = frame
+                if _traced(cell):
+                    with atomic_path(trace_path(out, cell), suffix=".parquet") as tmp:
+                        trace.write_parquet(tmp)
             if list(frame.columns) != list(RESULT_COLUMNS) or frame.height != cell.n:
                 raise RuntimeError(f"cell {cell.key} returned {frame.height} rows with columns {frame.columns}")
             with atomic_path(part_path(out, cell), suffix=".parquet") as tmp:
@@ -244,6 +264,10 @@ def run_grid(spec: GridSpec, out: str | Path, *, map_cells: MapCells | None = No
         fix = f"delete that part file and rerun the same command (the cell is run again)"
         frames = [read_parquet(part_path(out, c), fix) for c in cells]
         results = pl.concat(frames, how="vertical") if frames else pl.DataFrame(schema=RESULT_COLUMNS)
+        if spec.trace:
+            traces = [t for c in cells if _traced(c) and (t := read_parquet(trace_path(out, c), fix)).height]
+            with atomic_path(out / TRACE, suffix=".parquet") as tmp:
+                (pl.concat(traces, how="diagonal_relaxed") if traces else pl.DataFrame()).write_parquet(tmp)
         with atomic_path(out / RESULTS, suffix=".parquet") as tmp:
             results.write_parquet(tmp)
         if record is not None:

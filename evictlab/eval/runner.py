@@ -45,7 +45,8 @@ from evictlab.errors import InputError
 from evictlab.eval.spec import FULL, CellSpec
 from evictlab.models.loading import clear_loaded, load_cached
 
-__all__ = ["RESULT_COLUMNS", "FullReference", "check_context", "check_lengths", "clear_caches", "full_reference", "load_cached", "run_cell"]
+__all__ = ["RESULT_COLUMNS", "FullReference", "check_context", "check_lengths", "clear_caches", "full_reference",
+           "load_cached", "run_cell", "run_cell_traced"]
 
 RESULT_COLUMNS: dict[str, Any] = {
     "cell": pl.Utf8, "model": pl.Utf8, "task": pl.Utf8, "context": pl.Int64, "method": pl.Utf8,
@@ -209,6 +210,24 @@ def run_cell(cell: CellSpec, progress: Callable[[int], None] | None = None) -> p
     ``progress`` (optional, not part of the work) is called with 1 after each example.
     Picklable input, polars output: a local loop or a remote executor can call it.
     """
+    return _run_cell(cell, progress, None)
+
+
+def run_cell_traced(cell: CellSpec, progress: Callable[[int], None] | None = None
+                    ) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """:func:`run_cell` plus the per-compression diagnostics of every example
+    (:class:`~evictlab.decode.trace.CompressionTrace`: one row per (compression, layer, KV
+    head) with kept and held entries, the observation window's dropped mass, e(A), e(T_s)
+    and ES_hat), labelled ``cell``, ``model``, ``task``, ``context``, ``method``, ``mode``,
+    ``protocol``, ``budget``, ``example``. The full cell compresses nothing: empty trace."""
+    from evictlab.decode.trace import CompressionTrace
+
+    tracer = None if cell.is_full else CompressionTrace()
+    frame = _run_cell(cell, progress, tracer)
+    return frame, (pl.DataFrame() if tracer is None else tracer.table())
+
+
+def _run_cell(cell: CellSpec, progress: Callable[[int], None] | None, tracer: Any) -> pl.DataFrame:
     import torch
 
     from evictlab.decode.loop import run_sequence
@@ -249,9 +268,13 @@ def run_cell(cell: CellSpec, progress: Callable[[int], None] | None = None) -> p
         else:
             c, q, ad = (torch.tensor([x], dtype=torch.long, device=dev)
                         for x in (ex.context_ids, ex.question_ids, ex.answer_ids))
+            if tracer is not None:
+                tracer.label(cell=cell.key, model=cell.model, task=cell.task, context=cell.context,
+                             method=cell.method, mode=cell.mode, protocol=cell.protocol, budget=cell.budget,
+                             example=ex.index)
             t0 = time.perf_counter()
             with torch.no_grad():
-                out = run_sequence(lm, c, q, cfg, answer_ids=ad, tokenizer=tok)
+                out = run_sequence(lm, c, q, cfg, answer_ids=ad, tokenizer=tok, compression_trace=tracer)
             wall = time.perf_counter() - t0
             row.update(example_metrics(ref.logits[i], out.logits[0].float().cpu(), a,
                                        scored=cell.task != HELDOUT_PPL))

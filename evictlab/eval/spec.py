@@ -117,7 +117,8 @@ class CellSpec:
     or one of :data:`MODES`; ``protocol`` is ``"none"`` (full) or one of :data:`PROTOCOLS`;
     ``budget`` a canonical budget text (None for full). ``scorer_params`` /
     ``allocator_params`` are this method's ``(key, value)`` pairs as typed (strings), sorted.
-    ``target_tokens`` is the length of a ``heldout_ppl`` target window.
+    ``target_tokens`` is the length of a ``heldout_ppl`` target window. ``trace``: also
+    record the per-compression diagnostics (:func:`evictlab.eval.runner.run_cell_traced`).
     """
 
     model: str
@@ -134,6 +135,7 @@ class CellSpec:
     allocator_params: tuple[tuple[str, str], ...] = ()
     target_tokens: int = 32
     device: str = "cpu"
+    trace: bool = False
 
     @property
     def is_full(self) -> bool:
@@ -159,7 +161,7 @@ class CellSpec:
     def full_cell(self) -> CellSpec:
         """The full-cache cell whose examples this cell is compared with."""
         return replace(self, method=FULL, mode=FULL, protocol=NO_PROTOCOL, budget=None, scorer_params=(),
-                       allocator_params=())
+                       allocator_params=(), trace=False)
 
     def decode_config(self) -> Any:
         """The ``DecodeConfig`` of this cell (``mode="full"`` for the full cell). ``uniform``
@@ -179,6 +181,8 @@ class CellSpec:
         d = asdict(self)
         d["scorer_params"] = [list(p) for p in self.scorer_params]
         d["allocator_params"] = [list(p) for p in self.allocator_params]
+        if not self.trace:  # untraced cells keep the keys they had before the option existed
+            del d["trace"]
         return d
 
 
@@ -207,13 +211,14 @@ class GridSpec:
     allocator_params: tuple[tuple[str, str], ...] = ()
     target_tokens: int = 32
     device: str = "cpu"
+    trace: bool = False
 
     @classmethod
     def build(cls, *, models: Sequence[str], tasks: Sequence[str], contexts: Sequence[int | str],
               methods: Sequence[str], budgets: Sequence[str] | None = None, modes: Sequence[str] | None = None,
               protocols: Sequence[str] | None = None, n: int = 10, seed: int = 0, loop: LoopSettings | None = None,
               scorer_params: Mapping[str, str] | None = None, allocator_params: Mapping[str, str] | None = None,
-              target_tokens: int = 32, device: str = "cpu") -> GridSpec:
+              target_tokens: int = 32, device: str = "cpu", trace: bool = False) -> GridSpec:
         """A validated grid from lists as typed (``None`` modes / protocols: ``physical`` /
         ``query-agnostic`` when an evicting method is asked for)."""
         ctx: list[int] = []
@@ -234,7 +239,7 @@ class GridSpec:
                    modes=tuple(modes), protocols=tuple(protocols), n=int(n), seed=int(seed),
                    loop=loop or LoopSettings(), scorer_params=tuple(sorted((scorer_params or {}).items())),
                    allocator_params=tuple(sorted((allocator_params or {}).items())),
-                   target_tokens=int(target_tokens), device=device)
+                   target_tokens=int(target_tokens), device=device, trace=bool(trace))
 
     def __post_init__(self) -> None:
         from evictlab.decode.tasks import EVAL_TASKS
@@ -335,7 +340,8 @@ class GridSpec:
                                     if self._skip_reason(task, method, mode, protocol) is None:
                                         sp, ap = params[method]
                                         out.append(replace(base, method=method, mode=mode, protocol=protocol,
-                                                           budget=budget, scorer_params=sp, allocator_params=ap))
+                                                           budget=budget, scorer_params=sp, allocator_params=ap,
+                                                           trace=self.trace))
         return out
 
     def skipped(self) -> list[dict[str, str]]:
@@ -368,6 +374,8 @@ class GridSpec:
             d[k] = list(d[k])
         d["scorer_params"] = dict(self.scorer_params)
         d["allocator_params"] = dict(self.allocator_params)
+        if not self.trace:  # manifests of untraced grids are unchanged by the option
+            del d["trace"]
         return d
 
     @classmethod

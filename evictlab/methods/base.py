@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 __all__ = [
     "AllocInputs",
+    "WindowProfile",
     "AllocationError",
     "Allocator",
     "Phase",
@@ -113,6 +114,28 @@ class Scorer(Protocol):
     def score(self, inputs: ScoreInputs) -> torch.Tensor: ...
 
 
+@dataclass(frozen=True)
+class WindowProfile:
+    """The observation window's dropped-mass statistic per cell, at one compression.
+
+    What ContourKV's online mode reads (an allocator asks for it with ``needs =
+    {"window_profile"}``; the decode loop computes it only then, with
+    :func:`evictlab.contour.profile.window_stats`). The window's rows are the last
+    ``window`` queries (the scorers' observation window) x the group's query heads of a
+    cell, each attending, causally, over the cell's held keys.
+
+    Attributes:
+        tail: per layer ``l``, float64 ``(batch, kv_heads, S_l + 1)``: entry ``b`` is the mean
+            over the window's rows of the attention mass outside the row's ``b`` largest
+            masses (``b = 0..length``; ``tail[..., 0] = 1``; 0 past a cell's length).
+        entropy_norm: float64 ``(batch, n_layers, kv_heads)``: mean over the same rows of
+            ``H(p) / log(n)`` (``n`` = keys the row sees; 0 when ``n <= 1``).
+    """
+
+    tail: tuple[np.ndarray, ...]
+    entropy_norm: np.ndarray
+
+
 Phase = Literal["prefill", "question", "decode"]
 """When a compression runs: after a context chunk (``"prefill"``), after the chunk that
 held question tokens (``"question"``: query-aware runs only), or during decoding."""
@@ -148,6 +171,8 @@ class AllocInputs:
         geometry: the model's :class:`~evictlab.models.geometry.ModelGeometry` when the
             decode loop runs the allocator (None for hand-made inputs), for allocators that
             must check a fitted profile against the model.
+        window: the observation window's :class:`WindowProfile`, when the allocator
+            ``needs`` it (None otherwise).
 
     The rule every allocator obeys (checked by :func:`check_sizes`): sizes are int64
     ``(n_layers, kv_heads)`` summing exactly to :attr:`target` = ``min(budget, everything
@@ -165,6 +190,7 @@ class AllocInputs:
     head_dim: int | None = None
     dtype_bytes: int | None = None
     geometry: ModelGeometry | None = None
+    window: WindowProfile | None = None
 
     def __post_init__(self) -> None:
         n, hk = self.lengths.shape if self.lengths.ndim == 2 else (-1, -1)
@@ -196,6 +222,15 @@ class AllocInputs:
                              "raise the budget or lower sinks/recent")
         if self.phase not in ("prefill", "question", "decode"):
             raise InputError("phase", f"unknown phase {self.phase!r}", "use prefill, question or decode")
+        if self.window is not None:
+            w = self.window
+            if len(w.tail) != n or np.shape(w.entropy_norm)[1:] != (n, hk):
+                raise InputError("window", f"{len(w.tail)} tail layers and entropy {np.shape(w.entropy_norm)} for "
+                                 f"{n} layers x {hk} KV heads", "pass one (batch, kv_heads, S_l + 1) array per layer")
+            for l, t in enumerate(w.tail):
+                if t.ndim != 3 or t.shape[1] != hk or t.shape[2] < int(self.lengths[l].max()) + 1:
+                    raise InputError(f"window.tail[{l}]", f"shape {t.shape}, expected (batch, {hk}, >= "
+                                     f"{int(self.lengths[l].max()) + 1})", "pass b = 0..length for every cell")
 
     @classmethod
     def build(
@@ -301,6 +336,16 @@ class Allocator(ABC):
     """
 
     name: ClassVar[str] = ""
+
+    @property
+    def needs(self) -> frozenset[str]:
+        """Extra inputs the decode loop must compute for this allocator: ``"window_profile"``
+        (:attr:`AllocInputs.window`). Empty by default: nothing extra is computed."""
+        return frozenset()
+
+    def check(self, geometry: ModelGeometry) -> None:
+        """Refuse a model this allocator cannot serve (:class:`InputError`), before a run
+        starts; e.g. a profile fitted on another geometry. Default: any model."""
 
     @abstractmethod
     def allocate(self, inputs: AllocInputs) -> np.ndarray:

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
 from evictlab.errors import InputError
-from evictlab.methods import allocators, scorers
+from evictlab.methods import allocators, contour, scorers
 from evictlab.methods.oracle_labels import OracleLabels
 from evictlab.methods.base import Allocator, Scorer
 from evictlab.methods.params import build, settable_params
@@ -37,6 +37,8 @@ ALLOCATORS: dict[str, type[Allocator]] = {
     "uniform": allocators.Uniform,
     "pyramidkv": allocators.PyramidKV,
     "adakv": allocators.AdaKV,
+    "contourkv": contour.ContourKV,
+    "contourkv_pred": contour.ContourKVPred,
 }
 """Allocator name -> allocator dataclass; ``make_allocator(name, **params)`` builds one."""
 

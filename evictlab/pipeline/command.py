@@ -9,7 +9,7 @@ from typing import List, Optional
 import typer
 
 from evictlab.errors import InputError
-from evictlab.pipeline.stages import AnalysisConfig, CaptureSpec, analyse, parse_budgets, rows_and_results
+from evictlab.pipeline.stages import AnalysisConfig, CaptureSpec, analyse, contour_stage, parse_budgets, rows_and_results
 
 #: Default (demo) sizes per model, measured to fit the time bars on the 2-core machine
 #: (docs/reproduction.md): 8 prompts from 8 different plays per model; Gemma 3 has fewer
@@ -32,6 +32,15 @@ FULL_SYNTH = dict(synthetic_rows=168_192, synthetic_keys=1000, synthetic_dim=64)
 CERT_CAPTURE = dict(context=48, positions=1, prompts=8)
 CERT_SYNTH = dict(synthetic_rows=1080, synthetic_keys=40, synthetic_dim=64)
 CERT_MAX_S = 8
+
+#: The ContourKV section of the default job: one model, one task, two budgets, SnapKV
+#: windows with ContourKV (online) and with each baseline, physical (docs/reproduction.md);
+#: ``--full`` runs :data:`evictlab.eval.claims.CONTOUR_FULL_GRID`.
+DEMO_CONTOUR = {
+    "tasks": ["needle_word"], "contexts": [512], "budgets": ["64", "128"],
+    "methods": ["snapkv+contourkv", "snapkv", "snapkv+pyramidkv", "snapkv+adakv"],
+    "modes": ["physical"], "protocols": ["query-agnostic"], "n": 3,
+}
 
 
 def cert_spec(main: CaptureSpec, seed: int) -> CaptureSpec:
@@ -87,6 +96,10 @@ def demo(
                                 "thread avoids OpenMP oversubscription on shared machines (docs/performance.md)."),
     results: Optional[List[Path]] = typer.Option(None, "--results", help="Analyse existing solver results (skip capture and solve)."),
     resolve: bool = typer.Option(False, "--resolve", help="Re-run the solver even if cached results for these rows and settings exist."),
+    contour: bool = typer.Option(True, "--contour/--no-contour",
+                                 help="ContourKV section: ContourKV vs uniform, PyramidKV and AdaKV at matched bytes in "
+                                      "the decode loop (--model, needle_word, 2 budgets; with --full the whole grid). "
+                                      "Needs a model: skipped with --synthetic or --results."),
 ) -> None:
     """The main job: capture -> solve -> stats -> predictors -> figures -> report; prints where the report is."""
     from rich.console import Console
@@ -113,7 +126,7 @@ def demo(
                                "budgets": cfg.budgets, "pool": cfg.pool,
                                "threshold": threshold, "n_boot": n_boot, "certify": certify, "resolve": resolve,
                                "search": search,
-                               "threads": threads,
+                               "threads": threads, "contour": contour,
                                "results": [str(p) for p in results] if results else None})
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
@@ -147,9 +160,20 @@ def demo(
 
     # which files each claim reads (paper_repro/ uses it): main results, their rows, the certification pass
     atomic_write_json(out / "inputs.json", inputs)
+    contour_result = None
+    if contour and not synthetic and not results:
+        from evictlab.eval.claims import CONTOUR_FULL_GRID
+
+        grid = dict(CONTOUR_FULL_GRID) if full else {**DEMO_CONTOUR, "models": [model]}
+        t_c = time.perf_counter()
+        contour_result = contour_stage(grid, out / "contourkv", cfg, log)
+        timings["contourkv grid"] = time.perf_counter() - t_c
+        facts["contourkv grid"] = f"`{out / 'contourkv'}` (`evictlab eval run`, {grid['n']} examples per cell)"
+    elif contour:
+        facts["contourkv grid"] = "not run (it needs a model: --synthetic and --results skip it)"
     t_an = time.perf_counter()
     report = analyse(result_paths, out, cfg, {"facts": facts}, log=log, cert_results=cert_paths,
-                     rows=rows or None)
+                     rows=rows or None, contour=contour_result)
     timings["analysis"] = time.perf_counter() - t_an
     timings["total"] = time.perf_counter() - t0
     record.write(record_path(out, folder=True), timings_s={k: round(v, 2) for k, v in timings.items()},

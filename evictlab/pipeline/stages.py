@@ -243,10 +243,11 @@ class Analysis:
     head_dims: dict[str, int] = field(default_factory=dict)
     cert_pairs: int = 0             # (row, s) pairs of the certification pass
     beyond: Any = None              # evictlab.stats.beyond_pool summaries (column ``pass``), or None
+    contour: Any = None             # ContourResult of the ContourKV section, or None (not run)
 
 
 def compute(results: Any, out_dir: str | os.PathLike[str], cfg: AnalysisConfig, log: Any = print,
-            cert_results: Any = None, rows: Optional[dict[str, Path]] = None) -> Analysis:
+            cert_results: Any = None, rows: Optional[dict[str, Path]] = None, contour: Any = None) -> Analysis:
     """Statistics, predictors, claims and figures from a solver-results table.
 
     ``results``: a polars DataFrame (all models concatenated) or a list of Parquet paths.
@@ -254,6 +255,8 @@ def compute(results: Any, out_dir: str | os.PathLike[str], cfg: AnalysisConfig, 
     summarised separately (how often the certified optimum beats the pool optimum).
     ``rows`` (model -> row dataset, optional): the rows the results were solved from; with
     them pi(s) is checked against s / head_dim with the free-weight ablations.
+    ``contour`` (a :class:`ContourResult`, optional): the ContourKV section's grid; its
+    claim rows join the claims table and its per-comparison table lands in ``tables/``.
     Every interval resamples prompts (models too, for pooled rows): docs/statistics.md.
     Every table, figure and predictor lands under ``out_dir``.
     """
@@ -387,6 +390,10 @@ def compute(results: Any, out_dir: str | os.PathLike[str], cfg: AnalysisConfig, 
     beyond, beyond_figs = beyond_pool_stage(df, cdf, cfg, tables, figs, notes)
     if beyond is not None:
         claim_rows += beyond_pool_claims(beyond, claim_note)
+    if contour is not None:
+        claim_rows += contour.claims
+        if contour.detail.height:
+            write_parquet(contour.detail, tables / "contourkv_comparisons.parquet")
     write_parquet(pl.DataFrame([c.to_dict() for c in claim_rows]), tables / "claims.parquet")
 
     # ---- figures -----------------------------------------------------------------------
@@ -407,7 +414,7 @@ def compute(results: Any, out_dir: str | os.PathLike[str], cfg: AnalysisConfig, 
     return Analysis(out=out, cfg=cfg, models=models, pairs=df.height, summaries=summaries, auc=auc_all,
                     transfer=transfer_df, claims=claim_rows, figures=figures, cert_summary=cert_summary, notes=notes,
                     penalty=penalty, explanation=explanation, head_dims=head_dims, cert_pairs=cert_pairs,
-                    beyond=beyond)
+                    beyond=beyond, contour=contour)
 
 
 #: ``pass`` labels of the beyond-the-pool summaries: the main rows and the certification pass.
@@ -447,12 +454,12 @@ def beyond_pool_stage(df: Any, cdf: Any, cfg: AnalysisConfig, tables: Path, figs
 
 def analyse(results: Any, out_dir: str | os.PathLike[str], cfg: AnalysisConfig,
             provenance: Optional[dict[str, Any]] = None, log: Any = print, cert_results: Any = None,
-            rows: Optional[dict[str, Path]] = None) -> Path:
+            rows: Optional[dict[str, Path]] = None, contour: Any = None) -> Path:
     """:func:`compute`, then the Markdown report (:func:`evictlab.report.demo.write_report`); returns its path."""
     from evictlab.report.demo import write_report
 
     t0 = time.perf_counter()
-    analysis = compute(results, out_dir, cfg, log=log, cert_results=cert_results, rows=rows)
+    analysis = compute(results, out_dir, cfg, log=log, cert_results=cert_results, rows=rows, contour=contour)
     report = write_report(analysis, provenance or {})
     log(f"report: {report} ({time.perf_counter() - t0:.1f}s)")
     return report
@@ -475,3 +482,39 @@ def hardness_stage(cfg: AnalysisConfig, work: Path, log: Any) -> Any:
     if not trials.is_file():
         raise StageError(f"`evictlab {' '.join(args)}` wrote no {trials}; see its message above")
     return pl.read_parquet(trials)
+
+
+# --------------------------------------------------------------------------------------
+# the ContourKV section: a small evaluation grid in the decode loop (subprocess, resumable)
+# --------------------------------------------------------------------------------------
+@dataclass
+class ContourResult:
+    """The ContourKV section's inputs to the report: the grid as run, its results, the
+    claim rows and the per-comparison table of :func:`evictlab.eval.claims.contourkv_versus`."""
+
+    grid: dict[str, Any]
+    folder: Path
+    results: Any
+    claims: list[Any]
+    detail: Any
+
+
+def contour_stage(grid: dict[str, Any], work: Path, cfg: AnalysisConfig, log: Any) -> ContourResult:
+    """``evictlab eval run`` over ``grid`` (keys of :data:`evictlab.eval.claims.CONTOUR_FULL_GRID`)
+    into ``work`` (a rerun resumes it), then ContourKV against the other allocators at
+    matched bytes. A subprocess like stages 1-2, so its input errors name that command's
+    options."""
+    import polars as pl
+
+    from evictlab.eval.claims import contourkv_versus
+
+    args = ["eval", "run", "--models", ",".join(grid["models"]), "--tasks", ",".join(grid["tasks"]),
+            "--context", ",".join(map(str, grid["contexts"])), "--budgets", ",".join(grid["budgets"]),
+            "--methods", ",".join(grid["methods"]), "--modes", ",".join(grid["modes"]),
+            "--protocols", ",".join(grid["protocols"]), "--n", str(grid["n"]), "--seed", str(cfg.seed),
+            "--threads", str(cfg.threads), "--quiet", "--out", str(work)]
+    work.parent.mkdir(parents=True, exist_ok=True)
+    _evictlab(args, log)
+    results = pl.read_parquet(work / "results.parquet")
+    claims, detail = contourkv_versus(results, seed=cfg.seed, n_boot=cfg.n_boot)
+    return ContourResult(grid=dict(grid), folder=work, results=results, claims=claims, detail=detail)

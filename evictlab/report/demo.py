@@ -168,6 +168,36 @@ def _penalty_section(a: Any) -> list[str]:
     ]
 
 
+def _contour_section(a: Any) -> list[str]:
+    """ContourKV against the other allocators at matched bytes, in the decode loop."""
+    c = a.contour
+    if c is None:
+        return []
+    from evictlab.report.evaluation import full_cache_table
+
+    g = c.grid
+    ours = [r for r in c.claims if r.claim_id.startswith("contourkv:")]
+    return [
+        "## ContourKV at matched bytes (decode loop, physical)\n",
+        f"`evictlab eval run` into `{c.folder}`: models {', '.join(g['models'])}; tasks {', '.join(g['tasks'])}; "
+        f"context {', '.join(map(str, g['contexts']))} tokens; budgets {', '.join(g['budgets'])} kept entries per "
+        f"cell (cell = layer x KV head); methods {', '.join(g['methods'])}; {g['n']} seeded examples each; "
+        f"{', '.join(g['modes'])} mode (the paged store frees what is evicted: at one budget every arm holds the "
+        f"same bytes); {', '.join(g['protocols'])} protocol (the context is compressed before the question is "
+        "appended). ContourKV runs online: each compression measures the observation window's dropped-mass "
+        "profile per cell (docs/theory.md, ContourKV). Each comparison pits ContourKV against another allocator "
+        "with the same scorer on the same examples; per example the higher exact match wins, else the answer "
+        "log-probabilities within 0.1 nats tie; a comparison is won with more example wins than losses. "
+        "Weights: Q4 GGUF, dequantised.\n",
+        "The full cache on the same examples (read every comparison against it):\n",
+        md.table(full_cache_table(c.results, seed=a.cfg.seed, n_boot=a.cfg.n_boot).to_dicts()),
+        "Pooled (the `contourkv:` rows of the claims table above; intervals resample prompts):\n",
+        md.claims_table(ours),
+        "Per comparison (`tables/contourkv_comparisons.parquet`):\n",
+        md.table(c.detail.drop("protocol", "MiB_baseline_masked").to_dicts()) if c.detail.height else "none\n",
+    ]
+
+
 def sections(a: Any, provenance: dict[str, Any]) -> list[str]:
     """The report's sections, in order (claims table first)."""
     cfg, out = a.cfg, a.out
@@ -223,6 +253,7 @@ def sections(a: Any, provenance: dict[str, Any]) -> list[str]:
                                   ["predictor", "model", "s", "rows", "prompts", "auc_ci", "brier"],
                                   ["predictor", "evaluated on", "s", "rows", "prompts", "ROC AUC [95% CI]", "Brier"]),
                          _methods(a.transfer) + "\n"]
+    out_sections += _contour_section(a)
     if a.notes:
         out_sections += ["### Notes\n", "".join(f"- {n}\n" for n in a.notes)]
     out_sections += ["## Figures\n"] + [md.figure(f.png, f.caption, out) for f in a.figures]

@@ -82,6 +82,7 @@ def _verdicts(pairs: pl.DataFrame, kind: str) -> pl.DataFrame:
 
 def evaluation_markdown(results: pl.DataFrame, pairs: pl.DataFrame, *, rule: str, claims: Sequence[Any] = (),
                         enforcement: pl.DataFrame | None = None, margin: pl.DataFrame | None = None,
+                        contour: pl.DataFrame | None = None,
                         figures: Sequence[tuple[str, str]] = (), config: dict[str, Any] | None = None,
                         skipped: Sequence[dict[str, str]] = (), seed: int = 0, n_boot: int = 2000) -> str:
     """The grid's report (Markdown). ``figures``: ``(relative path, caption)``."""
@@ -138,6 +139,12 @@ def evaluation_markdown(results: pl.DataFrame, pairs: pl.DataFrame, *, rule: str
                   table(enforcement, digits=2), ""]
     if margin is not None and margin.height:
         lines += ["### Query-aware margin per comparison (points)", "", table(margin, digits=2), ""]
+    if contour is not None and contour.height:
+        lines += ["### ContourKV against the other allocators, same scorer, matched bytes (physical)", "",
+                  "One row per comparison, from ContourKV's side: example wins / ties / losses under the tie rule, "
+                  "the comparison's verdict (more example wins than losses), and the bytes each arm held (MiB; "
+                  "`MiB_baseline_masked`: the baseline held masked, where the grid ran it).", "",
+                  table(contour, digits=3), ""]
     if ev.height:
         lines += ["## Methods (means over examples)", "", table(_method_means(results), digits=3), ""]
     for kind, title in (("method", "Method pairs (same mode, same budget)"),

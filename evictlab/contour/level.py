@@ -1,0 +1,279 @@
+"""ContourKV's level search: the exact integer solution of ``sum_c b_c(tau) = E``.
+
+Each cell ``c`` has a dropped-mass profile ``D_c(b)`` (non-increasing in ``b`` after
+:func:`envelope`) given as piecewise-linear knots ``(x_cj, y_cj)``, ``x`` strictly rising
+(``b`` in entries), and ``room_c`` entries it may gain above its floor. At level ``tau`` it
+wants ``b_c(tau) = min{b : D_c(b) <= tau}`` extra entries (capped at ``room_c``).
+
+Equivalently, the ``k``-th extra entry of cell ``c`` (``k = 1..room_c``) is wanted exactly
+while ``tau < D_c(k - 1)``: its *priority* is ``D_c(k - 1)``, non-increasing in ``k``. So
+``b_c(tau)`` counts the cell's priorities above ``tau``, and the sizes whose total is
+exactly ``E`` are the ``E`` largest priorities over all cells, under the total order
+
+    priority descending, then k ascending, then cell ascending (layer-major),
+
+which breaks ties at the final level deterministically and spreads a tied plateau
+round-robin over the tied cells (one entry each, then the next). The level reached is
+``tau* = `` the ``E``-th priority. Because the winners for ``E + 1`` contain those for
+``E``, no cell shrinks when the budget grows.
+
+:func:`top_increments` finds them with a k-way merge (a binary heap over cells, each cell's
+priorities evaluated lazily while a pointer walks its knots): ``O((E + cells) log cells)``,
+never touching the entries it does not take. For large ``E`` it first jumps: everything
+above a level ``v`` precedes everything else in the order, so a bisection on ``v`` with exact
+per-cell counts (a bisection on ``k``, priorities evaluated exactly as the merge does) takes
+all but at most ``2 x cells`` of them at once, and the merge places the rest. :func:`top_increments_reference` enumerates
+every increment and sorts (the obviously-correct version it is tested against). Both
+evaluate a priority with the same float64 expression (:func:`_value`), so ties agree bit
+for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from evictlab.errors import InputError
+
+__all__ = ["envelope", "top_increments", "top_increments_reference"]
+
+
+def envelope(y: np.ndarray) -> np.ndarray:
+    """Running minimum along the last axis: the largest non-increasing profile below ``y``.
+
+    ``min{b : D(b) <= tau}`` is the same for ``D`` and its envelope (the first time ``D``
+    dips below ``tau`` is the first time its running minimum does), so nothing changes for
+    a monotone profile and a non-monotone one (e.g. predictor-weighted) gets priorities
+    that fall with ``k``.
+    """
+    return np.minimum.accumulate(np.asarray(y, dtype=np.float64), axis=-1)
+
+
+@njit(cache=True)
+def _value(x: np.ndarray, y: np.ndarray, c: int, j: int, nk: int, b: float) -> float:
+    """Cell ``c``'s profile at ``b`` on segment ``j`` (``x[c, j] <= b < x[c, j+1]``; clamped outside)."""
+    if j >= nk - 1 or b <= x[c, 0]:
+        return y[c, j] if b >= x[c, 0] else y[c, 0]
+    return y[c, j] + (y[c, j + 1] - y[c, j]) * ((b - x[c, j]) / (x[c, j + 1] - x[c, j]))
+
+
+@njit(cache=True)
+def _advance(x: np.ndarray, c: int, j: int, nk: int, b: float) -> int:
+    """The last knot index ``>= j`` of cell ``c`` with ``x <= b`` (``j`` if none): walks forward only."""
+    while j + 1 < nk and x[c, j + 1] <= b:
+        j += 1
+    return j
+
+
+@njit(cache=True)
+def _before(p1: float, k1: int, c1: int, p2: float, k2: int, c2: int) -> bool:
+    """Whether increment 1 comes before increment 2 (priority desc, k asc, cell asc)."""
+    if p1 != p2:
+        return p1 > p2
+    if k1 != k2:
+        return k1 < k2
+    return c1 < c2
+
+
+@njit(cache=True)
+def _sift_down(hp: np.ndarray, hk: np.ndarray, hc: np.ndarray, size: int, i: int) -> None:
+    while True:
+        left = 2 * i + 1
+        if left >= size:
+            return
+        best = left
+        right = left + 1
+        if right < size and _before(hp[right], hk[right], hc[right], hp[left], hk[left], hc[left]):
+            best = right
+        if not _before(hp[best], hk[best], hc[best], hp[i], hk[i], hc[i]):
+            return
+        hp[i], hp[best] = hp[best], hp[i]
+        hk[i], hk[best] = hk[best], hk[i]
+        hc[i], hc[best] = hc[best], hc[i]
+        i = best
+
+
+@njit(cache=True)
+def _segment(x: np.ndarray, c: int, nk: int, b: float) -> int:
+    """The last knot index of cell ``c`` with ``x <= b`` (0 if none), by bisection: the index
+    :func:`_advance` reaches from 0."""
+    if b < x[c, 0]:
+        return 0
+    lo, hi = 0, nk - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if x[c, mid] <= b:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@njit(cache=True)
+def _count_above(x: np.ndarray, y: np.ndarray, c: int, nk: int, room: int, v: float) -> int:
+    """How many of cell ``c``'s increments ``k = 1..room`` have priority ``D(k - 1) > v``
+    (a prefix, priorities fall with ``k``): bisection on ``k``, each priority evaluated exactly
+    as the merge evaluates it."""
+    lo, hi = 0, room
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        b = float(mid - 1)
+        if _value(x, y, c, _segment(x, c, nk, b), nk, b) > v:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@njit(cache=True)
+def _k_top_increments(x: np.ndarray, y: np.ndarray, n_knots: np.ndarray, room: np.ndarray, extra: int,
+                      jump_min: int) -> np.ndarray:
+    m = x.shape[0]
+    counts = np.zeros(m, dtype=np.int64)
+    if extra >= jump_min and m > 0:
+        # Jump start: every increment above a level v comes first in the total order, so all
+        # of them can be taken at once. Bisect v (exact counts per cell) until at most 2m
+        # increments remain; the merge below places those.
+        lo = np.inf
+        hi = -np.inf
+        for c in range(m):
+            if room[c] > 0:
+                top = _value(x, y, c, _segment(x, c, n_knots[c], 0.0), n_knots[c], 0.0)
+                b = float(room[c] - 1)
+                low = _value(x, y, c, _segment(x, c, n_knots[c], b), n_knots[c], b)
+                hi = max(hi, top)
+                lo = min(lo, low)
+        lo -= 1.0  # every increment is above lo; none is above hi
+        best = 0
+        for _ in range(60):
+            mid = 0.5 * (lo + hi)
+            if not lo < mid < hi:
+                break
+            total = 0
+            for c in range(m):
+                total += _count_above(x, y, c, n_knots[c], room[c], mid)
+            if total <= extra:
+                hi = mid
+                best = total
+                if extra - best <= 2 * m:
+                    break
+            else:
+                lo = mid
+        for c in range(m):
+            counts[c] = _count_above(x, y, c, n_knots[c], room[c], hi)
+        extra -= best
+    ptr = np.zeros(m, dtype=np.int64)
+    hp = np.empty(m)
+    hk = np.empty(m, dtype=np.int64)
+    hc = np.empty(m, dtype=np.int64)
+    size = 0
+    for c in range(m):
+        if counts[c] < room[c]:  # next increment of cell c: k = counts + 1, priority D(counts)
+            b = float(counts[c])
+            j = _segment(x, c, n_knots[c], b)
+            ptr[c] = j
+            hp[size] = _value(x, y, c, j, n_knots[c], b)
+            hk[size] = counts[c] + 1
+            hc[size] = c
+            size += 1
+    for i in range(size // 2 - 1, -1, -1):
+        _sift_down(hp, hk, hc, size, i)
+    for _ in range(extra):
+        c = hc[0]
+        k = hk[0]
+        counts[c] += 1
+        if k < room[c]:
+            b = float(k)  # the next increment is k + 1, priority D(k)
+            j = _advance(x, c, ptr[c], n_knots[c], b)
+            ptr[c] = j
+            hp[0] = _value(x, y, c, j, n_knots[c], b)
+            hk[0] = k + 1
+        else:
+            size -= 1
+            hp[0], hk[0], hc[0] = hp[size], hk[size], hc[size]
+        _sift_down(hp, hk, hc, size, 0)
+    return counts
+
+
+def _check(x: np.ndarray, y: np.ndarray, n_knots: np.ndarray, room: np.ndarray,
+           extra: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    x = np.ascontiguousarray(x, dtype=np.float64)
+    y = np.ascontiguousarray(y, dtype=np.float64)
+    nk = np.ascontiguousarray(n_knots, dtype=np.int64).reshape(-1)
+    rm = np.ascontiguousarray(room, dtype=np.int64).reshape(-1)
+    m = rm.size
+    if x.shape != y.shape or x.ndim != 2 or x.shape[0] != m or nk.size != m:
+        raise InputError("knots", f"x {x.shape}, y {y.shape}, {nk.size} knot counts for {m} cells",
+                         "pass (cells, K) knots and one count and one room per cell")
+    if (nk < 1).any() or (nk > x.shape[1]).any() or (rm < 0).any():
+        raise InputError("knots", "each cell needs 1..K knots and room >= 0", "check n_knots and room")
+    used = np.arange(x.shape[1])[None, :] < nk[:, None]
+    bad = (used & ~(np.isfinite(x) & np.isfinite(y))).any(axis=1)
+    bad |= (used[:, 1:] & (np.diff(x, axis=1) <= 0)).any(axis=1)
+    if bad.any():
+        raise InputError("knots", f"cell {int(np.argmax(bad))}: knots must be finite with strictly rising x",
+                         "fix the profile")
+    if not 0 <= int(extra) <= int(rm.sum()):
+        raise InputError("extra", f"{extra} entries to place, room for {int(rm.sum())}",
+                         "pass 0 <= extra <= the summed room")
+    return x, y, nk, rm, int(extra)
+
+
+def top_increments(x: np.ndarray, y: np.ndarray, n_knots: np.ndarray, room: np.ndarray, extra: int, *,
+                   validate: bool = True, jump_min: int | None = None) -> np.ndarray:
+    """Extra entries per cell: the ``extra`` largest priorities (module docstring).
+
+    Args:
+        x, y: float64 ``(cells, K)`` knots of each cell's profile (the first ``n_knots[c]``
+            of row ``c`` are used; ``x`` strictly rising, ``b`` in entries). Pass ``y``
+            through :func:`envelope` first so priorities fall with ``k``.
+        n_knots: int ``(cells,)``.
+        room: int ``(cells,)`` most extra entries a cell can take (cap minus floor).
+        extra: entries to place, ``0 <= extra <= room.sum()``.
+        validate: check the knots (finite, ``x`` strictly rising: ``O(cells x K)``); callers
+            that build knots that hold by construction pass False (shapes, counts, room and
+            ``extra`` are checked either way).
+        jump_min: from this many entries on (default ``64 x cells``), first take at once every
+            increment above a level found by bisection with exact per-cell counts
+            (``O(cells log(room) log K)`` per step), leaving at most ``2 x cells`` (or one
+            tied plateau) to the merge: the same result, a cost that no longer grows with
+            ``extra``.
+
+    Returns:
+        int64 ``(cells,)``, summing to ``extra``, ``0 <= counts <= room``.
+    """
+    jm = 64 * np.asarray(room).size if jump_min is None else int(jump_min)
+    if validate:
+        return _k_top_increments(*_check(x, y, n_knots, room, extra), jm)
+    nk = np.ascontiguousarray(n_knots, dtype=np.int64).reshape(-1)
+    rm = np.ascontiguousarray(room, dtype=np.int64).reshape(-1)
+    if x.shape != y.shape or x.ndim != 2 or x.shape[0] != rm.size or nk.size != rm.size or (nk < 1).any() \
+            or (nk > x.shape[1]).any() or (rm < 0).any() or not 0 <= int(extra) <= int(rm.sum()):
+        return _k_top_increments(*_check(x, y, n_knots, room, extra), jm)  # raises the precise error
+    return _k_top_increments(np.ascontiguousarray(x, dtype=np.float64), np.ascontiguousarray(y, dtype=np.float64),
+                             nk, rm, int(extra), jm)
+
+
+def top_increments_reference(x: np.ndarray, y: np.ndarray, n_knots: np.ndarray, room: np.ndarray,
+                             extra: int) -> np.ndarray:
+    """Plain numpy: every increment's priority, one lexsort, the first ``extra`` counted."""
+    x, y, nk, rm, extra = _check(x, y, n_knots, room, extra)
+    cells, ks, prio = [], [], []
+    for c in range(rm.size):
+        k = np.arange(1, rm[c] + 1)
+        b = (k - 1).astype(np.float64)
+        xs, ys = x[c, : nk[c]], y[c, : nk[c]]
+        j = np.clip(np.searchsorted(xs, b, side="right") - 1, 0, nk[c] - 1)
+        j1 = np.minimum(j + 1, nk[c] - 1)
+        inner = (j < nk[c] - 1) & (b > xs[0])
+        with np.errstate(invalid="ignore", divide="ignore"):
+            lin = ys[j] + (ys[j1] - ys[j]) * ((b - xs[j]) / (xs[j1] - xs[j]))
+        val = np.where(inner, lin, np.where(b >= xs[0], ys[j], ys[0]))
+        cells.append(np.full(k.size, c))
+        ks.append(k)
+        prio.append(val)
+    if not cells:
+        return np.zeros(0, dtype=np.int64)
+    c_all, k_all, p_all = np.concatenate(cells), np.concatenate(ks), np.concatenate(prio)
+    order = np.lexsort((c_all, k_all, -p_all))[:extra]
+    return np.bincount(c_all[order], minlength=rm.size).astype(np.int64)

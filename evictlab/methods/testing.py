@@ -1,0 +1,82 @@
+"""Helpers that let registry-driven tests call every allocator on hand-made inputs.
+
+Most allocators need only :class:`~evictlab.methods.base.AllocInputs`; some need more:
+``contourkv`` (online) reads the observation window's profile (``needs``), and
+``contourkv_pred`` a fitted predictor file. :func:`allocator_for_tests` builds any registered
+allocator with what it requires, and :func:`with_needs` adds to hand-made inputs what the
+decode loop would compute (seeded, realistic: the tail masses of random attention rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from evictlab.methods.base import AllocInputs, Allocator, WindowProfile
+
+__all__ = ["example_predictor", "example_window", "allocator_for_tests", "with_needs"]
+
+_DIR: Path | None = None
+
+
+def example_predictor(folder: str | Path | None = None, coef: float = 2.0, intercept: float = -1.0) -> Path:
+    """A mass-only predictor file (``evictlab.stats.predictors`` JSON): probability of a
+    significant gap ``sigmoid(coef * (m - 0.5) / 0.25 + intercept)`` at dropped mass ``m``."""
+    from evictlab.stats.predictors import Predictor
+
+    global _DIR
+    if folder is None:
+        _DIR = _DIR or Path(tempfile.mkdtemp(prefix="evictlab-test-"))
+        folder = _DIR
+    path = Path(folder) / f"predictor-{coef}-{intercept}.json"
+    if not path.exists():
+        Predictor(["dropped_mass"], [0.5], [0.25], [coef], intercept, 1.0, 0.0, 1.11,
+                  {"trained_on": "hand-made test predictor"}).save(path)
+    return path
+
+
+def allocator_for_tests(name: str, **params: Any) -> Allocator:
+    """``make_allocator(name, **params)``, adding a hand-made predictor for ``contourkv_pred``."""
+    from evictlab.methods import make_allocator
+
+    if name == "contourkv_pred" and "predictor" not in params and "profile" not in params:
+        params["predictor"] = example_predictor()
+    return make_allocator(name, **params)
+
+
+def example_window(inputs: AllocInputs, seed: int = 0, rows: int = 8) -> WindowProfile:
+    """A window profile for ``inputs``: per cell, ``rows`` random attention rows over its held
+    entries (softmax of Gaussian logits with a per-cell temperature, so cells differ from
+    peaked to flat), through :func:`evictlab.contour.profile.tail_mass`."""
+    from evictlab.contour.profile import normalised_entropy, tail_mass
+
+    gen = torch.Generator().manual_seed(seed)
+    batch = inputs.scores[0].shape[0]
+    tails = []
+    ent = np.zeros((batch, inputs.n_layers, inputs.kv_heads))
+    for l, sc in enumerate(inputs.scores):
+        t = np.zeros((batch, inputs.kv_heads, sc.shape[2] + 1))
+        for b in range(batch):
+            for h in range(inputs.kv_heads):
+                n = int(inputs.lengths[l, h])
+                if n == 0:
+                    t[b, h, 0] = 1.0
+                    continue
+                scale = float(torch.rand((), generator=gen)) * 4.0
+                p = torch.softmax(torch.randn(rows, n, generator=gen, dtype=torch.float64) * scale, -1)
+                t[b, h, :n + 1] = tail_mass(p).mean(0)
+                ent[b, l, h] = float(normalised_entropy(p, np.full(rows, n)).mean())
+        tails.append(t)
+    return WindowProfile(tuple(tails), ent)
+
+
+def with_needs(allocator: Allocator, inputs: AllocInputs, seed: int = 0) -> AllocInputs:
+    """``inputs`` plus what ``allocator.needs`` asks the decode loop for (:func:`example_window`)."""
+    if "window_profile" in allocator.needs and inputs.window is None:
+        return dataclasses.replace(inputs, window=example_window(inputs, seed))
+    return inputs

@@ -1,0 +1,184 @@
+"""ContourKV against the allocators on hand-made result tables (no model): pairing, the
+paper's rows, and the prompt-clustered intervals."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pytest
+
+from evictlab.eval.claims import _boot_counts, _counts, contour_outcomes, contourkv_versus
+from evictlab.eval.runner import RESULT_COLUMNS
+
+
+def _rows(method: str, em: list[float], lp: list[float], *, budget: str = "128/cell", task: str = "needle",
+          mode: str = "physical", model: str = "m", bytes_live: int = 100) -> list[dict[str, Any]]:
+    full = method == "full"
+    scorer, _, alloc = method.partition("+")
+    out = []
+    for i, (e, l) in enumerate(zip(em, lp)):
+        out.append({c: None for c in RESULT_COLUMNS} | {
+            "model": model, "task": task, "context": 1024, "method": method, "mode": "full" if full else mode,
+            "scorer": None if full else scorer, "allocator": None if full else (alloc or "uniform"),
+            "protocol": "none" if full else "query-agnostic", "budget": None if full else budget,
+            "example": i, "exact_match": e, "answer_logprob": l, "bytes_live": bytes_live,
+        })
+    return out
+
+
+def _frame(*parts: list[dict[str, Any]]) -> pl.DataFrame:
+    return pl.DataFrame([r for p in parts for r in p], schema=RESULT_COLUMNS)
+
+
+def test_outcomes_pair_contour_with_the_same_scorer_physical_from_contours_side() -> None:
+    res = _frame(
+        _rows("snapkv", [1, 0, 0], [-1, -2, -3]),                 # listed first: still arm B
+        _rows("snapkv+contourkv", [0, 1, 0], [-1, -1, -3.05]),
+        _rows("snapkv+adakv", [0, 0, 1], [-1, -1, -1]),
+        _rows("kvzip", [1, 1, 1], [0, 0, 0]),                     # another scorer: never paired with snapkv's
+        _rows("snapkv+adakv", [0, 0, 1], [-1, -1, -1], mode="masked", bytes_live=1000),
+        _rows("full", [1, 1, 1], [0, 0, 0]),
+    )
+    o = contour_outcomes(res)
+    assert set(o["baseline"]) == {"snapkv", "snapkv+adakv"} and set(o["method"]) == {"snapkv+contourkv"}
+    vs_uniform = o.filter(pl.col("baseline") == "snapkv").sort("example")
+    assert vs_uniform["outcome"].to_list() == [-1, 1, 0]        # em, em, log-prob within 0.1
+    vs_ada = o.filter(pl.col("baseline") == "snapkv+adakv").sort("example")
+    assert vs_ada["outcome"].to_list() == [0, 1, -1]
+    assert vs_ada["baseline_masked_bytes"].to_list() == [1000] * 3  # the masked audit's bytes, beside
+    assert (o["bytes_live"] == o["bytes_live_b"]).all()
+
+
+def test_counts_and_the_paper_rows() -> None:
+    res = _frame(
+        # KVzip: contour wins at 64, ties at 128, loses at 256
+        *[_rows("kvzip+contourkv", em, [-1] * 3, budget=b) for b, em in
+          (("64/cell", [1, 1, 0]), ("128/cell", [1, 0, 0]), ("256/cell", [0, 0, 0]))],
+        *[_rows("kvzip+adakv", em, [-1] * 3, budget=b) for b, em in
+          (("64/cell", [0, 0, 0]), ("128/cell", [0, 1, 0]), ("256/cell", [1, 0, 0]))],
+        # SnapKV at 128 on needle: contour wins 2 of 4 examples, loses 1
+        _rows("snapkv+contourkv", [1, 1, 0, 0], [-1, -1, -1, -1]),
+        _rows("snapkv", [0, 0, 1, 0], [-1, -1, -1, -1.05]),
+        # Compactor: all ties
+        _rows("compactor+contourkv", [1, 0], [-1, -2]), _rows("compactor", [1, 0], [-1, -2]),
+        _rows("full", [1, 1, 1, 1], [0, 0, 0, 0]),
+    )
+    claims, detail = contourkv_versus(res, n_boot=200)
+    by = {c.claim_id: c for c in claims}
+    kv = by["contourkv:vs_kvzip"]
+    assert "1 wins / 1 ties / 1 losses over 3 comparisons" in kv.our_value and "93 wins" in kv.paper_value
+    sn = by["contourkv:vs_snapkv_retrieval_128"]
+    assert "win rate 0.50-0.50 vs 0.25-0.25" in sn.our_value and "0.37-1.00" in sn.paper_value
+    cp = by["contourkv:ties_compactor"]
+    assert "0 wins / 1 ties / 0 losses over 1 comparison;" in cp.our_value and "share tied 1.00 [1.00, 1.00]" in cp.our_value
+    assert "contourkv:contourkv_vs_adakv" in by and "contourkv:contourkv_vs_uniform" in by
+    assert detail.height == 5 and set(detail["verdict"]) == {"win", "tie", "loss"}
+    assert detail.filter(pl.col("scorer") == "kvzip").sort("budget")["verdict"].to_list() == ["tie", "loss", "win"]  # 128, 256, 64
+    assert (detail["full_em"] == 1.0).all()
+
+
+def test_missing_arms_say_not_run() -> None:
+    res = _frame(_rows("snapkv+contourkv", [1], [-1], budget="64/cell"), _rows("snapkv", [0], [-1], budget="64/cell"))
+    by = {c.claim_id: c for c in contourkv_versus(res, n_boot=50)[0]}
+    assert by["contourkv:vs_kvzip"].our_value == "not run" and by["contourkv:ties_compactor"].verdict == "no data"
+    assert by["contourkv:vs_snapkv_retrieval_128"].our_value == "not run"  # 64/cell only
+    assert contourkv_versus(_frame(_rows("snapkv", [1], [-1])))[0] == []
+
+
+def test_bootstrap_resamples_prompts_with_all_their_budgets() -> None:
+    # example 0 wins at both budgets, example 1 loses at both: on every resample the two
+    # comparisons move together (same draw of prompts), so (2,0,0), (0,2,0) or (0,0,2)
+    res = _frame(*[_rows("snapkv+contourkv", [1, 0], [-1, -1], budget=b) for b in ("64/cell", "128/cell")],
+                 *[_rows("snapkv", [0, 1], [-1, -1], budget=b) for b in ("64/cell", "128/cell")])
+    o = contour_outcomes(res)
+    assert _counts(o).tolist() == [0, 2, 0]
+    boot = _boot_counts(o, 0, "t", 500)
+    assert {tuple(r) for r in boot.tolist()} == {(2, 0, 0), (0, 2, 0), (0, 0, 2)}
+    assert (boot.sum(1) == 2).all()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_bootstrap_counts_match_a_direct_resample(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    parts = []
+    for b in ("32/cell", "64/cell", "128/cell"):
+        parts += [_rows("snapkv+contourkv", rng.integers(0, 2, 5).tolist(), [-1] * 5, budget=b),
+                  _rows("snapkv", rng.integers(0, 2, 5).tolist(), [-1] * 5, budget=b)]
+    o = contour_outcomes(_frame(*parts))
+    boot = _boot_counts(o, seed, "k", 300)
+    # the same draws, applied row by row: resample example indices, recount each comparison
+    from evictlab.stats.bootstrap import rng_for
+
+    draws = rng_for(seed, "k").integers(0, 5, size=(300, 5))
+    outcome = {(r["budget"], r["example"]): r["outcome"] for r in o.to_dicts()}
+    for d, got in zip(draws, boot):
+        sums = [sum(outcome[(b, int(e))] for e in d) for b in ("32/cell", "64/cell", "128/cell")]
+        assert got.tolist() == [sum(s > 0 for s in sums), sum(s == 0 for s in sums), sum(s < 0 for s in sums)]
+
+
+def test_traced_grid_writes_the_per_compression_diagnostics(tmp_path) -> None:
+    """``trace=True``: every evicting cell's compressions, labelled by cell and example, in
+    parts/<key>.trace.parquet and trace.parquet; the cell keys of untraced grids are unchanged."""
+    import torch
+
+    from evictlab.capture.testing import save_tiny_folder
+    from evictlab.eval.grid import TRACE, run_grid, trace_path
+    from evictlab.eval.spec import GridSpec, LoopSettings
+
+    torch.set_num_threads(1)
+    model = tmp_path / "llama"
+    save_tiny_folder(model, "llama")
+    # small pools (12 kept of a short window) keep the trace's ES_hat enumeration cheap
+    kw = dict(models=[str(model)], tasks=["needle"], contexts=[128], methods=["snapkv+contourkv", "snapkv"],
+              budgets=["12"], n=2, seed=1, loop=LoopSettings(chunk_size=64, recent=4, window=8))
+    plain, traced = GridSpec.build(**kw), GridSpec.build(**kw, trace=True)
+    assert "trace" not in plain.to_dict() and all("trace" not in c.to_dict() for c in plain.cells())
+    assert [c.key for c in plain.cells()][0] == [c.key for c in traced.cells()][0]  # the full cell: no trace
+    run_grid(traced, tmp_path / "g")
+    t = pl.read_parquet(tmp_path / "g" / TRACE)
+    cells = [c for c in traced.cells() if not c.is_full]
+    assert set(t["cell"]) == {c.key for c in cells} and set(t["example"]) == {0, 1}
+    for c in cells:
+        part = pl.read_parquet(trace_path(tmp_path / "g", c))
+        assert part.height and (part["kept"] <= part["held"]).all()
+        # after each compression the cells hold the budget in total (12 per cell on average)
+        per = part.group_by(["example", "compression"]).agg(pl.col("kept").sum())
+        assert (per["kept"] == 12 * part.select("layer", "kv_head").unique().height).all()
+        assert part["es_hat"].drop_nulls().len() > 0  # the selection ceiling was measured
+    res = pl.read_parquet(tmp_path / "g" / "results.parquet")
+    assert res.filter(pl.col("method") != "full")["compressions"].min() >= 1
+
+
+def test_claim_script_runs_model_grids_and_publishes_rows(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """paper_repro/claim_contourkv.py on the tiny model: one grid per model plus its masked
+    grid, ContourKV's rows in claims.json (replaced, not duplicated, on a rerun)."""
+    import importlib
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from evictlab.capture.testing import save_tiny_folder
+
+    torch.set_num_threads(1)
+    model = tmp_path / "llama"
+    save_tiny_folder(model, "llama")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "paper_repro"))
+    script = importlib.import_module("claim_contourkv")
+    argv = ["--models", str(model), "--tasks", "needle", "--contexts", "160", "--budgets", "24", "--n", "2",
+            "--methods", "snapkv+contourkv,snapkv,snapkv+adakv", "--masked-methods", "snapkv+adakv",
+            "--chunk", "64", "--n-boot", "50", "--grid", str(tmp_path / "g"), "--out", str(tmp_path / "out"),
+            "--figures", str(tmp_path / "figs")]
+    assert script.main(argv) == 0
+    assert (tmp_path / "g" / "llama" / "results.parquet").is_file()
+    assert (tmp_path / "g" / "llama-masked" / "results.parquet").is_file()
+    rows = json.loads((tmp_path / "out" / "claims.json").read_text())
+    ids = {r["claim_id"] for r in rows}
+    assert {"contourkv:contourkv_vs_uniform", "contourkv:contourkv_vs_adakv", "contourkv:vs_kvzip"} <= ids
+    detail = (tmp_path / "out" / "contourkv_detail.md").read_text()
+    assert "snapkv+adakv" in detail and "MiB_baseline_masked" in detail
+    assert (tmp_path / "figs" / "contourkv_accuracy_vs_bytes.png").is_file()
+    assert script.main(argv) == 0
+    assert len(json.loads((tmp_path / "out" / "claims.json").read_text())) == len(rows)
