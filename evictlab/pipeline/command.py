@@ -9,7 +9,7 @@ from typing import List, Optional
 import typer
 
 from evictlab.errors import InputError
-from evictlab.pipeline.stages import AnalysisConfig, CaptureSpec, analyse, contour_stage, parse_budgets, rows_and_results
+from evictlab.pipeline.stages import AnalysisConfig, CaptureSpec, analyse, contour_finish, contour_start, parse_budgets, rows_and_results
 
 #: Default (demo) sizes per model, measured to fit the time bars on the 2-core machine
 #: (docs/reproduction.md): 8 prompts from 8 different plays per model; Gemma 3 has fewer
@@ -134,43 +134,53 @@ def demo(
     cert_paths: Optional[list[Path]] = None
     rows: dict[str, Path] = {}
     inputs: dict[str, dict[str, str]] = {"results": {}, "rows": {}, "certified": {}, "certified_rows": {}}
-    if results:
-        result_paths = list(results)
-        facts["input"] = "given solver results: " + ", ".join(map(str, results))
-    else:
-        specs = job_specs(full, synthetic, model, second_model, context, positions, prompts, seed)
-        result_paths = []
-        for spec in specs:
-            res, rows[spec.label()] = rows_and_results(spec, cfg, False, out / "results" / f"{spec.label()}.parquet",
-                                                       runs, resolve, timings, facts, log)
-            result_paths.append(res)
-        if certify:
-            cspec = cert_spec(specs[0], seed)
-            # the short rows always get the all-key search too (cheap at n <= 48; it also seeds
-            # the certificate): the report's beyond-the-pool section compares all three there
-            ccfg = AnalysisConfig(budgets=tuple(b for b in cfg.budgets if b <= CERT_MAX_S) or (4,), pool=cfg.pool,
-                                  threads=threads, search="all")
-            cres, crows = rows_and_results(cspec, ccfg, True, out / "certified" / f"{cspec.label()}.parquet",
-                                           runs, resolve, timings, facts, log, tag="certification ")
-            cert_paths = [cres]
-            inputs["certified"][cspec.label()], inputs["certified_rows"][cspec.label()] = str(cres), str(crows)
-    inputs["results"] = {p.stem: str(p) for p in result_paths}
-    inputs["rows"] = {m: str(p) for m, p in rows.items()}
-    from evictlab.io import atomic_write_json
-
-    # which files each claim reads (paper_repro/ uses it): main results, their rows, the certification pass
-    atomic_write_json(out / "inputs.json", inputs)
-    contour_result = None
+    contour_job = None
     if contour and not synthetic and not results:
         from evictlab.eval.claims import CONTOUR_FULL_GRID
 
+        # the grid needs only the model: it runs on a second core beside capture and solve
         grid = dict(CONTOUR_FULL_GRID) if full else {**DEMO_CONTOUR, "models": [model]}
-        t_c = time.perf_counter()
-        contour_result = contour_stage(grid, out / "contourkv", cfg, log)
-        timings["contourkv grid"] = time.perf_counter() - t_c
-        facts["contourkv grid"] = f"`{out / 'contourkv'}` (`evictlab eval run`, {grid['n']} examples per cell)"
-    elif contour:
-        facts["contourkv grid"] = "not run (it needs a model: --synthetic and --results skip it)"
+        contour_job = contour_start(grid, out / "contourkv", cfg, log)
+    try:
+        if results:
+            result_paths = list(results)
+            facts["input"] = "given solver results: " + ", ".join(map(str, results))
+        else:
+            specs = job_specs(full, synthetic, model, second_model, context, positions, prompts, seed)
+            result_paths = []
+            for spec in specs:
+                res, rows[spec.label()] = rows_and_results(spec, cfg, False, out / "results" / f"{spec.label()}.parquet",
+                                                           runs, resolve, timings, facts, log)
+                result_paths.append(res)
+            if certify:
+                cspec = cert_spec(specs[0], seed)
+                # the short rows always get the all-key search too (cheap at n <= 48; it also seeds
+                # the certificate): the report's beyond-the-pool section compares all three there
+                ccfg = AnalysisConfig(budgets=tuple(b for b in cfg.budgets if b <= CERT_MAX_S) or (4,), pool=cfg.pool,
+                                      threads=threads, search="all")
+                cres, crows = rows_and_results(cspec, ccfg, True, out / "certified" / f"{cspec.label()}.parquet",
+                                               runs, resolve, timings, facts, log, tag="certification ")
+                cert_paths = [cres]
+                inputs["certified"][cspec.label()], inputs["certified_rows"][cspec.label()] = str(cres), str(crows)
+        inputs["results"] = {p.stem: str(p) for p in result_paths}
+        inputs["rows"] = {m: str(p) for m, p in rows.items()}
+        from evictlab.io import atomic_write_json
+
+        # which files each claim reads (paper_repro/ uses it): main results, their rows, the certification pass
+        atomic_write_json(out / "inputs.json", inputs)
+        contour_result = None
+        if contour_job is not None:
+            t_c = time.perf_counter()
+            contour_result = contour_finish(contour_job, cfg, log)
+            timings["contourkv grid"] = time.perf_counter() - contour_job.t0
+            timings["contourkv grid (waited)"] = time.perf_counter() - t_c
+            facts["contourkv grid"] = (f"`{out / 'contourkv'}` (`evictlab eval run`, {contour_job.grid['n']} examples per "
+                                       "cell; run beside capture and solve, on a second core)")
+        elif contour:
+            facts["contourkv grid"] = "not run (it needs a model: --synthetic and --results skip it)"
+    finally:
+        if contour_job is not None:
+            contour_job.stop()  # a failed or interrupted job stops the grid too; a rerun resumes it
     t_an = time.perf_counter()
     report = analyse(result_paths, out, cfg, {"facts": facts}, log=log, cert_results=cert_paths,
                      rows=rows or None, contour=contour_result)
