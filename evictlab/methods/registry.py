@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
 from evictlab.errors import InputError
-from evictlab.methods import allocators, scorers
+from evictlab.methods import allocators, scorers, trimkv
 from evictlab.methods.base import Allocator, Scorer
 from evictlab.methods.params import build, settable_params
 from evictlab.models.geometry import RopeSpec, rope_spec_of
@@ -28,6 +28,7 @@ REGISTRY: dict[str, Callable[..., Scorer]] = {
     "kvzip": scorers.KVzip,
     "compactor": scorers.Compactor,
     "oracle": scorers.Oracle,
+    "trimkv": trimkv.TrimKV,
 }
 """Scorer name -> scorer dataclass; ``make_scorer(name, **params)`` builds one."""
 
@@ -35,6 +36,7 @@ ALLOCATORS: dict[str, type[Allocator]] = {
     "uniform": allocators.Uniform,
     "pyramidkv": allocators.PyramidKV,
     "adakv": allocators.AdaKV,
+    "global": allocators.Global,
 }
 """Allocator name -> allocator dataclass; ``make_allocator(name, **params)`` builds one."""
 
