@@ -75,13 +75,15 @@ def train(
                              "file:PATH or jsonl:PATH:FIELD"),
     text_fraction: float = typer.Option(0.5, "--text-fraction", help="share of text windows; the rest are "
                                         "synthetic tasks"),
+    dtype: str = typer.Option("auto", "--dtype", help="dtype of the frozen model while training: auto (bfloat16 "
+                              "on CUDA and on CPUs with bfloat16 matrix units, else float32), float32 or bfloat16"),
     seed: int = typer.Option(0, "--seed"),
     checkpoint_every: int = typer.Option(10, "--checkpoint-every", help="steps between checkpoints"),
     overwrite: bool = typer.Option(False, "--overwrite", help="start over in an --out that holds gates or a checkpoint"),
 ) -> None:
     """Train retention gates on a frozen model; resumable (rerun the same command after a kill)."""
     from evictlab.gates.data import DataSpec
-    from evictlab.gates.train import Recipe
+    from evictlab.gates.train import DTYPES, Recipe, resolve_dtype
     from evictlab.io import exclusive_lock
     from evictlab.models.loading import check_device
     from evictlab.report.record import RunRecord
@@ -89,11 +91,13 @@ def train(
     # Everything the user typed, checked before the model loads.
     if threads < 0:
         raise InputError("--threads", f"must be >= 0, got {threads}", "pass 0 (torch default) or a thread count")
+    if dtype not in ("auto", *DTYPES):
+        raise InputError("--dtype", f"unknown dtype {dtype!r}", f"use one of: auto, {', '.join(DTYPES)}")
+    dev = check_device(device)
     recipe = Recipe(steps=steps, batch=batch, lr=lr, warmup=warmup, capacity=capacity, capacity_weight=capacity_weight,
                     intermediate=intermediate, bias_init=bias_init, shared=not local, seed=seed,
-                    checkpoint_every=checkpoint_every,
+                    checkpoint_every=checkpoint_every, dtype=resolve_dtype(dtype, dev),
                     data=DataSpec(seq_len=seq_len, text=text, text_fraction=text_fraction))
-    check_device(device)
     out = _prepare_out(out, overwrite)
     if recipe.data.text_fraction > 0:
         from evictlab.capture.texts import load_text_source
@@ -121,7 +125,7 @@ def _train_locked(model_name: str, out: Path, recipe: Any, device: str, threads:
 
     if threads > 0:
         torch.set_num_threads(threads)
-    lm, tok = load_model(model_name, device=device)
+    lm, tok = load_model(model_name, device=device, dtype=getattr(torch, recipe.dtype))
     if overwrite and out.exists():
         _clear(out)
     bar = tqdm(total=recipe.steps, unit="step", desc=f"gates {'shared' if recipe.shared else 'local'}")

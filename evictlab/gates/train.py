@@ -3,6 +3,8 @@
 One step (``batch`` sequences of ``seq_len`` tokens from :class:`~evictlab.gates.data.
 TrainingData`):
 
+0. the frozen model runs in the recipe's ``dtype`` (bfloat16 where matrix units make it
+   several times faster; the gates, the bias and the losses are float32 whatever it is);
 1. teacher: the frozen model, no gates, no grad: logits ``(b, T, V)``;
 2. student: the same model inside :func:`~evictlab.gates.hooks.gated_attention` (every
    attention logit gets ``(t - i) log beta_i``): logits, and every layer's ``log beta``;
@@ -41,7 +43,24 @@ from evictlab.gates.hooks import gated_attention
 from evictlab.gates.loss import capacity_loss, distillation_terms, retained_mass
 from evictlab.gates.modules import GateSpec, RetentionGates
 
-__all__ = ["Recipe", "StepLog", "TrainResult", "train_gates"]
+__all__ = ["DTYPES", "Recipe", "StepLog", "TrainResult", "resolve_dtype", "train_gates"]
+
+DTYPES = ("float32", "bfloat16")
+
+
+def resolve_dtype(name: str, device: torch.device) -> str:
+    """``--dtype``: ``auto`` is ``bfloat16`` on CUDA (when supported) and on CPUs whose flags
+    include ``amx_bf16`` or ``avx512_bf16`` (bfloat16 matrix units: several times faster
+    than float32 there), else ``float32`` (bfloat16 is emulated, slower, elsewhere)."""
+    if name != "auto":
+        return name
+    if device.type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return "float32"
+    return "bfloat16" if {"amx_bf16", "avx512_bf16"} & set(flags) else "float32"
 
 
 @dataclass(frozen=True)
@@ -64,6 +83,9 @@ class Recipe:
     shared: bool = True
     seed: int = 0
     checkpoint_every: int = 10
+    #: dtype of the frozen model during training (the gates are always float32):
+    #: ``bfloat16`` where matrix units make it fast (CUDA, CPUs with AMX/AVX512-BF16), else ``float32``
+    dtype: str = "float32"
     data: DataSpec = field(default_factory=DataSpec)
 
     def __post_init__(self) -> None:
@@ -85,6 +107,8 @@ class Recipe:
                              "use the defaults")
         if self.seed < 0:
             raise InputError("--seed", f"must be >= 0, got {self.seed}", "pass 0 or more")
+        if self.dtype not in DTYPES:
+            raise InputError("--dtype", f"unknown dtype {self.dtype!r}", f"use one of: auto, {', '.join(DTYPES)}")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -208,8 +232,12 @@ def train_gates(
     caller holds the folder's write lock.
     """
     out = Path(out)
-    out.mkdir(exist_ok=True)
     device = next(model.parameters()).device
+    have = str(next(model.parameters()).dtype).removeprefix("torch.")
+    if have != recipe.dtype:
+        raise InputError("--dtype", f"the recipe trains with a {recipe.dtype} model, this one is {have}",
+                         f"load the model as {recipe.dtype} (load_model(..., dtype=torch.{recipe.dtype}))")
+    out.mkdir(exist_ok=True)
     spec = GateSpec.for_model(model, intermediate=recipe.intermediate, shared=recipe.shared,
                               bias_init=recipe.bias_init)
     fp = fingerprint(model_name, spec, recipe)
