@@ -59,7 +59,9 @@ def save_gates(folder: str | os.PathLike[str], gates: RetentionGates, meta: dict
     weights = folder / WEIGHTS_FILE
     state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in gates.state_dict().items()}
     with atomic_path(weights, suffix=".safetensors") as tmp:
-        save_file(state, str(tmp), metadata={"format": FORMAT, "version": str(FORMAT_VERSION)})
+        # One metadata key: safetensors writes a metadata map in hash order, so two keys
+        # could be written in either order and the same gates would not give the same bytes.
+        save_file(state, str(tmp), metadata={"format": f"{FORMAT}/{FORMAT_VERSION}"})
     config = {**meta, "format": FORMAT, "version": FORMAT_VERSION, "spec": gates.spec.to_dict(),
               "sha256": sha256_file(weights)}
     atomic_write_json(folder / CONFIG_FILE, config)
