@@ -174,8 +174,13 @@ def test_trimkv_global_physical_equals_masked_and_frees(tiny_gates, family: str,
     g = torch.Generator().manual_seed(0)
     ctx, q, a = (torch.randint(3, 256, (1, n), generator=g) for n in (150, 5, 12))
     params = {"gates": str(gates)}
+    config = model.config.to_dict()
     phys = _run(model, ctx, q, a, scorer_params=params)
     mask = _run(model, ctx, q, a, scorer_params=params, mode="masked")
+    from evictlab.models.sites import find_attention_sites
+
+    assert model.config.to_dict() == config  # the gates are hooks, never configuration
+    assert all(not s.module._forward_pre_hooks for s in find_attention_sites(model))  # removed after the run
     torch.testing.assert_close(phys.logits, mask.logits, rtol=1e-4, atol=1e-4)
     cells = model.config.num_hidden_layers * model.config.num_key_value_heads
     assert phys.compressions >= 3

@@ -56,15 +56,15 @@ def _clear(out: Path) -> None:
 def train(
     model: str = typer.Option("smollm2-135m", "--model", help="registry name, local HF folder or hub id"),
     out: Path = typer.Option(..., "--out", help="folder for the gates (created; a checkpoint in it is resumed)"),
-    steps: int = typer.Option(120, "--steps", help="optimizer steps"),
+    steps: int = typer.Option(60, "--steps", help="optimizer steps"),
     local: bool = typer.Option(False, "--local", help="ablation: one final projection per layer (default: one "
                                "shared by all layers)"),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda (or cuda:N)"),
     threads: int = typer.Option(0, "--threads", help="CPU threads of the computation (torch) (0 = the library "
                                 "default, all cores)"),
     batch: int = typer.Option(1, "--batch", help="sequences per step"),
-    seq_len: int = typer.Option(512, "--seq-len", help="tokens per training sequence"),
-    lr: float = typer.Option(1e-2, "--lr", help="AdamW learning rate (after a linear warmup)"),
+    seq_len: int = typer.Option(256, "--seq-len", help="tokens per training sequence"),
+    lr: float = typer.Option(3e-2, "--lr", help="AdamW learning rate (after a linear warmup)"),
     warmup: int = typer.Option(10, "--warmup", help="warmup steps"),
     capacity: int = typer.Option(64, "--capacity", help="M: entries per KV head of the training budget "
                                  "(M_global = layers x KV heads x M)"),

@@ -42,7 +42,7 @@ MIN_TASK_SEQ_LEN = 192
 class DataSpec:
     """What the gates are trained on (recorded in gates.json)."""
 
-    seq_len: int = 512
+    seq_len: int = 256
     text: str = "shakespeare"
     text_fraction: float = 0.5
     tasks: tuple[str, ...] = ("needle", "multi_needle", "multi_key", "variable_tracking")
@@ -52,7 +52,7 @@ class DataSpec:
         from evictlab.capture.texts import is_text_source
 
         if self.seq_len < 16:
-            raise InputError("--seq-len", f"{self.seq_len} tokens is too short", "use at least 16 (512 in the recipe)")
+            raise InputError("--seq-len", f"{self.seq_len} tokens is too short", "use at least 16 (256 in the recipe)")
         if not 0.0 <= self.text_fraction <= 1.0:
             raise InputError("--text-fraction", f"{self.text_fraction} is not in [0, 1]", "use e.g. 0.5")
         if not is_text_source(self.text):
