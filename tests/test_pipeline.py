@@ -15,9 +15,9 @@ from evictlab.stats.planted import planted_results
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("run")
-    df = pl.concat([planted_results(400, seed=1),
-                    planted_results(300, seed=2, model="planted-b", a=-1.0, b=3.0)])
-    cert = planted_results(200, budgets=(4, 8), seed=3, certify=True)
+    df = pl.concat([planted_results(400, seed=1, search_all=True),
+                    planted_results(300, seed=2, model="planted-b", a=-1.0, b=3.0, search_all=True)])
+    cert = planted_results(200, budgets=(4, 8), seed=3, certify=True, search_all=True)
     analyse(df, out, AnalysisConfig(n_boot=50, n_boot_cells=20, hardness_trials=4, hardness_size=6),
             log=lambda m: None, cert_results=cert)
     return out
@@ -33,11 +33,13 @@ def test_report_written_with_claims_and_definitions(run_dir: Path) -> None:
                    "cluster bootstrap that resamples prompts, then rows", "interval method",
                    "Interval method: `cluster bootstrap: prompt > row", "row bootstrap (comparison only)",
                    "cluster bootstrap: model > prompt > row (2 models", "### Pooled over models",
-                   "How much of the variation is between prompts", "ICC gap closed (ranks)"):
+                   "How much of the variation is between prompts", "ICC gap closed (ranks)",
+                   "## The selection ceiling beyond the candidate pool", "all-key search [95% CI]",
+                   "bracket of the median true ceiling", "| certification pass | planted | 8 |"):
         assert needle in text, needle
     # every figure the report links exists and is non-empty, as PNG and PDF
     links = [line.split("](")[1].split(")")[0] for line in text.splitlines() if line.startswith("![")]
-    assert len(links) == 7  # gap medians, ECDF, pi(s), ROC, mass-kappa, 2 heatmaps
+    assert len(links) == 9  # beyond the pool (main, certification), gap medians, ECDF, pi(s), ROC, mass-kappa, 2 heatmaps
     for rel in links:
         png = run_dir / rel
         assert png.stat().st_size > 5000
@@ -66,15 +68,31 @@ def test_tables_one_row_per_observation(run_dir: Path) -> None:
     assert {"ceiling", "penalty", "penalty-trend", "auc", "np-hardness", "certified"} <= set(claims["claim_id"].to_list())
     cs = pl.read_parquet(run_dir / "tables" / "certified_summary.parquet")
     assert cs["s"].to_list() == [4, 8] and (cs["rows_certified"] == 200).all()
-    assert (0.02 < cs["cert_beats_pool_frac"]).all() and (cs["cert_beats_pool_frac"] < 0.25).all()
+    # planted: the certified optimum beats the pool on 1 - 0.9 x 0.7 = 37% (10% certificate, 30% all-key)
+    assert (0.25 < cs["cert_beats_pool_frac"]).all() and (cs["cert_beats_pool_frac"] < 0.5).all()
     hard = claims.filter(pl.col("claim_id") == "np-hardness").row(0, named=True)
     assert hard["verdict"].startswith("consistent")
     assert len(list((run_dir / "predictors").glob("*.json"))) == 4
+    # beyond the pool: both passes, per model and s, never pooled; the planted relations come back
+    bp = pl.read_parquet(run_dir / "tables" / "beyond_pool_summary.parquet")
+    assert bp.select("pass", "model", "s").rows() == [("main rows", m, s) for m in ("planted", "planted-b")
+                                                       for s in (4, 8, 16, 32)] + \
+        [("certification pass", "planted", 4), ("certification pass", "planted", 8)]
+    assert (bp["pool_miss_frac"] > 0.2).all() and (bp["pool_miss_frac"] < 0.4).all()  # planted: 30%
+    assert (bp["gap_ls_median"] >= bp["gap_pool_median"]).all()
+    main, cert = bp.filter(pl.col("pass") == "main rows"), bp.filter(pl.col("pass") == "certification pass")
+    assert (main["rows_cert_attempted"] == 0).all() and (cert["rows_certified"] == cert["rows_used"]).all()
+    assert bp["interval"].str.starts_with("cluster bootstrap: prompt > row").all()
+    beyond = claims.filter(pl.col("claim_id") == "ceiling_beyond_pool")
+    assert beyond.height == 10 and beyond["rows"].str.contains("certification pass").sum() == 2
 
 
-def test_budgets_parsing() -> None:
-    assert parse_budgets("32, 4,8 16") == (4, 8, 16, 32)
-    with pytest.raises(InputError):
-        parse_budgets("4,x")
-    with pytest.raises(InputError):
-        parse_budgets("0")
+def test_search_pool_skips_the_beyond_pool_section(tmp_path: Path) -> None:
+    """Results without the all-key columns: no section, no table, a note says why (solve with --search all)."""
+    from evictlab.pipeline.stages import beyond_pool_stage
+
+    notes: list[str] = []
+    df = planted_results(150, budgets=(4, 8), seed=1)
+    beyond, figs = beyond_pool_stage(df, None, AnalysisConfig(n_boot=20), tmp_path / "t", tmp_path / "f", notes)
+    assert beyond is None and figs == [] and not (tmp_path / "t").exists()
+    assert len(notes) == 1 and "--search all" in notes[0]

@@ -4,7 +4,7 @@ A retention gate predicts, for every KV entry ``i`` of every (layer, KV head) ce
 retention ``beta_i`` in (0, 1) from the token's normed hidden state; at step ``t`` the
 entry's retention is ``beta_i ** (t - i)`` and its eviction score ``(t - i) log beta_i``.
 The base model stays frozen; only the gates are trained. Definitions: docs/theory.md
-(sections 10 and 11); usage: docs/gates.md.
+(section 13; the global allocator: section 10); usage: docs/gates.md.
 
 - :mod:`evictlab.gates.modules`: :class:`GateSpec` and :class:`RetentionGates` (one small
   MLP per layer; the final projection and bias shared by all layers, or per layer for the

@@ -1,4 +1,4 @@
-"""The training objective of retention gates (definitions: docs/theory.md section 10, docs/gates.md).
+"""The training objective of retention gates (definitions: docs/theory.md section 13, docs/gates.md).
 
 Three pieces, each a pure function of tensors:
 

@@ -75,6 +75,9 @@ def demo(
     budgets: str = typer.Option("4,8,16,32", "--budgets", help="Budgets s, comma separated."),
     certify: bool = typer.Option(True, "--certify/--no-certify",
                                  help="Certification pass: short-context rows (n <= 48) solved with --certify, to count how often the pool misses the true optimum."),
+    search: str = typer.Option("all", "--search",
+                               help="Solver neighbourhood of the main rows: all (default) adds the all-key search "
+                                    "(ES_ls) and the report's section on the ceiling beyond the pool; pool skips it."),
     threshold: float = typer.Option(1.11, "--threshold", help="Significant gap: kappa_hat > threshold."),
     seed: int = typer.Option(0, "--seed", help="Seed for synthetic rows, splits and bootstrap."),
     n_boot: int = typer.Option(1000, "--n-boot", help="Bootstrap resamples for medians and AUCs."),
@@ -97,16 +100,19 @@ def demo(
 
     if not threshold > 0:
         raise InputError("--threshold", f"must be positive, got {threshold}", "use e.g. 1.11")
+    if search not in ("pool", "all"):
+        raise InputError("--search", f"must be 'pool' or 'all', got {search!r}", "pass --search all or --search pool")
     if threads < 0:
         raise InputError("--threads", f"must be >= 0, got {threads}", "pass 0 (torch default) or a thread count")
     cfg = AnalysisConfig(budgets=parse_budgets(budgets), threshold=threshold, seed=seed, n_boot=n_boot,
-                         hardness_trials=hardness_trials, threads=threads)
+                         hardness_trials=hardness_trials, threads=threads, search=search)
     run_name = name or ("demo" + ("-full" if full else "") + ("-synthetic" if synthetic else ""))
     out = runs / run_name
     record = RunRecord(kind="demo", model=model, seed=seed,
                        config={"full": full, "synthetic": synthetic, "second_model": second_model,
                                "budgets": cfg.budgets, "pool": cfg.pool,
                                "threshold": threshold, "n_boot": n_boot, "certify": certify, "resolve": resolve,
+                               "search": search,
                                "threads": threads,
                                "results": [str(p) for p in results] if results else None})
     t0 = time.perf_counter()
@@ -127,8 +133,10 @@ def demo(
             result_paths.append(res)
         if certify:
             cspec = cert_spec(specs[0], seed)
+            # the short rows always get the all-key search too (cheap at n <= 48; it also seeds
+            # the certificate): the report's beyond-the-pool section compares all three there
             ccfg = AnalysisConfig(budgets=tuple(b for b in cfg.budgets if b <= CERT_MAX_S) or (4,), pool=cfg.pool,
-                                  threads=threads)
+                                  threads=threads, search="all")
             cres, crows = rows_and_results(cspec, ccfg, True, out / "certified" / f"{cspec.label()}.parquet",
                                            runs, resolve, timings, facts, log, tag="certification ")
             cert_paths = [cres]

@@ -77,6 +77,9 @@ class AnalysisConfig:
     ablation_rows: int = 600
     #: torch threads of the capture stage (``evictlab capture --threads``; 0 = torch's default)
     threads: int = 1
+    #: solver neighbourhood of the main rows (``evictlab solve --search``): ``all`` adds the
+    #: all-key search (ES_ls) and the report's beyond-the-pool section; ``pool`` skips both
+    search: str = "all"
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -148,7 +151,8 @@ def solve_key(cfg: AnalysisConfig, certify: bool) -> str:
             h.update(f.name.encode())
             h.update(f.read_bytes())
     b = ",".join(map(str, cfg.budgets))
-    return f"b{b}-p{cfg.pool[0]},{cfg.pool[1]}{'-cert' if certify else ''}-{h.hexdigest()[:12]}"
+    search = "-all" if cfg.search == "all" else ""
+    return f"b{b}-p{cfg.pool[0]},{cfg.pool[1]}{search}{'-cert' if certify else ''}-{h.hexdigest()[:12]}"
 
 
 def _copy(src: Path, dest: Path) -> None:
@@ -161,8 +165,9 @@ def _copy(src: Path, dest: Path) -> None:
 
 
 def solve_rows(rows: Path, out: Path, cfg: AnalysisConfig, certify: bool, log: Any) -> float:
-    """``evictlab solve ROWS --budgets ... --pool r_m r_e [--certify] --out RESULTS``."""
-    args = ["solve", str(rows), "--budgets", *map(str, cfg.budgets), "--pool", *map(str, cfg.pool), "--out", str(out)]
+    """``evictlab solve ROWS --budgets ... --pool r_m r_e --search pool|all [--certify] --out RESULTS``."""
+    args = ["solve", str(rows), "--budgets", *map(str, cfg.budgets), "--pool", *map(str, cfg.pool),
+            "--search", cfg.search, "--out", str(out)]
     if certify:
         args.append("--certify")
     if out.exists():
@@ -191,7 +196,8 @@ def rows_and_results(spec: CaptureSpec, cfg: AnalysisConfig, certify: bool, res:
         f"`{rows}` ({'cached' if cached else f'produced in {secs:.0f}s'}; "
         + (f"synthetic: {spec.synthetic_rows} rows x {spec.synthetic_keys} keys, d={spec.synthetic_dim}" if spec.synthetic
            else f"{spec.source}, context {spec.context}, {spec.positions} positions x {spec.prompts} prompts")
-        + f"; budgets {', '.join(map(str, cfg.budgets))}{', certified' if certify else ''})")
+        + f"; budgets {', '.join(map(str, cfg.budgets))}{', all-key search' if cfg.search == 'all' else ''}"
+        + f"{', certified' if certify else ''})")
     return res, rows
 
 
@@ -236,6 +242,7 @@ class Analysis:
     explanation: Any = None         # evictlab.stats.penalty.Explanation, or None
     head_dims: dict[str, int] = field(default_factory=dict)
     cert_pairs: int = 0             # (row, s) pairs of the certification pass
+    beyond: Any = None              # evictlab.stats.beyond_pool summaries (column ``pass``), or None
 
 
 def compute(results: Any, out_dir: str | os.PathLike[str], cfg: AnalysisConfig, log: Any = print,
@@ -258,6 +265,7 @@ def compute(results: Any, out_dir: str | os.PathLike[str], cfg: AnalysisConfig, 
     from evictlab.plots.penalty import penalty_curve, penalty_vs_head_dim
     from evictlab.plots.roc import roc_curves, roc_table
     from evictlab.stats import claims as cl
+    from evictlab.stats.beyond_pool import beyond_pool_claims
     from evictlab.stats.ceilings import summarize, summarize_all
     from evictlab.stats.predictors import FEATURE_SETS, auc_by_group, evaluate, fit_predictor, label
     from evictlab.stats.results import load_results, prepare, split_zero, zero_counts
@@ -366,6 +374,7 @@ def compute(results: Any, out_dir: str | os.PathLike[str], cfg: AnalysisConfig, 
         claim_rows += cl.np_hardness(trials, cfg.hardness_size, cfg.seed)
     cert_summary = None
     cert_pairs = 0
+    cdf = None
     if cert_results is not None:
         cdf = prepare(cert_results) if isinstance(cert_results, pl.DataFrame) else load_results(cert_results)
         if "es_cert" not in cdf.columns:
@@ -374,10 +383,14 @@ def compute(results: Any, out_dir: str | os.PathLike[str], cfg: AnalysisConfig, 
         cert_summary = summarize(cdf, ("model", "s"), seed=cfg.seed, n_boot=cfg.n_boot, threshold=cfg.threshold)
         write_parquet(cert_summary, tables / "certified_summary.parquet")
         claim_rows += cl.certified(cert_summary, claim_note)
+    # ---- the ceiling beyond the pool: pool vs all-key search vs certified optimum -----------
+    beyond, beyond_figs = beyond_pool_stage(df, cdf, cfg, tables, figs, notes)
+    if beyond is not None:
+        claim_rows += beyond_pool_claims(beyond, claim_note)
     write_parquet(pl.DataFrame([c.to_dict() for c in claim_rows]), tables / "claims.parquet")
 
     # ---- figures -----------------------------------------------------------------------
-    figures = [
+    figures = [*beyond_figs,
         gap_closed_medians(pl.concat([summaries["model_s"], summaries["pooled_s"]], how="diagonal_relaxed")
                            if "pooled_s" in summaries else summaries["model_s"], figs / "gap_closed_medians"),
         gap_closed_ecdf(df, figs / "gap_closed_ecdf"),
@@ -393,7 +406,43 @@ def compute(results: Any, out_dir: str | os.PathLike[str], cfg: AnalysisConfig, 
     log(f"figures: {2 * len(figures)} files ({time.perf_counter() - t0:.1f}s)")
     return Analysis(out=out, cfg=cfg, models=models, pairs=df.height, summaries=summaries, auc=auc_all,
                     transfer=transfer_df, claims=claim_rows, figures=figures, cert_summary=cert_summary, notes=notes,
-                    penalty=penalty, explanation=explanation, head_dims=head_dims, cert_pairs=cert_pairs)
+                    penalty=penalty, explanation=explanation, head_dims=head_dims, cert_pairs=cert_pairs,
+                    beyond=beyond)
+
+
+#: ``pass`` labels of the beyond-the-pool summaries: the main rows and the certification pass.
+BEYOND_PASSES = ("main rows", "certification pass")
+
+
+def beyond_pool_stage(df: Any, cdf: Any, cfg: AnalysisConfig, tables: Path, figs: Path,
+                      notes: list[str]) -> tuple[Any, list[Any]]:
+    """Per (model, s): median gap closed by the pool, the all-key search and (certification pass)
+    the certified optimum on the same rows, with prompt-clustered CIs
+    (:func:`evictlab.stats.beyond_pool.summarize_beyond_pool`), for every results table that has
+    the all-key columns; written to ``tables/beyond_pool_summary.parquet`` (column ``pass``),
+    with the pool vs all-key figure. Returns ``(summary or None, figures)``; the two passes
+    are different row sets and are never pooled. Without all-key columns anywhere, a line in
+    ``notes`` says how to get them.
+    """
+    import polars as pl
+
+    from evictlab.plots.beyond_pool import gap_pool_vs_allkey
+    from evictlab.stats.beyond_pool import summarize_beyond_pool
+
+    parts, figures = [], []
+    for name, table in zip(BEYOND_PASSES, (df, cdf)):
+        if table is None or "es_ls" not in table.columns:
+            continue
+        sm = summarize_beyond_pool(table, ("model", "s"), seed=cfg.seed, n_boot=cfg.n_boot)
+        parts.append(sm.select(pl.lit(name).alias("pass"), pl.all()))
+        stem = "ceiling_beyond_pool" + ("" if name == BEYOND_PASSES[0] else "_certification")
+        figures.append(gap_pool_vs_allkey(table, sm, figs / stem))
+    if not parts:
+        notes.append("beyond the pool: the results have no all-key search columns (solve with `--search all`)")
+        return None, []
+    beyond = pl.concat(parts, how="diagonal_relaxed")
+    write_parquet(beyond, tables / "beyond_pool_summary.parquet")
+    return beyond, figures
 
 
 def analyse(results: Any, out_dir: str | os.PathLike[str], cfg: AnalysisConfig,

@@ -3,6 +3,7 @@
 * :mod:`evictlab.solve.revolving` -- revolving-door (Gray code) order of t-subsets.
 * :mod:`evictlab.solve.kernels` -- Numba kernels: pool enumeration (ES_hat), balancing
   selector, and the fused per-batch driver :func:`batch_solve`.
+* :mod:`evictlab.solve.localsearch` -- all-key local search (single/pair swaps, kicks): ES_ls.
 * :mod:`evictlab.solve.certify` -- branch and bound for the true ES(s) over all keys.
 * :mod:`evictlab.solve.reference` -- itertools / numpy references the kernels are tested against.
 * :mod:`evictlab.solve.runner` -- rows -> results Parquet (``evictlab solve``), resumable.
@@ -13,7 +14,7 @@ Algorithms, limits and certificates: ``docs/solvers.md``.
 from __future__ import annotations
 
 __all__ = [
-    "CERT_COLUMNS", "KAPPA_EPS", "MAX_SUBSETS", "RESULT_COLUMNS", "ZERO_REL", "SolveConfig",
+    "CERT_COLUMNS", "KAPPA_EPS", "LS_COLUMNS", "MAX_SUBSETS", "RESULT_COLUMNS", "SEARCH_MODES", "ZERO_REL", "SolveConfig",
     "SolveSummary", "check_config", "solve_batch", "solve_rows",
 ]
 

@@ -139,10 +139,16 @@ def solve(
     max_swaps: int = typer.Option(64, "--max-swaps", help="Balancing selector: at most K swaps."),
     threads: int = typer.Option(0, "--threads", min=0, help="CPU threads of the computation (Numba) (0 = the library default, all cores)."),
     chunk_rows: int = typer.Option(4096, "--chunk-rows", help="Rows per resumable part file."),
-    cert_max_n: int = typer.Option(48, "--cert-max-n", help="Certify only rows with n <= this."),
+    cert_max_n: int = typer.Option(256, "--cert-max-n", help="Certify only rows with n <= this."),
     cert_max_s: int = typer.Option(8, "--cert-max-s", help="Certify only budgets s <= this."),
     cert_nodes: int = typer.Option(20_000_000, "--cert-nodes",
                                    help="Branch-and-bound node limit per (row, s); beyond it status 'limit'."),
+    search: str = typer.Option("pool", "--search",
+                               help="pool: candidate-pool optimum only; all: also the all-key local search "
+                                    "(columns es_ls, gap_closed_ls, kept_ls, ls_moves)."),
+    ls_pairs: int = typer.Option(8, "--ls-pairs", help="All-key search: pair swaps among this many shortlisted keys (0: single swaps only)."),
+    ls_kicks: int = typer.Option(0, "--ls-kicks", help="All-key search: random restarts from the best set (slower, finds more)."),
+    ls_seed: int = typer.Option(0, "--ls-seed", help="All-key search: seed of the kicks."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out."),
     restart: bool = typer.Option(False, "--restart", help="Discard part files of a different earlier job."),
 ) -> None:
@@ -157,7 +163,8 @@ def solve(
     bud = _parse_budgets(budgets)
     cfg = SolveConfig(budgets=bud, r_m=pool[0], r_e=pool[1], max_swaps=max_swaps, certify=certify,
                       cert_max_n=cert_max_n, cert_max_s=cert_max_s, cert_nodes=cert_nodes,
-                      chunk_rows=chunk_rows)
+                      chunk_rows=chunk_rows, search=search, ls_pairs=ls_pairs, ls_kicks=ls_kicks,
+                      ls_seed=ls_seed)
     summary = solve_rows(rows, out, cfg, threads=threads, overwrite=overwrite, restart=restart,
                          notify=lambda msg: typer.echo(msg, err=True))
     resumed = f", {summary.parts_done_before} parts resumed" if summary.parts_done_before else ""

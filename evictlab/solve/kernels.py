@@ -111,6 +111,18 @@ def dense_mu(p: np.ndarray, V: np.ndarray) -> np.ndarray:
 
 
 @njit(cache=True)
+def normalized_masses(p: np.ndarray, lo: int, n: int) -> np.ndarray:
+    """``p[lo:lo+n] / sum`` (the row's masses divided by their sum, summed in key order), ``(n,)``."""
+    tot = 0.0
+    for i in range(n):
+        tot += p[lo + i]
+    pr = np.empty(n)
+    for i in range(n):
+        pr[i] = p[lo + i] / tot
+    return pr
+
+
+@njit(cache=True)
 def forced_error_exact(p: np.ndarray, V: np.ndarray, mu: np.ndarray, kept: np.ndarray) -> float:
     """``e(A) = ||sum_{i in A} p_i (v_i - mu)|| / P(A)`` from scratch, O(|A| d); inf if P(A) = 0.
 

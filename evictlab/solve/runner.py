@@ -60,6 +60,10 @@ RESULT_COLUMNS: tuple[str, ...] = (
     "n_swaps", "kept_bal",
 )
 CERT_COLUMNS: tuple[str, ...] = ("es_cert", "cert_status", "cert_lb", "cert_gap", "cert_nodes", "kept_cert")
+#: Columns added by ``--search all`` (the all-key local search, ``evictlab.solve.localsearch``).
+LS_COLUMNS: tuple[str, ...] = ("es_ls", "gap_closed_ls", "kept_ls", "ls_moves")
+#: Values of ``--search``: the candidate pool only, or also the all-key search.
+SEARCH_MODES: tuple[str, ...] = ("pool", "all")
 
 
 @dataclass(frozen=True)
@@ -70,7 +74,11 @@ class SolveConfig:
     swap limit K; certify: also run branch and bound over all keys for rows with
     ``n <= cert_max_n`` and ``s <= cert_max_s`` (others get status "skipped") with at most
     ``cert_nodes`` bound evaluations per (row, s); chunk_rows: rows per part file;
-    max_subsets: refuse pools whose C(|C_s|, s) exceeds it.
+    max_subsets: refuse pools whose C(|C_s|, s) exceeds it. search: ``"pool"``, or ``"all"``
+    to add the all-key local search (columns :data:`LS_COLUMNS`) with a pair shortlist of
+    ``ls_pairs`` keys, ``ls_kicks`` perturbation rounds and seed ``ls_seed``. The
+    certificate is seeded with the all-key search's set (run internally for the certified
+    rows when ``search == "pool"``).
     """
 
     budgets: tuple[int, ...]
@@ -78,11 +86,15 @@ class SolveConfig:
     r_e: int = 2
     max_swaps: int = 64
     certify: bool = False
-    cert_max_n: int = 48
+    cert_max_n: int = 256
     cert_max_s: int = 8
     cert_nodes: int = 20_000_000
     chunk_rows: int = 4096
     max_subsets: int = MAX_SUBSETS
+    search: str = "pool"
+    ls_pairs: int = 8
+    ls_kicks: int = 0
+    ls_seed: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -116,6 +128,13 @@ def check_config(cfg: SolveConfig, n_min: int, n_max: int, n_min_row: int | None
     _int(cfg.cert_max_s, "--cert-max-s", 1)
     _int(cfg.cert_nodes, "--cert-nodes", 1)
     _int(cfg.max_subsets, "max_subsets", 1)
+    if cfg.search not in SEARCH_MODES:
+        raise InputError("--search", f"must be one of {', '.join(SEARCH_MODES)}, got {cfg.search!r}",
+                         "pass --search pool (candidate pool only) or --search all (also the all-key search)")
+    _int(cfg.ls_pairs, "--ls-pairs", 0)
+    _int(cfg.ls_kicks, "--ls-kicks", 0)
+    if _int(cfg.ls_seed, "--ls-seed", 0) >= 2**63:
+        raise InputError("--ls-seed", f"must be below 2^63, got {cfg.ls_seed}", "pass a smaller seed")
     too_big = [s for s in bud if s > n_min]
     if too_big:
         where = f" (row_id {n_min_row})" if n_min_row is not None else ""
@@ -153,11 +172,13 @@ def solve_batch(batch: Any, cfg: SolveConfig, model: str | None = None) -> pl.Da
     """Solve one :class:`evictlab.rows.batch.RowBatch` for every budget; one row per (row_id, s).
 
     ``cfg`` must already be checked (:func:`check_config`). Rows are sorted by
-    ``(row_id, s)``. Columns: :data:`RESULT_COLUMNS` (+ :data:`CERT_COLUMNS` with certify).
+    ``(row_id, s)``. Columns: :data:`RESULT_COLUMNS` (+ :data:`LS_COLUMNS` with
+    ``search == "all"``, + :data:`CERT_COLUMNS` with certify).
     """
     from evictlab.core.kernels import single_blas_thread
     from evictlab.solve.certify import STATUS_NAMES, batch_certify
     from evictlab.solve.kernels import batch_solve
+    from evictlab.solve.localsearch import batch_localsearch
 
     p = np.ascontiguousarray(batch.p, dtype=np.float64)
     off = np.ascontiguousarray(batch.p_off, dtype=np.int64)
@@ -174,9 +195,20 @@ def solve_batch(batch: Any, cfg: SolveConfig, model: str | None = None) -> pl.Da
     with single_blas_thread():
         (e_top, es_hat, e_bal, dropped, kept_top, kept_opt, kept_bal, pool_size, n_sub, n_sw, ent,
          ef_top, ef_opt, scale) = batch_solve(p, off, vals, vs, bud, cfg.r_m, cfg.r_e, cfg.max_swaps)
+        row_ids = np.ascontiguousarray(batch.meta["row_id"].to_numpy(), dtype=np.int64)
+        todo = np.zeros((n.shape[0], bud.shape[0]), dtype=np.bool_)
+        if cfg.search == "all":
+            todo[:] = True
+        elif cfg.certify:  # the all-key set seeds the certificate (rows it will certify)
+            todo[:] = (n[:, None] <= cfg.cert_max_n) & (bud[None, :] <= cfg.cert_max_s)
+        if todo.any():
+            es_ls, kept_ls, moves_ls = batch_localsearch(
+                p, off, vals, vs, bud, row_ids, kept_top, kept_opt, kept_bal, es_hat, todo,
+                cfg.ls_pairs, cfg.ls_kicks, cfg.ls_seed)
         if cfg.certify:
+            seeds = np.stack([kept_opt, kept_ls]) if todo.any() else kept_opt[None]
             es_c, kept_c, st_c, lb_c, nodes_c = batch_certify(
-                p, off, vals, vs, bud, kept_opt, cfg.cert_max_n, cfg.cert_max_s, cfg.cert_nodes)
+                p, off, vals, vs, bud, seeds, cfg.cert_max_n, cfg.cert_max_s, cfg.cert_nodes)
     meta = batch.meta
     key_index = np.asarray(batch.key_index, dtype=np.int64)
     frames = []
@@ -213,6 +245,13 @@ def solve_batch(batch: Any, cfg: SolveConfig, model: str | None = None) -> pl.Da
             pl.Series("pool_size", pool_size[:, b]), pl.Series("n_subsets", n_sub[:, b]),
             pl.Series("n_swaps", n_sw[:, b]), _list_col("kept_bal", kept_bal[:, b, :s]),
         )
+        if cfg.search == "all":
+            el = es_ls[:, b]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                gap_ls = np.where(zero, np.nan, (et - el) / et)
+            df = df.with_columns(
+                pl.Series("es_ls", el), pl.Series("gap_closed_ls", gap_ls).fill_nan(None),
+                _list_col("kept_ls", kept_ls[:, b, :s]), pl.Series("ls_moves", moves_ls[:, b]))
         if cfg.certify:
             st = st_c[:, b]
             es = es_c[:, b]
@@ -234,7 +273,8 @@ def solve_batch(batch: Any, cfg: SolveConfig, model: str | None = None) -> pl.Da
 
 def result_columns(cfg: SolveConfig) -> list[str]:
     """The columns of a results table (and of every part file) solved with ``cfg``, in order."""
-    return list(RESULT_COLUMNS) + (list(CERT_COLUMNS) if cfg.certify else [])
+    return (list(RESULT_COLUMNS) + (list(LS_COLUMNS) if cfg.search == "all" else [])
+            + (list(CERT_COLUMNS) if cfg.certify else []))
 
 
 @dataclass

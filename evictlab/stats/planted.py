@@ -49,11 +49,14 @@ def planted_results(
     zero_frac: float = 0.01,
     threshold: float = DEFAULT_THRESHOLD,
     certify: bool = False,
+    search_all: bool = False,
 ) -> pl.DataFrame:
     """A results table (one row per (row_id, s)) with a planted mass -> gap relation.
 
     ``zero_frac`` of observations get e_top = 0 (flagged ``e_top_zero``; gap_closed null),
-    to exercise their separate reporting.
+    to exercise their separate reporting. ``search_all``: the all-key search's columns too
+    (``es_ls`` = 0.92 ES_hat on a planted 30% of observations, else ES_hat); with
+    ``certify`` the certified optimum is then at most ES_ls.
     """
     rng = np.random.default_rng(seed)
     N = n_rows * len(budgets)
@@ -86,8 +89,16 @@ def planted_results(
         "q_head": head.astype(np.int64), "kv_head": (head // max(1, n_heads // 1)).astype(np.int64),
         "position": (row_id % 64).astype(np.int64) + n_keys, "model": [model] * N, "entropy": entropy,
     }
+    es_ls = es_hat
+    if search_all:
+        es_ls = np.where(rng.uniform(size=N) < 0.3, 0.92 * es_hat, es_hat)
+        cols["es_ls"] = es_ls
+        cols["gap_closed_ls"] = pl.Series(np.where(zero, np.nan, (e_top - es_ls) / np.where(zero, 1.0, e_top)),
+                                          nan_to_null=True)
     if certify:
         miss = rng.uniform(size=N) < 0.1
-        cols["es_cert"] = np.where(miss, es_hat * 0.9, es_hat)
+        cols["es_cert"] = np.minimum(np.where(miss, es_hat * 0.9, es_hat), es_ls)
         cols["cert_status"] = ["optimal"] * N
+        if search_all:
+            cols["cert_lb"] = cols["es_cert"]
     return pl.DataFrame(cols)
