@@ -20,6 +20,7 @@ and paired by :func:`evictlab.eval.compare.compare` with the grid's default tie 
 pairs, ``OUT/gates_pairs.parquet`` every pair. A rerun resumes every grid.
 
     python paper_repro/gates_vs_training_free.py     # the baselines only (while gates train)
+    python paper_repro/gates_vs_training_free.py --grids shared,local --shared ... --local ...   # side by side
     python paper_repro/gates_vs_training_free.py --shared runs/gates/smollm2-shared \
         --local runs/gates/smollm2-local          # defaults: smollm2-135m, 256 tokens, budget 32
 """
@@ -125,22 +126,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk (default 256)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per process (default 1)")
     p.add_argument("--workers", type=int, default=1, help="processes running cells side by side (default 1)")
+    p.add_argument("--grids", default="baselines,shared,local",
+                   help="grids to run (or resume) here; the others are read if finished (two invocations can run "
+                        "different grids side by side)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     record = RunRecord(kind="paper-repro-gates", seed=args.seed, config=_common.config(args))
 
     base_dir = args.grid_root / "baselines"
-    results = _grid(args, list(BASELINES), ["physical"], None, base_dir)
-    if args.shared is None:
-        print(f"baselines done: {base_dir}; rerun with --shared DIR (and --local DIR) for the gates")
+    plan = {"baselines": (list(BASELINES), ["physical"], None, "full"),
+            "shared": ([GATED], ["physical", "uniform"], args.shared, GATED),
+            "local": ([GATED], ["physical"], args.local, LOCAL)}
+    grids = {g.strip() for g in args.grids.split(",") if g.strip()}
+    frames = []
+    for name, (methods, modes, gates, label) in plan.items():
+        folder = args.grid_root / name
+        if name not in grids or (name != "baselines" and gates is None):
+            if (folder / "results.parquet").is_file():  # run by another invocation: read it
+                frame = pl.read_parquet(folder / "results.parquet")
+            else:
+                continue
+        else:
+            if name != "baselines":
+                _reuse_full_cells(base_dir, folder)
+            frame = _grid(args, methods, modes, gates, folder)
+        frames.append(frame if name == "baselines" else
+                      frame.filter(pl.col("method") != "full").with_columns(pl.lit(label).alias("method")))
+    if not frames or not (base_dir / "results.parquet").is_file() or len(frames) < 2:
+        print(f"grids finished so far: {[f for f in plan if (args.grid_root / f / 'results.parquet').is_file()]}; "
+              "the report needs the baselines and the gates (--shared DIR)")
         return 0
-    for gates, name, modes in ((args.shared, GATED, ["physical", "uniform"]), (args.local, LOCAL, ["physical"])):
-        if gates is None:
-            continue
-        folder = args.grid_root / ("shared" if name == GATED else "local")
-        _reuse_full_cells(base_dir, folder)
-        part = _grid(args, [GATED], modes, gates, folder).filter(pl.col("method") != "full")
-        results = pl.concat([results, part.with_columns(pl.lit(name).alias("method"))], how="vertical")
+    results = pl.concat(frames, how="vertical")
     rule = TieRule()
     pairs = compare(results, rule)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,6 @@ config) even when a step fails, and ``evictlab gates train|info`` through the en
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from cli_helpers import run_cli
 from evictlab.capture.testing import ByteTokenizer, save_tiny_folder, tiny_model
 from evictlab.errors import InputError
 from evictlab.gates import files
@@ -102,6 +102,25 @@ def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(text_file: Path, t
     assert (other / files.WEIGHTS_FILE).read_bytes() != (again / files.WEIGHTS_FILE).read_bytes()
 
 
+def test_a_run_can_be_ended_or_extended_at_a_checkpoint(text_file: Path, tmp_path: Path) -> None:
+    """``steps`` is not part of the fingerprint: a run stopped at step 4 of 6 and finished
+    with ``steps=4`` equals an uninterrupted 4-step run; extended to 6 it equals a 6-step run."""
+    model, _ = tiny_model("llama")
+    tok = ByteTokenizer()
+    train_gates(model, tok, _recipe(text_file, steps=4), tmp_path / "four", model_name="m")
+    train_gates(model, tok, _recipe(text_file, steps=6), tmp_path / "six", model_name="m")
+    for steps, ref in ((4, "four"), (6, "six")):
+        cut = tmp_path / f"cut{steps}"
+        train_gates(model, tok, _recipe(text_file, steps=6), cut, model_name="m", stop_after=4)
+        res = train_gates(model, tok, _recipe(text_file, steps=steps), cut, model_name="m")
+        assert res.resumed_from == 4 and len(res.history) == steps
+        assert (cut / files.WEIGHTS_FILE).read_bytes() == (tmp_path / ref / files.WEIGHTS_FILE).read_bytes()
+        assert files.read_config(cut)["recipe"]["steps"] == steps
+    train_gates(model, tok, _recipe(text_file, steps=6), tmp_path / "late", model_name="m", stop_after=4)
+    with pytest.raises(InputError, match="--steps: .*checkpoint at step 4, past --steps 3"):
+        train_gates(model, tok, _recipe(text_file, steps=3), tmp_path / "late", model_name="m")
+
+
 def test_a_checkpoint_of_another_run_is_refused(text_file: Path, tmp_path: Path) -> None:
     model, _ = tiny_model("llama")
     train_gates(model, ByteTokenizer(), _recipe(text_file), tmp_path, model_name="tiny-llama", stop_after=1)
@@ -153,16 +172,7 @@ def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _main(argv: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> tuple[int, str, str]:
-    from evictlab import cli
-
-    monkeypatch.setattr(sys, "argv", ["evictlab", *argv])
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    return run_cli(argv, capsys, monkeypatch)
 
 
 def _train_args(folder: Path, out: Path, text: Path, *extra: str) -> list[str]:
@@ -266,3 +276,25 @@ def test_gates_train_refuses_a_foreign_out_folder(tmp_path: Path, text_file: Pat
                         "--text-fraction", "1"], capsys, monkeypatch)
     assert rc == 2 and "error: --out: " in err and "not a gates folder" in err
     assert (out / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_training_and_trimkv_on_cuda(text_file: Path, tmp_path: Path) -> None:
+    """The same code on a GPU: training in bfloat16 (what --dtype auto picks there), then
+    trimkv+global in the physical store on the device."""
+    from evictlab.decode.loop import DecodeConfig, run_sequence
+    from evictlab.gates.train import resolve_dtype
+    from evictlab.kv.budget import Budget
+
+    model, _ = tiny_model("llama")
+    dtype = resolve_dtype("auto", torch.device("cuda"))
+    model = model.to("cuda", getattr(torch, dtype))
+    train_gates(model, ByteTokenizer(), _recipe(text_file, steps=2, dtype=dtype), tmp_path / "g", model_name="m")
+    cfg = files.read_config(tmp_path / "g")
+    assert cfg["training"]["device"].startswith("cuda") and cfg["recipe"]["dtype"] == dtype
+    g = torch.Generator().manual_seed(0)
+    ctx, q, a = (torch.randint(3, 256, (1, n), generator=g).to("cuda") for n in (120, 4, 6))
+    out = run_sequence(model, ctx, q, DecodeConfig(mode="physical", budget=Budget("tokens_per_cell", 24),
+                                                   scorer="trimkv", allocator="global", chunk_size=40,
+                                                   scorer_params={"gates": str(tmp_path / "g")}), answer_ids=a)
+    assert torch.isfinite(out.logits.float()).all() and out.compressions >= 2

@@ -17,7 +17,8 @@ TrainingData`):
 Every ``checkpoint_every`` steps (and at the end) the step, gate parameters, optimizer
 state, RNG states and loss history are written atomically to ``DIR/checkpoint.pt``; a run
 started on a folder with a checkpoint of the same fingerprint (model, gate spec, recipe,
-data) continues from it (another fingerprint is refused), and because every batch is a
+data; ``--steps`` may differ, so a run can be extended or ended at its last checkpoint)
+continues from it (another fingerprint is refused), and because every batch is a
 function of the step and the seed, the resumed run computes exactly what the uninterrupted
 one would: bit for bit on CPU with the same thread count (a resume on another device or
 thread count continues with a note, since float reductions may then round differently). The finished folder is written by
@@ -177,9 +178,17 @@ class _Frozen:
         self.model.train(self.training)
 
 
+#: Recipe fields a resume may change: they do not change what any step computes (the
+#: learning-rate schedule depends on the step only, never on the total), so a run resumed
+#: with another ``steps`` equals an uninterrupted run of that many steps.
+_RESUMABLE_CHANGES = ("steps", "checkpoint_every")
+
+
 def fingerprint(model_name: str, spec: GateSpec, recipe: Recipe) -> dict[str, Any]:
-    """What must match for a checkpoint to be resumed (a changed value means another run)."""
-    return {"model": model_name, "spec": spec.to_dict(), "recipe": recipe.to_dict()}
+    """What must match for a checkpoint to be resumed (a changed value means another run).
+    ``steps`` and ``checkpoint_every`` are left out: a resume may extend or end a run."""
+    r = {k: v for k, v in recipe.to_dict().items() if k not in _RESUMABLE_CHANGES}
+    return {"model": model_name, "spec": spec.to_dict(), "recipe": r}
 
 
 def environment(device: torch.device, threads: int) -> dict[str, Any]:
@@ -250,8 +259,9 @@ def train_gates(
     start = 0
     ckpt = files.load_checkpoint(out)
     if ckpt is not None:
-        if ckpt.get("fingerprint") != fp:
-            raise InputError("--out", f"{out} holds a checkpoint of another run ({_diff(ckpt.get('fingerprint'), fp)})",
+        old = _comparable(ckpt.get("fingerprint"))
+        if old != fp:
+            raise InputError("--out", f"{out} holds a checkpoint of another run ({_diff(old, fp)})",
                              "rerun with the options of that run to resume it, choose another --out, or pass "
                              "--overwrite to start over")
         gates.load_state_dict(ckpt["gates"])
@@ -259,6 +269,9 @@ def train_gates(
         files.restore_rng(ckpt["rng"])
         history = [StepLog(**h) for h in ckpt["history"]]
         start = int(ckpt["step"])
+        if start > recipe.steps:
+            raise InputError("--steps", f"{out} holds a checkpoint at step {start}, past --steps {recipe.steps}",
+                             f"pass --steps {start} or more to finish that run, or --overwrite to start over")
         say(f"resuming {out} at step {start} of {recipe.steps}")
         if ckpt.get("environment") != env:
             say(f"the checkpoint was written on {ckpt.get('environment')}, this run is on {env}: it continues, but is "
@@ -297,6 +310,14 @@ def train_gates(
     wall, cpu = time.perf_counter() - t0, _cpu_seconds() - c0
     _finish(out, gates, recipe, model, model_name, history, start, env, wall, cpu)
     return TrainResult(out, history, start, wall, cpu)
+
+
+def _comparable(fp: Any) -> Any:
+    """A stored fingerprint without the fields a resume may change (checkpoints written
+    before those fields were left out of fingerprints still carry them)."""
+    if isinstance(fp, dict) and isinstance(fp.get("recipe"), dict):
+        return {**fp, "recipe": {k: v for k, v in fp["recipe"].items() if k not in _RESUMABLE_CHANGES}}
+    return fp
 
 
 def _diff(old: Any, new: dict[str, Any]) -> str:
