@@ -73,6 +73,9 @@ from evictlab.decode.commands import audit, decode  # noqa: E402
 
 app.command("audit")(audit)
 app.command("decode")(decode)
+from evictlab.eval.commands import eval_app  # noqa: E402
+
+app.add_typer(eval_app, name="eval")
 from evictlab.gates.commands import gates_app  # noqa: E402
 
 app.add_typer(gates_app, name="gates")

@@ -7,6 +7,8 @@ The CLI prints the message without a traceback.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class EvictlabError(Exception):
     """Base class for every error evictlab raises on purpose."""
@@ -28,3 +30,12 @@ class CorruptFileError(InputError):
 
 class BudgetExceededError(EvictlabError, RuntimeError):
     """A KV store was asked to hold more than its budget (never grows silently)."""
+
+
+def refuse_duplicates(items: Iterable[object], field: str, what: str) -> None:
+    """:class:`InputError` on ``field`` naming the first item of ``items`` given twice."""
+    seen: set[object] = set()
+    for x in items:
+        if x in seen:
+            raise InputError(field, f"{what} {x} is given twice", f"give each {what} once")
+        seen.add(x)

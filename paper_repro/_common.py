@@ -130,9 +130,10 @@ def publish(args: argparse.Namespace, script: str, claim_rows: Iterable[Any], fi
     if hasattr(args, "read"):
         reads[script] = args.read
     atomic_write_json(reads_path, reads)
-    text.insert(2, "## What each script read\n\n" + "".join(
-        f"- `{s}`: {r['pairs']:,} (row, s) pairs" + (f" from {', '.join(f'`{f}`' for f in r['files'])}" if r["files"] else "")
-        + "\n" for s, r in sorted(reads.items())))
+    if reads:  # scripts that read rows say how many; a grid script reads its own grid
+        text.insert(2, "## What each script read\n\n" + "".join(
+            f"- `{s}`: {r['pairs']:,} (row, s) pairs" + (f" from {', '.join(f'`{f}`' for f in r['files'])}" if r["files"] else "")
+            + "\n" for s, r in sorted(reads.items())))
     out = md.write(args.out / "claims.md", text)
     record.write(args.out / f"{Path(script).stem}.run_record.json",
                  figures=[str(f.png) for f in figures], claims=len(new), read=getattr(args, "read", None))

@@ -24,20 +24,13 @@ def test_byte_tokenizer_round_trip() -> None:
 
 
 @pytest.mark.parametrize("task", TASKS)
-def test_build_prompt_modes_split_context_and_question(task: str) -> None:
+def test_build_prompt_splits_context_and_question(task: str) -> None:
+    """One split for both protocols (the loop decides when to compress)."""
     ex = make_task(task, 200, None, seed=3)
-    agnostic = build_prompt(ex, None)
-    aware = build_prompt(ex, None, mode="query-aware")
-    q = encode_text(None, "\n\n" + ex.question, special=False)
-    assert agnostic.mode == "query-agnostic" and aware.mode == "query-aware"
-    assert agnostic.context_ids == encode_text(None, ex.context)
-    assert agnostic.question_ids == q
-    # Same token stream; only where the compression happens differs.
-    assert aware.context_ids + aware.question_ids == agnostic.context_ids + agnostic.question_ids
-    assert aware.question_ids == q[-1:]
-    assert agnostic.answer == ex.answer and agnostic.answers == ex.answers
-    with pytest.raises(InputError, match="mode"):
-        build_prompt(ex, None, mode="peek")  # type: ignore[arg-type]
+    p = build_prompt(ex, None)
+    assert p.context_ids == encode_text(None, ex.context)
+    assert p.question_ids == encode_text(None, "\n\n" + ex.question, special=False)
+    assert p.answer == ex.answer and p.answers == ex.answers
 
 
 def test_normalize_answer() -> None:
@@ -97,3 +90,35 @@ def test_heldout_windows_seeded_and_sized() -> None:
     assert len({tuple(w.context_ids) for w in w1}) == 3
     with pytest.raises(InputError, match="context_tokens"):
         heldout_windows(None, 1, 10_000, 10, seed=0, text=TEXT)
+
+
+@pytest.mark.parametrize("task", ["needle_word", "multi_key_word", "multi_value"])
+def test_easy_variants_answer_in_the_needles_format(task: str) -> None:
+    from evictlab.capture.prompts import _NOISE  # same package family: the filler the needles hide in
+
+    for seed in range(5):
+        ex = make_task(task, 300, None, seed=seed)
+        for part in ex.answers:
+            assert part in ex.context and part not in _NOISE
+        if task == "multi_value":
+            assert len(ex.answers) == 2 and ex.answer == ", ".join(ex.answers) and ex.question.endswith("are:")
+            assert all(f"is: {v}." in ex.context for v in ex.answers)
+        else:  # colour words: the needle says "is COLOR." and the question ends with "is"
+            assert len(ex.answers) == 1 and f"is {ex.answer}." in ex.context and ex.question.endswith("is")
+
+
+def test_colour_answers_are_one_token_in_the_registry_models() -> None:
+    import os
+
+    from evictlab.capture import prompts
+    from evictlab.models.registry import MANIFEST, model_dir
+
+    names = [m for m in ("smollm2-135m", "gemma3-270m") if (model_dir(m) / MANIFEST).is_file()]
+    if not names:
+        pytest.skip("no registry model pulled")
+    from tokenizers import Tokenizer
+
+    for m in names:  # the fast tokenizer's own file: what AutoTokenizer wraps, without its start-up
+        tok = Tokenizer.from_file(os.fspath(model_dir(m) / "tokenizer.json"))
+        for c in prompts._COLORS:
+            assert len(tok.encode(" " + c, add_special_tokens=False).ids) == 1, (m, c)

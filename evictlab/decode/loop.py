@@ -12,9 +12,18 @@ Protocol (query-agnostic by default, docs/theory.md section 9):
    :func:`~evictlab.methods.base.check_sizes` on the way out), :func:`select_keep` picks
    the kept entries, and the store evicts the rest. So the cache never holds more than
    ``budget + chunk_size`` entries per cell (peak KV memory bounded).
-2. The **question** is appended only after the context was compressed: no ranking ever
-   sees it. With ``query_aware=True`` (a labelled option, to measure the margin) the
-   question is appended before the last compression and its queries are in the window.
+2. The **protocol** (:data:`PROTOCOLS`) decides when the question arrives.
+   ``query-agnostic`` (default): the question is appended only after the context was
+   compressed, so no ranking that evicts context entries sees it. ``query-aware``
+   (``query_aware=True``, a labelled option, to measure the margin): nothing is compressed
+   before the question is in the scorer's view, whatever the chunk size: the context and
+   the question *except its last token* are fed in chunks without any compression (only
+   the out-of-window entries of sliding layers, which no ranking chooses, are dropped),
+   then one compression runs (its queries include the question's), then the question's
+   last token is fed through the compressed cache, so every answer logit comes from the
+   compressed cache. The price is memory: a query-aware run holds the whole context and
+   question before its first compression (``DecodeOutput.peak("bytes_live")``), a
+   query-agnostic one at most the budget plus one chunk.
 3. **Decoding** feeds the answer tokens (teacher forcing; the logits give perplexity, KL and
    top-1 agreement, and all-argmax-correct is exactly greedy exact match) or greedy argmax
    tokens; every ``compress_every`` steps the cache is compressed back to the budget.
@@ -82,6 +91,9 @@ from evictlab.models.sites import find_attention_sites
 
 Mode = Literal["physical", "masked", "full"]
 MODES: tuple[str, ...] = ("physical", "masked", "full")
+ProtocolName = Literal["query-agnostic", "query-aware"]
+PROTOCOLS: tuple[str, ...] = ("query-agnostic", "query-aware")
+"""The two protocols (module docstring, point 2); ``DecodeConfig.protocol`` names a run's."""
 
 
 @dataclass
@@ -129,6 +141,11 @@ class DecodeConfig:
         self.scorer_params = {k: getattr(scorer, k) for k in self.scorer_params}
         allocator = self.build_allocator()
         self.allocator_params = {k: getattr(allocator, k) for k in self.allocator_params}
+
+    @property
+    def protocol(self) -> str:
+        """``"query-aware"`` or ``"query-agnostic"`` (see :data:`PROTOCOLS`)."""
+        return PROTOCOLS[1] if self.query_aware else PROTOCOLS[0]
 
     @property
     def method(self) -> str:
@@ -191,7 +208,7 @@ class DecodeConfig:
 class StepTrace:
     """Accounting after one forward (or compression) of the loop."""
 
-    phase: str  # "prefill", "compress", "resize", "question", "decode"
+    phase: str  # "prefill", "compress", "window" (sliding drop only), "resize", "question", "decode"
     seen: int
     report: ByteReport
     rss: int
@@ -303,7 +320,7 @@ class Engine(Protocol):
     def session(self) -> contextlib.AbstractContextManager[None]: ...
     def forward(self, ids: torch.Tensor) -> torch.Tensor: ...
     def report(self) -> ByteReport | None: ...
-    def after_chunk(self, chunk: torch.Tensor, phase: Phase) -> str | None: ...
+    def after_chunk(self, chunk: torch.Tensor, phase: Phase, compress: bool = True) -> str | None: ...
     def end_context(self) -> str | None: ...
     def after_decode_step(self, step: int, tokens: list[torch.Tensor]) -> str | None: ...
 
@@ -331,7 +348,7 @@ class FullCache:
     def report(self) -> ByteReport | None:
         return None
 
-    def after_chunk(self, chunk: torch.Tensor, phase: Phase) -> str | None:
+    def after_chunk(self, chunk: torch.Tensor, phase: Phase, compress: bool = True) -> str | None:
         return None
 
     def end_context(self) -> str | None:
@@ -422,10 +439,17 @@ class EvictionRunner:
     def report(self) -> ByteReport | None:
         return self.store.bytes()
 
-    def after_chunk(self, chunk: torch.Tensor, phase: Phase) -> str | None:
-        """After a prefill chunk: reconstruction passes if a compression follows, then compress."""
+    def after_chunk(self, chunk: torch.Tensor, phase: Phase, compress: bool = True) -> str | None:
+        """After a prefill chunk: reconstruction passes if a compression follows, then compress.
+
+        ``compress=False`` (query-aware chunks before the question is in view): no ranking
+        runs; only the out-of-window entries of sliding layers are dropped (trace phase
+        ``"window"``), and the chunk waits for the next reconstruction pass."""
         if self.recon:
             self._pending.append(chunk)
+        if not compress:
+            return "window" if self.drop_out_of_window() else None
+        if self.recon:
             if self.live_per_sequence() > self.budget_tokens:
                 # A compression follows: reconstruct every chunk fed since the last one,
                 # one pass (prompt + chunk) per chunk, as KVzip chunks long contexts.
@@ -589,27 +613,41 @@ def _oracle_queries(model: torch.nn.Module, ids: torch.Tensor, n_future: int) ->
 def _drive(engine: Engine, context_ids: torch.Tensor, question_ids: torch.Tensor, answer_ids: torch.Tensor | None,
            steps: int, chunk_size: int, query_aware: bool, tick: Callable[[int], None],
            note: Callable[[str], None]) -> tuple[list[torch.Tensor], list[torch.Tensor], float]:
-    """The protocol, for every engine: chunked context (+ question if query-aware), the
-    question, then ``steps`` decode steps. Returns per-step logits and tokens and the
-    decode phase's start time. Each forward and each engine hook is recorded by ``note``."""
+    """The protocol, for every engine: the chunked prefix, the rest of the question, then
+    ``steps`` decode steps. Returns per-step logits and tokens and the decode phase's start
+    time. Each forward and each engine hook is recorded by ``note``.
+
+    Query-agnostic: prefix = the context, compressed after every chunk; then the whole
+    question. Query-aware: prefix = the context and the question but its last token, with
+    no compression before the prefix's last chunk (so the compression that fixes the kept
+    set has the question's queries in view, for any ``chunk_size``); then the last question
+    token, through the compressed cache."""
     n = context_ids.shape[1]
-    ctx = torch.cat([context_ids, question_ids], 1) if query_aware else context_ids
-    last = None
-    for start in range(0, ctx.shape[1], chunk_size):
-        chunk = ctx[:, start:start + chunk_size]
-        last = engine.forward(chunk)[:, -1]
+    if query_aware:
+        if question_ids.shape[1] < 2:
+            raise InputError("question_ids", f"a query-aware run needs a question of at least 2 tokens, got "
+                             f"{question_ids.shape[1]} (the ranking sees all but the last, which is fed through "
+                             "the compressed cache)", "use the query-agnostic protocol for this prompt")
+        prefix = torch.cat([context_ids, question_ids[:, :-1]], 1)
+        rest = question_ids[:, -1:]
+    else:
+        prefix, rest = context_ids, question_ids
+    for start in range(0, prefix.shape[1], chunk_size):
+        chunk = prefix[:, start:start + chunk_size]
+        engine.forward(chunk)
         note("prefill")
-        phase = engine.after_chunk(chunk, "question" if start + chunk.shape[1] > n else "prefill")
+        final = start + chunk.shape[1] >= prefix.shape[1]
+        phase = engine.after_chunk(chunk, "question" if start + chunk.shape[1] > n else "prefill",
+                                   compress=final or not query_aware)
         if phase:
             note(phase)
         tick(chunk.shape[1])
     phase = engine.end_context()
     if phase:
         note(phase)
-    if not query_aware:
-        last = engine.forward(question_ids)[:, -1]
-        note("question")
-        tick(question_ids.shape[1])
+    last = engine.forward(rest)[:, -1]
+    note("question")
+    tick(rest.shape[1])
     logits_out: list[torch.Tensor] = []
     tokens_out: list[torch.Tensor] = []
     t_dec = time.perf_counter()
@@ -695,11 +733,14 @@ def _evicting_engine(model: torch.nn.Module, cfg: DecodeConfig, context_ids: tor
     """An :class:`EvictionRunner` whose store is sized, in tokens, by what this run feeds.
 
     Headroom per cell between compressions: a prefill chunk, never more than the context
-    fed (plus, around a reconstruction pass, its prompt and a chunk again); after the
-    context, the question plus the decode steps before the next compression (plus a
-    decode-time reconstruction pass: prompt + the last ``window`` tokens). A cell never
-    holds more than the tokens fed (plus one reconstruction pass), or, on a sliding layer,
-    ``window - 1`` plus the headroom: that caps the pool.
+    fed (query-aware: the whole prefix, context and question but its last token, since
+    nothing is compressed before it; plus, around a reconstruction pass, its prompt and a
+    chunk again); after the context, the rest of the question plus the decode steps before
+    the next compression (plus a decode-time reconstruction pass: prompt + the last
+    ``window`` tokens). A cell never holds more than the tokens fed (plus one reconstruction
+    pass), or, on a sliding layer, ``window - 1`` plus one chunk or the decode headroom
+    (out-of-window entries are dropped after every chunk in both protocols): that caps the
+    pool.
     """
     b, n = context_ids.shape
     m = question_ids.shape[1]
@@ -710,16 +751,17 @@ def _evicting_engine(model: torch.nn.Module, cfg: DecodeConfig, context_ids: tor
     if recon:
         _check_recon_tokenizer(g, scorers[0], tokenizer)
         prompt_len = _recon_ids(scorers[0], context_ids[:, :0], tokenizer).shape[1]
-    prefill_fed = n + (m if cfg.query_aware else 0)
+    prefill_fed = n + (m - 1 if cfg.query_aware else 0)
     chunk = min(cfg.chunk_size, prefill_fed)
-    prefill_head = chunk + (chunk + prompt_len if recon else 0)
+    recon_head = chunk + prompt_len if recon else 0
+    prefill_head = (prefill_fed if cfg.query_aware else chunk) + recon_head
     decode_steps = min(cfg.compress_every, T - 1)
     decode_recon = recon and T - 1 >= cfg.compress_every
-    decode_head = (0 if cfg.query_aware else m) + decode_steps + (cfg.window + prompt_len if decode_recon else 0)
+    decode_head = (1 if cfg.query_aware else m) + decode_steps + (cfg.window + prompt_len if decode_recon else 0)
     fed = n + m + T - 1
     recon_pass = prompt_len + max(chunk, min(cfg.window, T)) if recon else 0
-    max_cell = [fed + recon_pass if w is None else min(fed + recon_pass, w - 1 + max(prefill_head, decode_head))
-                for w in g.windows]
+    slide_head = max(chunk + recon_head, decode_head)
+    max_cell = [fed + recon_pass if w is None else min(fed + recon_pass, w - 1 + slide_head) for w in g.windows]
     runner = EvictionRunner(model, cfg, b, headroom_tokens_per_cell=prefill_head, total_tokens=n + m + T,
                             max_cell_tokens=max_cell, layer_scorers=scorers, tokenizer=tokenizer,
                             decode_headroom_tokens_per_cell=decode_head)

@@ -3,8 +3,10 @@ held-out Shakespeare windows for perplexity.
 
 The examples themselves come from :mod:`evictlab.capture.prompts` (``make_task``, the
 Shakespeare corpus); this module only turns them into what the decode loop consumes:
-context ids and question ids *separately*, because the query-agnostic protocol compresses
-the context before the question is appended (docs/theory.md section 9).
+context ids and question ids *separately*. The protocol (query-agnostic: the context is
+compressed before the question is appended; query-aware: the compression runs after the
+question; docs/theory.md section 9) is the decode loop's (``DecodeConfig.query_aware``,
+docs/kv.md), not the prompt's: both protocols get the same split.
 
 Tokenizer None means the byte-level vocabulary of the tiny test models
 (:func:`evictlab.capture.testing.tiny_model`, 256 ids): token ids are the UTF-8 bytes.
@@ -16,7 +18,7 @@ import re
 import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -27,16 +29,18 @@ __all__ = [
     "PerplexityWindow",
     "TaskPrompt",
     "build_prompt",
+    "EVAL_TASKS",
+    "EvalExample",
+    "HELDOUT_PPL",
+    "RETRIEVAL_TASKS",
     "decode_ids",
     "encode_text",
+    "eval_examples",
     "heldout_windows",
     "normalize_answer",
     "score_exact_match",
     "task_suite",
 ]
-
-PromptMode = Literal["query-agnostic", "query-aware"]
-
 
 def encode_text(tokenizer: Any, text: str, *, special: bool = True) -> list[int]:
     """Token ids of ``text``; with ``tokenizer=None`` the UTF-8 bytes (tiny models' vocab)."""
@@ -56,39 +60,29 @@ def decode_ids(tokenizer: Any, ids: Sequence[int]) -> str:
 class TaskPrompt:
     """One example ready for the decode loop.
 
-    ``context_ids`` are fed (and compressed) first, then ``question_ids``; the model's
-    continuation is compared with ``answer``. ``mode`` labels the protocol:
-
-    - ``"query-agnostic"`` (default): context = the haystack; question = ``"\\n\\n" +
-      question`` (ends with an answer prefix). No ranking ever sees the question.
-    - ``"query-aware"`` (labelled option, to measure the margin): the question is moved into
-      the compressed part, so the scorer's observation window is the question:
-      context = haystack + question minus its last token, question = that last token (the
-      loop always has at least one token to feed after compression).
+    ``context_ids`` (the haystack, with the tokenizer's BOS) are fed first, then
+    ``question_ids`` (``"\\n\\n" + question``, ending with an answer prefix); the model's
+    continuation is compared with ``answer``. When the cache is compressed relative to the
+    question is the decode loop's protocol (``DecodeConfig.query_aware``), not the prompt's.
     """
 
     task: str
     seed: int
-    mode: PromptMode
     context_ids: list[int]
     question_ids: list[int]
     answer: str
     answers: tuple[str, ...]
 
 
-def build_prompt(example: TaskExample, tokenizer: Any, mode: PromptMode = "query-agnostic") -> TaskPrompt:
+def build_prompt(example: TaskExample, tokenizer: Any) -> TaskPrompt:
     """Tokenise ``example`` into separate context and question ids (see :class:`TaskPrompt`).
 
     The context gets the tokenizer's special prefix (BOS), the question none; the question
     text is ``"\\n\\n" + example.question``, as in capture's prompts.
     """
-    if mode not in ("query-agnostic", "query-aware"):
-        raise InputError("mode", f"unknown mode {mode!r}", "use 'query-agnostic' or 'query-aware'")
     ctx = encode_text(tokenizer, example.context)
     q = encode_text(tokenizer, "\n\n" + example.question, special=False)
-    if mode == "query-aware":
-        ctx, q = ctx + q[:-1], q[-1:]
-    return TaskPrompt(task=example.task, seed=example.seed, mode=mode, context_ids=ctx, question_ids=q,
+    return TaskPrompt(task=example.task, seed=example.seed, context_ids=ctx, question_ids=q,
                       answer=example.answer, answers=example.answers or (example.answer,))
 
 
@@ -120,7 +114,6 @@ def score_exact_match(prediction: str, answer: str) -> float:
 
 def task_suite(
     names: Sequence[str], n: int, context_tokens: int, tokenizer: Any, seed: int,
-    mode: PromptMode = "query-agnostic",
 ) -> list[TaskPrompt]:
     """``n`` seeded examples of each task in ``names``, tokenised (ordered by task, then index).
 
@@ -132,7 +125,7 @@ def task_suite(
         raise InputError("tasks", f"unknown task(s) {unknown}", f"use some of: {', '.join(TASKS)}")
     if n < 1:
         raise InputError("n", f"{n} examples", "use n >= 1")
-    return [build_prompt(make_task(t, context_tokens, tokenizer, seed * 1_000_003 + i), tokenizer, mode)
+    return [build_prompt(make_task(t, context_tokens, tokenizer, seed * 1_000_003 + i), tokenizer)
             for t in names for i in range(n)]
 
 
@@ -177,3 +170,55 @@ def heldout_windows(
         windows.append(PerplexityWindow(seed=seed, context_ids=ids[:context_tokens],
                                         target_ids=ids[context_tokens:need]))
     return windows
+
+
+# --------------------------------------------------------------------------- evaluation examples
+
+HELDOUT_PPL = "heldout_ppl"
+"""The fidelity task of the evaluation grid: perplexity on held-out Shakespeare windows."""
+EVAL_TASKS: tuple[str, ...] = (*TASKS, HELDOUT_PPL)
+"""Every task name the evaluation grid accepts: the synthetic task families and ``heldout_ppl``."""
+RETRIEVAL_TASKS: tuple[str, ...] = tuple(t for t in TASKS if t != "variable_tracking")
+"""The tasks whose answer is copied from one or more inserted facts (the needle family)."""
+
+
+@dataclass(frozen=True)
+class EvalExample:
+    """One example of the evaluation grid, as token ids for the decode loop.
+
+    ``context_ids`` are fed first, then ``question_ids``; ``answer_ids`` are teacher-forced
+    and scored (``answer`` is their text). ``index`` is the example's position in its suite,
+    ``seed`` the seed that built it. For ``heldout_ppl`` the "question" is the window's last
+    context token and the "answer" the target tokens (there is no question to be aware of).
+    """
+
+    task: str
+    index: int
+    seed: int
+    context_ids: list[int]
+    question_ids: list[int]
+    answer_ids: list[int]
+    answer: str
+
+
+def eval_examples(task: str, n: int, context_tokens: int, tokenizer: Any, seed: int, *,
+                  target_tokens: int = 32) -> list[EvalExample]:
+    """``n`` seeded examples of ``task`` (one of :data:`EVAL_TASKS`) for the evaluation grid.
+
+    Synthetic tasks: example ``i`` is :func:`task_suite`'s (seed ``seed * 1_000_003 + i``),
+    the answer ids are ``encode_text(" " + answer)`` (no BOS: the continuation of the
+    answer prefix). ``heldout_ppl``: :func:`heldout_windows` of ``context_tokens +
+    target_tokens`` tokens (window ``i`` from ``default_rng([seed, i])``), split as context
+    = all but the last context token, question = that token, answer = the targets.
+    """
+    if task == HELDOUT_PPL:
+        if context_tokens < 2:
+            raise InputError("context_tokens", f"{context_tokens} tokens", "use at least 2 context tokens")
+        wins = heldout_windows(tokenizer, n, context_tokens, target_tokens, seed)
+        return [EvalExample(task, i, seed, w.context_ids[:-1], w.context_ids[-1:], list(w.target_ids),
+                            decode_ids(tokenizer, w.target_ids)) for i, w in enumerate(wins)]
+    if task not in TASKS:
+        raise InputError("task", f"unknown task {task!r}", f"use one of: {', '.join(EVAL_TASKS)}")
+    return [EvalExample(task, i, seed * 1_000_003 + i, p.context_ids, p.question_ids,
+                        encode_text(tokenizer, " " + p.answer, special=False), p.answer)
+            for i, p in enumerate(task_suite([task], n, context_tokens, tokenizer, seed))]

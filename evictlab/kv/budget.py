@@ -85,9 +85,11 @@ class Budget:
                 if t.endswith(suffix):
                     return Budget("bytes", int(float(t[: -len(suffix)]) * mult))
             return Budget("tokens_per_cell", int(t))
-        except ValueError as exc:
+        except InputError as exc:  # a well-formed number the budget refuses (0, negative)
+            raise InputError("--budget", f"{text!r}: {exc.problem}", exc.fix) from None
+        except (ValueError, OverflowError):  # not a number ("1.5", "lots", "infMiB")
             raise InputError(
-                "--budget", f"cannot parse {text!r} ({exc})",
+                "--budget", f"cannot parse {text!r}",
                 "write 128 or 128/cell (kept tokens per cell), 4096total, or 2MiB",
             ) from None
 

@@ -109,7 +109,7 @@ def _beyond_section(B: Any) -> list[str]:
         "median's CI lies above it), *holds* (the certified bracket lies within or below it), *consistent* (the "
         "lower bound overlaps it, no certified upper end), *below*.\n",
         md.table(rows, ["pass", "model", "s", "rows", "prompts", "pool", "ls", "cert", "bracket", "miss", "verdict"],
-                 ["rows", "model", "s", "(row, s) pairs", "prompts", "median gap closed: pool [95% CI]",
+                 ["pass (which rows)", "model", "s", "(row, s) pairs", "prompts", "median gap closed: pool [95% CI]",
                   "all-key search [95% CI]", "certified optimum [95% CI]", "bracket of the median true ceiling",
                   "pool misses [95% CI]", "verdict on 2-5%"]),
         _methods(B) + " The two passes are different rows (the certification pass is short-context) and are never "

@@ -1,0 +1,203 @@
+"""CLI commands ``evictlab eval run`` and ``evictlab eval compare`` (thin: they call the library).
+
+Everything typed is checked before any model loads (:class:`~evictlab.eval.spec.GridSpec`);
+checks that need a model's geometry (a budget at or above the full cache, below the
+always-kept floors; an example beyond the model's positions) run once the models are loaded
+and before the first cell. The library's neutral error fields are reported under this
+command's options (:func:`evictlab.decode.commands.as_options`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from evictlab.decode.commands import LOOP_OPTIONS, as_options
+
+eval_app = typer.Typer(help="The evaluation grid: methods at matched bytes on seeded examples, paired comparisons.",
+                       no_args_is_help=True, rich_markup_mode=None)
+
+RUN_OPTIONS = {
+    "models": "--models", "model": "--models", "--model": "--models", "--budget": "--budgets", "model.config": "--models", "tokenizer": "--models",
+    "tasks": "--tasks", "task": "--tasks", "contexts": "--context", "context_tokens": "--context",
+    "windows": "--context", "budgets": "--budgets", "budget": "--budgets", "budget.value": "--budgets",
+    "budget.unit": "--budgets", "methods": "--methods", "method": "--methods", "scorer": "--methods",
+    "allocator": "--methods", "modes": "--modes", "mode": "--modes", "protocols": "--protocols",
+    "question_ids": "--protocols", "n": "--n", "seed": "--seed", "threads": "--threads", "scorer_param": "--scorer-param",
+    "allocator_param": "--allocator-param", "ppl_target": "--ppl-target", "out": "--out", "chunk_size": "--chunk",
+    "compress_every": "--compress-every", "window": "--window", "block_size": "--block-size", "sinks": "--sinks",
+    "recent": "--recent",
+}
+COMPARE_OPTIONS = {"tie_rule": "--tie-rule", "tolerance": "--tolerance", "level": "--level", "n_boot": "--n-boot",
+                   "results": "GRID", "out": "--out"}
+
+
+@eval_app.command("run")
+def run(
+    models: str = typer.Option("smollm2-135m", "--models", "--model",
+                               help="comma-separated models: registry names, local HF folders or hub ids"),
+    tasks: str = typer.Option("needle", "--tasks", "--task", help="comma-separated tasks (docs/evaluation.md): needle, multi_key, multi_needle, "
+                              "variable_tracking, needle_word, multi_key_word, multi_value, heldout_ppl"),
+    context: str = typer.Option("1024", "--context", help="comma-separated context lengths (tokens)"),
+    budgets: str = typer.Option(None, "--budgets", "--budget", show_default=False,
+                                help="comma-separated kept budgets: 64 (tokens per cell), 4096total, 2MiB "
+                                     "(default 64; none with --methods full)"),
+    methods: str = typer.Option("snapkv,snapkv+adakv", "--methods",
+                                help="comma-separated scorer or scorer+allocator; `full` alone: the full cache only"),
+    modes: str = typer.Option(None, "--modes", show_default=False,
+                              help="comma-separated: physical, uniform, masked (default physical)"),
+    protocols: str = typer.Option(None, "--protocols", show_default=False,
+                                  help="comma-separated: query-agnostic, query-aware (default query-agnostic)"),
+    n: int = typer.Option(10, "--n", help="seeded examples per (task, context)"),
+    seed: int = typer.Option(0, "--seed", help="seed of the examples"),
+    out: Path = typer.Option(..., "--out", help="grid folder (created; rerun the same command to resume)"),
+    scorer_param: list[str] = LOOP_OPTIONS["scorer_param"], allocator_param: list[str] = LOOP_OPTIONS["allocator_param"],
+    ppl_target: int = typer.Option(32, "--ppl-target", help="target tokens of a heldout_ppl window"),
+    device: str = LOOP_OPTIONS["device"], sinks: int = LOOP_OPTIONS["sinks"], recent: int = LOOP_OPTIONS["recent"],
+    chunk: int = LOOP_OPTIONS["chunk"], compress_every: int = LOOP_OPTIONS["compress_every"],
+    window: int = LOOP_OPTIONS["window"], block_size: int = LOOP_OPTIONS["block_size"],
+    threads: int = typer.Option(0, "--threads", help="torch CPU threads (0 = torch default)"),
+    quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
+) -> None:
+    """Run (or resume) the grid models x tasks x contexts x budgets x methods x modes x protocols
+    x n examples; one row per (cell, example) in OUT/results.parquet."""
+    from evictlab.errors import InputError
+    from evictlab.eval.spec import GridSpec, LoopSettings, parse_list
+    from evictlab.io import check_output_path
+    from evictlab.methods import parse_assignments
+    from evictlab.report.record import RunRecord
+
+    with as_options(RUN_OPTIONS):
+        out = check_output_path(out, "--out", directory=True)
+        if threads < 0:
+            raise InputError("--threads", f"must be >= 0, got {threads}", "pass 0 (torch default) or a thread count")
+        method_list = parse_list(methods)
+        evicting = any(m != "full" for m in method_list)
+        budget_list = parse_list(budgets) if budgets is not None else (["64"] if evicting else [])
+        spec = GridSpec.build(
+            models=parse_list(models), tasks=parse_list(tasks), contexts=parse_list(context), methods=method_list,
+            budgets=budget_list, modes=None if modes is None else parse_list(modes),
+            protocols=None if protocols is None else parse_list(protocols), n=n, seed=seed,
+            loop=LoopSettings(sinks=sinks, recent=recent, chunk_size=chunk, compress_every=compress_every,
+                              window=window, block_size=block_size),
+            scorer_params=parse_assignments(scorer_param, "--scorer-param"),
+            allocator_params=parse_assignments(allocator_param, "--allocator-param"),
+            target_tokens=ppl_target, device=device)
+        spec.check_models()
+        from evictlab.models.loading import check_device
+
+        check_device(device)
+        record = RunRecord(kind="eval.run", model=",".join(spec.models), seed=seed, config=spec.to_dict())
+
+        import torch
+        from tqdm import tqdm
+
+        from evictlab.eval.grid import run_grid
+
+        if threads > 0:
+            torch.set_num_threads(threads)
+        bar: Any = None
+
+        def on_start(total: int, done: int) -> None:
+            nonlocal bar
+            bar = tqdm(total=total, initial=done, unit="ex", desc="eval", disable=True if quiet else None,
+                       dynamic_ncols=True)
+
+        def progress(k: int) -> None:
+            if bar is not None:
+                bar.update(k)
+
+        try:
+            res = run_grid(spec, out, progress=progress, on_start=on_start, record=record)
+        finally:
+            if bar is not None:
+                bar.close()
+    typer.echo(f"{res.cells} cells ({res.ran} run now, {res.resumed} already done): {res.results}")
+    typer.echo(f"next: evictlab eval compare {out}")
+
+
+@eval_app.command("compare")
+def compare(
+    grid: Path = typer.Argument(..., help="a grid folder written by `evictlab eval run`"),
+    out: Path = typer.Option(None, "--out", show_default=False,
+                             help="pairs table (default GRID/pairs.parquet); the report (.md), figures and run "
+                                  "record are written beside it"),
+    tie_rule: str = typer.Option("em-logprob", "--tie-rule",
+                                 help="em-logprob (comparison: more example wins than losses) or bootstrap "
+                                      "(comparison: a paired bootstrap interval containing 0 is a tie)"),
+    tolerance: float = typer.Option(0.1, "--tolerance", help="nats of answer log-prob within which examples tie"),
+    level: float = typer.Option(0.95, "--level", help="bootstrap interval level"),
+    n_boot: int = typer.Option(2000, "--n-boot", help="bootstrap resamples"),
+    seed: int = typer.Option(0, "--seed", help="bootstrap seed"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing --out (and the files beside it)"),
+) -> None:
+    """Paired comparisons of a finished grid: wins, ties and losses, the claims, a report."""
+    from evictlab.errors import InputError
+    from evictlab.eval.compare import TieRule
+    from evictlab.eval.grid import MANIFEST, RESULTS, read_manifest
+    from evictlab.io import check_output_file, exclusive_lock, read_parquet
+    from evictlab.report.record import RunRecord, record_path
+
+    with as_options(COMPARE_OPTIONS):
+        if not grid.is_dir():
+            raise InputError("GRID", f"{grid} is not a folder", "pass the --out folder of `evictlab eval run`")
+        if not (grid / MANIFEST).is_file():
+            raise InputError("GRID", f"{grid} is not a grid folder (no {MANIFEST})",
+                             "pass the --out folder of `evictlab eval run`")
+        manifest = read_manifest(grid)
+        if not (grid / RESULTS).is_file():
+            raise InputError("GRID", f"the grid in {grid} is not finished (no {RESULTS})",
+                             "rerun the same `evictlab eval run` command to finish it")
+        out = check_output_file(out if out is not None else grid / "pairs.parquet", "--out", overwrite=overwrite)
+        rule = TieRule(kind=tie_rule, tolerance=tolerance, level=level, n_boot=n_boot, seed=seed)  # type: ignore[arg-type]
+        record = RunRecord(kind="eval.compare", seed=seed, config={
+            "grid": str(grid), "tie_rule": tie_rule, "tolerance": tolerance, "level": level, "n_boot": n_boot})
+        results = read_parquet(grid / RESULTS, f"rerun `evictlab eval run` into a new folder")
+        with exclusive_lock(out, "--out"):
+            written = write_comparison(results, out, rule, manifest)
+        record.write(record_path(out), outputs=[str(p) for p in written])
+    typer.echo(f"{written[0]}\n{written[1]}")
+
+
+def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any]) -> list[Path]:
+    """Pairs table, claims, figures and the Markdown report for ``results`` (atomic files).
+    Returns the paths written: the table, the report, then the figures."""
+    import polars as pl
+
+    from evictlab.errors import InputError
+    from evictlab.eval.claims import enforcement_cost, query_aware_margin
+    from evictlab.eval.compare import compare as compare_pairs
+    from evictlab.io import atomic_path, atomic_write_text
+    from evictlab.plots.evaluation import accuracy_vs_bytes, wtl_bars
+    from evictlab.report.evaluation import evaluation_markdown
+
+    pairs = compare_pairs(results, rule)
+    claims_e, detail_e = enforcement_cost(results, seed=rule.seed, n_boot=rule.n_boot)
+    claims_m, detail_m = query_aware_margin(results, seed=rule.seed, n_boot=rule.n_boot)
+    stem = out.with_suffix("")
+    figs = []
+    for make, suffix in ((lambda p: wtl_bars(pairs, p), "_wtl"), (lambda p: accuracy_vs_bytes(results, p), "_accuracy")):
+        try:
+            figs.append(make(stem.parent / (stem.name + suffix)))
+        except InputError:
+            continue  # nothing of that kind in this grid (e.g. only the full cache)
+    spec = manifest["spec"]
+    config = {k: spec[k] for k in ("models", "tasks", "contexts", "budgets", "methods", "modes", "protocols", "n",
+                                   "seed", "loop", "scorer_params", "allocator_params", "device")}
+    md = evaluation_markdown(results, pairs, rule=rule.describe(), claims=[*claims_e, *claims_m],
+                             enforcement=detail_e, margin=detail_m,
+                             figures=[(f.png.name, f.caption) for f in figs], config=config,
+                             skipped=manifest.get("skipped", []), seed=rule.seed, n_boot=rule.n_boot)
+    report = stem.with_suffix(".md")
+    atomic_write_text(report, md)
+    with atomic_path(out, suffix=".parquet") as tmp:
+        pairs.write_parquet(tmp)
+    claims_path = stem.parent / (stem.name + "_claims.parquet")
+    rows = [c.to_dict() for c in (*claims_e, *claims_m)]
+    with atomic_path(claims_path, suffix=".parquet") as tmp:
+        pl.DataFrame(rows, schema={k: pl.Utf8 for k in ("claim_id", "claim", "paper_value", "our_value", "interval",
+                                                         "verdict", "model", "rows", "budgets", "definitions")}
+                     ).write_parquet(tmp)
+    return [out, report, claims_path, *[f.png for f in figs], *[f.pdf for f in figs]]

@@ -1,0 +1,192 @@
+"""Running a grid into a folder, cell by cell, resumably (:func:`run_grid`).
+
+Layout of ``DIR`` (docs/evaluation.md):
+
+    DIR/grid.json          the manifest: format version, the GridSpec, every cell's key,
+                           the skipped combinations; written once the grid has passed the
+                           checks that need its models (:func:`preflight`), never changed
+    DIR/parts/<key>.parquet  one file per finished cell (atomic), rows of run_cell
+    DIR/results.parquet    every part, in the grid's cell order (written when all are done)
+    DIR/run_record.json    the run record (RunRecord), written last: marks a finished grid
+
+A rerun with the same grid resumes: cells whose part exists are not run again. A different
+grid into the same folder is refused (:class:`InputError` naming ``out``) with the fields
+that differ. A grid refused by :func:`preflight` writes nothing (the corrected command
+can use the same folder). One writer at a time (:func:`evictlab.io.exclusive_lock`). A killed run leaves
+finished parts and at most a temporary file (removed on the next run), never a part or
+``results.parquet`` that looks complete but is not.
+
+Executors: ``map_cells(fn, cells)`` yields ``(cell, frame)`` for every cell as each
+finishes (any order); the default runs them here, one after the other. A remote executor
+(Ray, issue 17) passes its own ``map_cells`` and calls :func:`evictlab.eval.runner.run_cell`
+on its workers; the driver writes the parts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from evictlab.errors import CorruptFileError, InputError
+from evictlab.eval.runner import RESULT_COLUMNS, check_context, check_lengths, load_cached, run_cell
+from evictlab.eval.spec import GRID_VERSION, CellSpec, GridSpec
+
+__all__ = ["GridRun", "MapCells", "local_map", "preflight", "read_manifest", "run_grid", "write_manifest"]
+
+MANIFEST = "grid.json"
+RESULTS = "results.parquet"
+PARTS = "parts"
+
+MapCells = Callable[[Callable[..., pl.DataFrame], list[CellSpec]], Iterable[tuple[CellSpec, pl.DataFrame]]]
+"""``map_cells(run_cell, cells)`` -> ``(cell, frame)`` pairs as cells finish."""
+
+
+@dataclass(frozen=True)
+class GridRun:
+    """What :func:`run_grid` did: the folder, the cells run now, resumed (already done)."""
+
+    out: Path
+    cells: int
+    ran: int
+    resumed: int
+    results: Path
+
+
+def local_map(progress: Callable[[int], None] | None = None) -> MapCells:
+    """The local executor: cells one after the other in this process (``progress`` gets 1
+    per example)."""
+
+    def map_cells(fn: Callable[..., pl.DataFrame], cells: list[CellSpec]) -> Iterator[tuple[CellSpec, pl.DataFrame]]:
+        for cell in cells:
+            yield cell, fn(cell, progress)
+
+    return map_cells
+
+
+def part_path(out: Path, cell: CellSpec) -> Path:
+    return out / PARTS / f"{cell.key}.parquet"
+
+
+def read_manifest(out: Path) -> dict[str, Any]:
+    """The manifest of a grid folder (:class:`CorruptFileError` if damaged)."""
+    from evictlab.io import read_json
+
+    d = read_json(out / MANIFEST, f"delete {out} and run the grid again")
+    if not isinstance(d, dict) or d.get("version") != GRID_VERSION or "spec" not in d:
+        raise CorruptFileError(str(out / MANIFEST), f"is not a version-{GRID_VERSION} grid manifest",
+                               "run the grid into a new folder with this version of evictlab")
+    return d
+
+
+def _check_folder(spec: GridSpec, out: Path) -> bool:
+    """True if ``out`` holds this grid's manifest (a resume), False if it is new or empty;
+    refuses (field ``out``) a different grid or a folder that is not a grid's."""
+    if (out / MANIFEST).exists():
+        old = GridSpec.from_dict(read_manifest(out)["spec"])
+        diff = spec.differences(old)
+        if diff:
+            raise InputError("out", f"{out} holds a different grid ({'; '.join(diff)})",
+                             "rerun with the same arguments to resume it, or choose another --out")
+        return True
+    if out.exists() and any(p.name != PARTS for p in out.iterdir() if not p.name.startswith(".")):
+        raise InputError("out", f"{out} exists and is not a grid folder", "choose a new or empty folder")
+    return False
+
+
+def write_manifest(spec: GridSpec, out: Path) -> None:
+    """Create ``out`` (if needed) and its manifest: the grid, its cells' keys, the skips."""
+    from evictlab.io import atomic_write_json
+
+    out.mkdir(exist_ok=True)
+    atomic_write_json(out / MANIFEST, {"version": GRID_VERSION, "spec": spec.to_dict(),
+                                       "cells": [c.key for c in spec.cells()], "skipped": spec.skipped()})
+
+
+def _done(out: Path, cells: list[CellSpec]) -> set[str]:
+    from evictlab.io import remove_temp_files
+
+    parts = out / PARTS
+    parts.mkdir(exist_ok=True)
+    remove_temp_files(parts, tuple(f"{c.key}.parquet" for c in cells))
+    return {c.key for c in cells if part_path(out, c).is_file()}
+
+
+def preflight(spec: GridSpec, cells: list[CellSpec]) -> None:
+    """Checks that need each model (loaded once, cached for the run): every budget against
+    its geometry (below the always-kept floors, or at or above the full cache of the
+    context: nothing to evict) and every example's length against the model's positions.
+    :class:`InputError` (fields ``budgets``, ``contexts``) before any cell runs."""
+    from evictlab.eval.runner import cell_examples
+    from evictlab.kv.budget import Budget
+    from evictlab.models.geometry import model_geometry
+
+    checked: set[tuple[Any, ...]] = set()
+    for cell in cells:
+        lm, tok = load_cached(cell.model, cell.device)
+        ex_key = (cell.model, cell.task, cell.context)
+        if ex_key not in checked:
+            checked.add(ex_key)
+            check_context(cell, lm)
+            check_lengths(cell, lm, cell_examples(cell, tok))
+        if cell.is_full or (cell.model, cell.context, cell.budget, cell.method, cell.mode) in checked:
+            continue
+        checked.add((cell.model, cell.context, cell.budget, cell.method, cell.mode))
+        g = model_geometry(lm)
+        cfg = cell.decode_config()
+        try:
+            tokens = cfg.budget_tokens(g, cell.context)
+        except InputError as exc:
+            raise InputError("budgets", f"{cell.budget} on {cell.model}: {exc.problem}", exc.fix) from None
+        full = g.full_cache_tokens(cell.context)
+        if tokens >= full:
+            raise InputError("budgets", f"{cell.budget} is {tokens} kept entries on {cell.model}, at or above the "
+                             f"{full} entries of a full cache of the {cell.context}-token context: nothing would be "
+                             "evicted", f"use budgets below {Budget('total_tokens', full).value}total for this context")
+
+
+def run_grid(spec: GridSpec, out: str | Path, *, map_cells: MapCells | None = None,
+             progress: Callable[[int], None] | None = None, on_start: Callable[[int, int], None] | None = None,
+             record: Any = None) -> GridRun:
+    """Run (or resume) ``spec`` into the folder ``out``; see the module docstring.
+
+    ``progress`` gets 1 per finished example (local executor); ``on_start(total_examples,
+    done_examples)`` is called once the pending work is known; ``record`` is a
+    :class:`~evictlab.report.record.RunRecord` written as ``run_record.json`` at the end.
+    """
+    from evictlab.io import atomic_path, check_output_path, exclusive_lock, read_parquet
+    from evictlab.report.record import record_path
+
+    out = check_output_path(out, "out", directory=True)
+    cells = spec.cells()
+    with exclusive_lock(out, "--out"):  # the option is named in the fix text too
+        resume = _check_folder(spec, out)
+        if not resume:
+            # A grid refused by the checks that need the models leaves nothing behind, so the
+            # corrected command can reuse the same --out.
+            preflight(spec, cells)
+            write_manifest(spec, out)
+        done = _done(out, cells)
+        pending = [c for c in cells if c.key not in done]
+        if resume and pending:
+            preflight(spec, pending)
+        if on_start is not None:
+            on_start(len(cells) * spec.n, len(done) * spec.n)
+        mapper = map_cells or local_map(progress)
+        for cell, frame in mapper(run_cell, pending):
+            if list(frame.columns) != list(RESULT_COLUMNS) or frame.height != cell.n:
+                raise RuntimeError(f"cell {cell.key} returned {frame.height} rows with columns {frame.columns}")
+            with atomic_path(part_path(out, cell), suffix=".parquet") as tmp:
+                frame.write_parquet(tmp)
+        fix = f"delete that part file and rerun the same command (the cell is run again)"
+        frames = [read_parquet(part_path(out, c), fix) for c in cells]
+        results = pl.concat(frames, how="vertical") if frames else pl.DataFrame(schema=RESULT_COLUMNS)
+        with atomic_path(out / RESULTS, suffix=".parquet") as tmp:
+            results.write_parquet(tmp)
+        if record is not None:
+            record.write(record_path(out, folder=True), outputs=[str(out / RESULTS)], cells=len(cells), ran=len(pending),
+                         resumed=len(done), rows=results.height)
+    return GridRun(out, len(cells), len(pending), len(done), out / RESULTS)

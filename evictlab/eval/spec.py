@@ -1,0 +1,390 @@
+"""The evaluation grid as data: what the user asked for (:class:`GridSpec`) and one unit of
+work (:class:`CellSpec`).
+
+A grid is models x tasks x context lengths x budgets x methods x modes x protocols, each
+over the same ``n`` seeded examples. Its **cells** are:
+
+- one ``full`` cell per (model, task, context): the full cache (stock ``DynamicCache``,
+  nothing evicted), the reference for KL and top-1 agreement and the accuracy every
+  comparison is read against;
+- one cell per (model, task, context, protocol, budget, method, mode) otherwise.
+
+Two combinations are not cells, and the manifest lists them as skipped with the reason:
+``uniform`` mode of a method whose allocator is already ``uniform`` (it *is* the physical
+run), and the ``query-aware`` protocol on ``heldout_ppl`` (a perplexity window has no
+question to be aware of).
+
+Modes (docs/evaluation.md): ``physical`` = the allocator's ragged per-cell sizes in the
+paged store that frees evicted entries; ``uniform`` = the same scorer with equal per-cell
+sizes (``+uniform``: a fixed selection under a real budget); ``masked`` = the allocator's
+ragged sizes held in the masked store (the full cache stays in memory: the audit of
+others). Protocols: :data:`evictlab.decode.loop.PROTOCOLS`.
+
+A :class:`CellSpec` carries everything its run needs (model name, task, sizes, seeds, the
+loop settings, the method's parameters), is frozen, hashable and picklable, so a local loop
+or a remote executor can call :func:`evictlab.eval.runner.run_cell` on it.
+
+Errors are :class:`InputError` with neutral fields (``models``, ``tasks``, ``contexts``,
+``budgets``, ``methods``, ``modes``, ``protocols``, ``n``, ``seed``, ``scorer_param``,
+``allocator_param``, ``ppl_target``); ``evictlab eval run`` names its own options.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from evictlab.decode.loop import DecodeConfig
+from evictlab.errors import InputError, refuse_duplicates
+from evictlab.kv.budget import Budget
+
+__all__ = [
+    "FULL",
+    "GRID_VERSION",
+    "MODES",
+    "PROTOCOLS",
+    "CellSpec",
+    "GridSpec",
+    "LoopSettings",
+    "budget_text",
+    "parse_list",
+]
+
+GRID_VERSION = 1
+"""Version of the grid's manifest and of the results' columns (bump on any change)."""
+FULL = "full"
+"""The method (and mode) name of the full-cache reference rows."""
+MODES: tuple[str, ...] = ("physical", "uniform", "masked")
+PROTOCOLS: tuple[str, ...] = ("query-agnostic", "query-aware")
+NO_PROTOCOL = "none"
+"""The protocol of the full-cache rows: nothing is compressed, so neither applies."""
+
+
+def parse_list(text: str | Sequence[str] | None) -> list[str]:
+    """``"a, b,c"`` (or repeated options) -> ``["a", "b", "c"]``; empty items dropped."""
+    if text is None:
+        return []
+    items = [text] if isinstance(text, str) else list(text)
+    return [p.strip() for item in items for p in str(item).split(",") if p.strip()]
+
+
+def budget_text(budget: Budget) -> str:
+    """Canonical text of a budget: ``64/cell``, ``4096total`` or ``2097152B``
+    (:meth:`Budget.parse` reads it back to the same budget)."""
+    return {"tokens_per_cell": f"{budget.value}/cell", "total_tokens": f"{budget.value}total",
+            "bytes": f"{budget.value}B"}[budget.unit]
+
+
+def _nonempty(items: Sequence[Any], name: str, fix: str) -> None:
+    if not items:
+        raise InputError(name, "the list is empty", fix)
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """The decode loop's settings shared by every cell: these fields of ``DecodeConfig``,
+    with its defaults, checked by it."""
+
+    sinks: int = DecodeConfig.sinks
+    recent: int = DecodeConfig.recent
+    chunk_size: int = DecodeConfig.chunk_size
+    compress_every: int = DecodeConfig.compress_every
+    window: int = DecodeConfig.window
+    block_size: int = DecodeConfig.block_size
+
+    def __post_init__(self) -> None:
+        DecodeConfig(mode="full", **asdict(self))  # the loop's own checks (positive sizes ...)
+
+
+def _canonical_method(spec: str) -> tuple[str, str, str]:
+    """``(canonical spec, scorer, allocator)``: ``snapkv+uniform`` -> ``snapkv``."""
+    from evictlab.methods import parse_method
+
+    scorer, alloc = parse_method(spec)
+    return (scorer if alloc == "uniform" else f"{scorer}+{alloc}"), scorer, alloc
+
+
+@dataclass(frozen=True)
+class CellSpec:
+    """One unit of work: one method (or the full cache) on ``n`` examples of one task.
+
+    ``method`` is ``"full"`` or a canonical ``scorer[+allocator]``; ``mode`` is ``"full"``
+    or one of :data:`MODES`; ``protocol`` is ``"none"`` (full) or one of :data:`PROTOCOLS`;
+    ``budget`` a canonical budget text (None for full). ``scorer_params`` /
+    ``allocator_params`` are this method's ``(key, value)`` pairs as typed (strings), sorted.
+    ``target_tokens`` is the length of a ``heldout_ppl`` target window.
+    """
+
+    model: str
+    task: str
+    context: int
+    method: str
+    mode: str
+    protocol: str
+    budget: str | None
+    n: int
+    seed: int
+    loop: LoopSettings = field(default_factory=LoopSettings)
+    scorer_params: tuple[tuple[str, str], ...] = ()
+    allocator_params: tuple[tuple[str, str], ...] = ()
+    target_tokens: int = 32
+    device: str = "cpu"
+
+    @property
+    def is_full(self) -> bool:
+        return self.method == FULL
+
+    @property
+    def scorer(self) -> str | None:
+        return None if self.is_full else _canonical_method(self.method)[1]
+
+    @property
+    def allocator(self) -> str | None:
+        return None if self.is_full else _canonical_method(self.method)[2]
+
+    @property
+    def key(self) -> str:
+        """A stable, file-name-safe id: readable parts plus a hash of the whole spec."""
+        parts = [Path(self.model).name or self.model, self.task, str(self.context), self.method, self.mode,
+                 self.protocol, (self.budget or "-").replace("/", "per")]
+        readable = re.sub(r"[^A-Za-z0-9.+=-]+", "_", "__".join(parts))
+        digest = hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
+        return f"{readable[:150]}__{digest}"
+
+    def full_cell(self) -> CellSpec:
+        """The full-cache cell whose examples this cell is compared with."""
+        return replace(self, method=FULL, mode=FULL, protocol=NO_PROTOCOL, budget=None, scorer_params=(),
+                       allocator_params=())
+
+    def decode_config(self) -> Any:
+        """The ``DecodeConfig`` of this cell (``mode="full"`` for the full cell). ``uniform``
+        mode runs the same scorer with the ``uniform`` allocator in the paged store."""
+        loop = asdict(self.loop)
+        if self.is_full:
+            return DecodeConfig(mode="full", **loop)
+        scorer, alloc = self.scorer, self.allocator
+        mode, aparams = self.mode, dict(self.allocator_params)
+        if mode == "uniform":
+            mode, alloc, aparams = "physical", "uniform", {}
+        return DecodeConfig(mode=mode, budget=Budget.parse(self.budget or ""), scorer=scorer, allocator=alloc,
+                            scorer_params=dict(self.scorer_params), allocator_params=aparams,
+                            query_aware=self.protocol == "query-aware", **loop)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["scorer_params"] = [list(p) for p in self.scorer_params]
+        d["allocator_params"] = [list(p) for p in self.allocator_params]
+        return d
+
+
+@dataclass(frozen=True)
+class GridSpec:
+    """The grid the user asked for; validated on construction, before any model loads.
+
+    ``budgets`` and ``methods`` are stored canonically (``64`` -> ``64/cell``,
+    ``snapkv+uniform`` -> ``snapkv``), so ``64`` and ``64/cell`` are the same budget (and a
+    duplicate). ``methods`` may name ``full`` (the full cache, always run); a grid of only
+    ``full`` takes no budgets, modes or protocols. ``scorer_params`` / ``allocator_params``
+    are ``k=v`` (or ``name.k=v``) strings routed to the chosen methods as in ``decode``.
+    """
+
+    models: tuple[str, ...]
+    tasks: tuple[str, ...]
+    contexts: tuple[int, ...]
+    methods: tuple[str, ...]
+    budgets: tuple[str, ...] = ()
+    modes: tuple[str, ...] = ()
+    protocols: tuple[str, ...] = ()
+    n: int = 10
+    seed: int = 0
+    loop: LoopSettings = field(default_factory=LoopSettings)
+    scorer_params: tuple[tuple[str, str], ...] = ()
+    allocator_params: tuple[tuple[str, str], ...] = ()
+    target_tokens: int = 32
+    device: str = "cpu"
+
+    @classmethod
+    def build(cls, *, models: Sequence[str], tasks: Sequence[str], contexts: Sequence[int | str],
+              methods: Sequence[str], budgets: Sequence[str] | None = None, modes: Sequence[str] | None = None,
+              protocols: Sequence[str] | None = None, n: int = 10, seed: int = 0, loop: LoopSettings | None = None,
+              scorer_params: Mapping[str, str] | None = None, allocator_params: Mapping[str, str] | None = None,
+              target_tokens: int = 32, device: str = "cpu") -> GridSpec:
+        """A validated grid from lists as typed (``None`` modes / protocols: ``physical`` /
+        ``query-agnostic`` when an evicting method is asked for)."""
+        ctx: list[int] = []
+        for c in contexts:
+            try:
+                ctx.append(int(c))
+            except (TypeError, ValueError):
+                raise InputError("contexts", f"{c!r} is not a whole number of tokens",
+                                 "write context lengths as integers, e.g. 1024,2048") from None
+        evicting = any(m.strip() != FULL for m in methods)
+        if modes is None:
+            modes = ["physical"] if evicting else []
+        if protocols is None:
+            protocols = ["query-agnostic"] if evicting else []
+        canon_budgets = [budget_text(Budget.parse(b)) for b in (budgets or [])]
+        return cls(models=tuple(m.strip() for m in models), tasks=tuple(t.strip() for t in tasks),
+                   contexts=tuple(ctx), methods=tuple(m.strip() for m in methods), budgets=tuple(canon_budgets),
+                   modes=tuple(modes), protocols=tuple(protocols), n=int(n), seed=int(seed),
+                   loop=loop or LoopSettings(), scorer_params=tuple(sorted((scorer_params or {}).items())),
+                   allocator_params=tuple(sorted((allocator_params or {}).items())),
+                   target_tokens=int(target_tokens), device=device)
+
+    def __post_init__(self) -> None:
+        from evictlab.decode.tasks import EVAL_TASKS
+
+        _nonempty(self.models, "models", "name at least one model, e.g. smollm2-135m")
+        refuse_duplicates(self.models, "models", "model")
+        _nonempty(self.tasks, "tasks", f"use some of: {', '.join(EVAL_TASKS)}")
+        for t in self.tasks:
+            if t not in EVAL_TASKS:
+                raise InputError("tasks", f"unknown task {t!r}", f"use some of: {', '.join(EVAL_TASKS)}")
+        refuse_duplicates(self.tasks, "tasks", "task")
+        _nonempty(self.contexts, "contexts", "give at least one context length, e.g. 1024")
+        for c in self.contexts:
+            if c < 64:
+                raise InputError("contexts", f"{c} tokens is too short for a task", "use at least 64 tokens")
+        refuse_duplicates(self.contexts, "contexts", "context length")
+        if self.n < 1:
+            raise InputError("n", f"{self.n} examples", "use n >= 1")
+        if self.seed < 0:
+            raise InputError("seed", f"{self.seed} is negative", "use a seed >= 0, e.g. 0")
+        if self.target_tokens < 1:
+            raise InputError("ppl_target", f"{self.target_tokens} target tokens", "use at least 1")
+        _nonempty(self.methods, "methods", "name at least one scorer or scorer+allocator (or full)")
+        canon = [m if m == FULL else _canonical_method(m)[0] for m in self.methods]
+        refuse_duplicates(canon, "methods", "method")
+        if canon != list(self.methods):
+            object.__setattr__(self, "methods", tuple(canon))
+        for name, values, known in (("modes", self.modes, MODES), ("protocols", self.protocols, PROTOCOLS)):
+            for v in values:
+                if v not in known:
+                    raise InputError(name, f"unknown {name[:-1]} {v!r}", f"use some of: {', '.join(known)}")
+            refuse_duplicates(values, name, name[:-1])
+        if not self.evicting:
+            for name in ("budgets", "modes", "protocols"):
+                if getattr(self, name):
+                    raise InputError(name, f"the full cache takes no {name} (only `full` is in the methods)",
+                                     f"drop the {name} or add an evicting method")
+            return
+        _nonempty(self.budgets, "budgets", "give at least one budget, e.g. 64 (per cell), 4096total or 2MiB")
+        _nonempty(self.modes, "modes", f"use some of: {', '.join(MODES)}")
+        _nonempty(self.protocols, "protocols", f"use some of: {', '.join(PROTOCOLS)}")
+        budgets = [Budget.parse(b) for b in self.budgets]
+        refuse_duplicates([budget_text(b) for b in budgets], "budgets", "budget")
+        for b in budgets:
+            if b.unit == "tokens_per_cell" and b.value >= min(self.contexts):
+                raise InputError("budgets", f"{budget_text(b)} keeps every token of the {min(self.contexts)}-token "
+                                 "context: nothing would be evicted", "use budgets below the shortest context")
+        self.method_params()  # unknown or bad parameters are refused here
+        checked: set[tuple[str, str, str | None, str]] = set()
+        for cell in self.cells():  # each method's config once (parameter values, ...)
+            key = (cell.method, cell.mode, cell.budget, cell.protocol)
+            if not cell.is_full and key not in checked:
+                checked.add(key)
+                cell.decode_config()
+
+    def check_models(self) -> None:
+        """Refuse a model that is neither a registry name, a model folder nor a hub id
+        (field ``model``), without loading or pulling anything."""
+        from evictlab.models.loading import resolve
+        from evictlab.models.registry import MODELS
+
+        for m in self.models:
+            if m not in MODELS:
+                resolve(m)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def evicting(self) -> list[str]:
+        """The evicting methods (every method but ``full``)."""
+        return [m for m in self.methods if m != FULL]
+
+    def method_params(self) -> dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]]:
+        """``{method: (scorer params, allocator params)}`` routed like ``decode``'s options."""
+        from evictlab.methods.registry import route_params
+
+        parsed = {m: _canonical_method(m) for m in self.evicting}
+        sp = route_params(dict(self.scorer_params), [s for _, s, _ in parsed.values()], "scorer")
+        ap = route_params(dict(self.allocator_params), [a for _, _, a in parsed.values()], "allocator")
+        return {m: (tuple(sorted(sp[s].items())), tuple(sorted(ap[a].items()))) for m, (_, s, a) in parsed.items()}
+
+    def cells(self) -> list[CellSpec]:
+        """Every cell, in the grid's order: model, task, context, then the full cell, then
+        protocol, budget, method, mode (cells of one (model, task, context) are adjacent,
+        so a local run computes each full-cache reference once)."""
+        params = self.method_params() if self.evicting else {}
+        out: list[CellSpec] = []
+        for model in self.models:
+            for task in self.tasks:
+                for context in self.contexts:
+                    base = CellSpec(model=model, task=task, context=context, method=FULL, mode=FULL,
+                                    protocol=NO_PROTOCOL, budget=None, n=self.n, seed=self.seed, loop=self.loop,
+                                    target_tokens=self.target_tokens, device=self.device)
+                    out.append(base)
+                    for protocol in self.protocols:
+                        for budget in self.budgets:
+                            for method in self.evicting:
+                                for mode in self.modes:
+                                    if self._skip_reason(task, method, mode, protocol) is None:
+                                        sp, ap = params[method]
+                                        out.append(replace(base, method=method, mode=mode, protocol=protocol,
+                                                           budget=budget, scorer_params=sp, allocator_params=ap))
+        return out
+
+    def skipped(self) -> list[dict[str, str]]:
+        """The (task, method, mode, protocol) combinations that are not cells, with why."""
+        out = []
+        for task in self.tasks:
+            for protocol in self.protocols:
+                for method in self.evicting:
+                    for mode in self.modes:
+                        why = self._skip_reason(task, method, mode, protocol)
+                        if why:
+                            out.append({"task": task, "method": method, "mode": mode, "protocol": protocol,
+                                        "reason": why})
+        return out
+
+    @staticmethod
+    def _skip_reason(task: str, method: str, mode: str, protocol: str) -> str | None:
+        from evictlab.decode.tasks import HELDOUT_PPL
+
+        if task == HELDOUT_PPL and protocol == "query-aware":
+            return "a perplexity window has no question to be aware of"
+        if mode == "uniform" and _canonical_method(method)[2] == "uniform":
+            return "the allocator is already uniform: the uniform mode is the physical run"
+        return None
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for k in ("models", "tasks", "contexts", "methods", "budgets", "modes", "protocols"):
+            d[k] = list(d[k])
+        d["scorer_params"] = dict(self.scorer_params)
+        d["allocator_params"] = dict(self.allocator_params)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> GridSpec:
+        known = {f.name for f in fields(cls)}
+        extra = sorted(set(d) - known)
+        if extra:
+            raise InputError("manifest", f"unknown grid fields {extra}", "rerun with this version of evictlab")
+        kw = dict(d)
+        kw["loop"] = LoopSettings(**kw.get("loop", {}))
+        for k in ("models", "tasks", "contexts", "methods", "budgets", "modes", "protocols"):
+            kw[k] = tuple(kw.get(k, ()))
+        kw["scorer_params"] = tuple(sorted(dict(kw.get("scorer_params", {})).items()))
+        kw["allocator_params"] = tuple(sorted(dict(kw.get("allocator_params", {})).items()))
+        return cls(**kw)
+
+    def differences(self, other: GridSpec) -> list[str]:
+        """Human-readable ``field: this vs other`` for every field that differs."""
+        a, b = self.to_dict(), other.to_dict()
+        return [f"{k}: {b[k]!r} there vs {a[k]!r} now" for k in a if a[k] != b.get(k)]

@@ -1,0 +1,175 @@
+"""The Markdown report of an evaluation grid and its paired comparisons.
+
+Every comparison is printed next to the full cache's own accuracy on the same task and
+context length, so a floor is never read as a method effect; where exact match sits at a
+floor or a ceiling the answer log-probability and KL columns rank the methods instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+from evictlab.eval.compare import cluster_bootstrap_mean, wtl_table
+from evictlab.report.markdown import claims_table, table
+from evictlab.stats.claims import weights_for
+
+__all__ = ["FLOOR", "evaluation_markdown", "full_cache_table", "protocol_bytes_table"]
+
+FLOOR = 0.1
+"""A full cache whose exact match is at most this is "at the floor" on that task and length."""
+
+
+def _ci(v: float, lo: float, hi: float, d: int = 2) -> str:
+    return "n/a" if not np.isfinite(v) else f"{v:.{d}f} [{lo:.{d}f}, {hi:.{d}f}]"
+
+
+def full_cache_table(results: pl.DataFrame, *, seed: int = 0, n_boot: int = 2000) -> pl.DataFrame:
+    """Per (model, task, context): the full cache's exact match (95% bootstrap CI over
+    examples), mean answer log-probability, perplexity of the answer tokens, and its regime
+    (``floor``: exact match <= :data:`FLOOR`; ``ceiling``: every example right)."""
+    rows = []
+    full = results.filter(pl.col("method") == "full")
+    for (model, task, context), g in full.group_by(["model", "task", "context"], maintain_order=True):
+        em = g["exact_match"].cast(pl.Float64).drop_nulls().to_numpy()
+        est = cluster_bootstrap_mean(em, None, seed=seed, key=f"full|{model}|{task}|{context}", n_boot=n_boot)
+        regime = "n/a" if em.size == 0 else "floor" if est[0] <= FLOOR else "ceiling" if est[0] == 1 else "open"
+        rows.append({"model": model, "task": task, "context": context, "n": g.height,
+                     "exact_match [95% CI]": _ci(*est) if em.size else "n/a (perplexity)",
+                     "answer_logprob": g["answer_logprob"].mean(), "answer_ppl": g["ppl"].mean(), "regime": regime,
+                     "context_tokens": g["context_tokens"].mean()})
+    return pl.DataFrame(rows)
+
+
+def protocol_bytes_table(results: pl.DataFrame) -> pl.DataFrame:
+    """Per (model, context, budget, mode, protocol): K/V bytes held after compressions, the
+    peak held at any step (what the protocol needs), the peak allocated, the budget's and the
+    full cache's bytes (means over examples and methods, MiB)."""
+    ev = results.filter(pl.col("method") != "full")
+    if ev.height == 0:
+        return pl.DataFrame()
+    mib = 2.0**20
+    return (ev.group_by(["model", "context", "budget", "mode", "protocol"], maintain_order=True)
+            .agg((pl.col("bytes_budget").mean() / mib).alias("budget MiB"),
+                 (pl.col("bytes_live").mean() / mib).alias("held after compression MiB"),
+                 (pl.col("bytes_live_peak").mean() / mib).alias("peak held MiB"),
+                 (pl.col("bytes_allocated").mean() / mib).alias("peak allocated MiB"),
+                 (pl.col("bytes_full").mean() / mib).alias("full cache MiB"))
+            .sort(["model", "context", "budget", "mode", "protocol"]))
+
+
+def _method_means(results: pl.DataFrame) -> pl.DataFrame:
+    ev = results.filter(pl.col("method") != "full")
+    return (ev.group_by(["model", "task", "context", "protocol", "budget", "method", "mode"], maintain_order=True)
+            .agg(pl.len().alias("n"), pl.col("exact_match").mean(), pl.col("answer_logprob").mean(),
+                 pl.col("kl").mean(), pl.col("top1_agreement").mean(), pl.col("ppl").mean(),
+                 (pl.col("bytes_live").mean() / 2**20).alias("held MiB")))
+
+
+def _verdicts(pairs: pl.DataFrame, kind: str) -> pl.DataFrame:
+    p = pairs.filter(pl.col("kind") == kind)
+    if p.height == 0:
+        return p
+    return (p.group_by(["a_method", "a_mode", "b_method", "b_mode", "protocol"], maintain_order=True)
+            .agg(pl.len().alias("comparisons"), (pl.col("verdict") == "win").sum().alias("wins"),
+                 (pl.col("verdict") == "tie").sum().alias("ties"), (pl.col("verdict") == "loss").sum().alias("losses"),
+                 pl.col("wins").sum().alias("example wins"), pl.col("ties").sum().alias("example ties"),
+                 pl.col("losses").sum().alias("example losses")))
+
+
+def evaluation_markdown(results: pl.DataFrame, pairs: pl.DataFrame, *, rule: str, claims: Sequence[Any] = (),
+                        enforcement: pl.DataFrame | None = None, margin: pl.DataFrame | None = None,
+                        figures: Sequence[tuple[str, str]] = (), config: dict[str, Any] | None = None,
+                        skipped: Sequence[dict[str, str]] = (), seed: int = 0, n_boot: int = 2000) -> str:
+    """The grid's report (Markdown). ``figures``: ``(relative path, caption)``."""
+    models = list(dict.fromkeys(results["model"].to_list()))
+    ev = results.filter(pl.col("method") != "full")
+    lines = [
+        "# Evaluation grid: paired comparisons at matched bytes",
+        "",
+        "Models: " + "; ".join(f"{m} ({weights_for(m, 'weights as loaded')})" for m in models) + ".",
+        "",
+        "**Protocols.** `query-agnostic`: the context is compressed (chunk by chunk) before the question is "
+        "appended, so no ranking that evicts context sees it. `query-aware` (labelled option): nothing is "
+        "compressed before the question (all but its last token) is fed; one compression then fixes the kept "
+        "set with the question in view, and the last question token goes through the compressed cache. It holds "
+        "the whole context until then: see the peak bytes below.",
+        "",
+        "**Modes.** `physical`: the allocator's ragged per-cell sizes in the paged store that frees evicted "
+        "entries (bytes = the budget). `uniform`: the same scorer with equal per-cell sizes, same store (a fixed "
+        "selection forced to a real budget). `masked`: the allocator's ragged sizes held in a masked store, the "
+        "audit of others: the full cache stays in memory and no masked entry is counted as freed.",
+        "",
+        "**Metrics** (teacher-forced over the answer tokens, per example): `exact_match` = greedy decoding "
+        "reproduces the answer tokens; `answer_logprob` = sum of log p(answer token), nats; `kl` = mean "
+        "next-token KL(full || compressed), nats; `top1_agreement`; `ppl` = exp(mean answer NLL) (the held-out "
+        "Shakespeare perplexity on `heldout_ppl`). Budgets count *kept* entries summed over cells "
+        "(cell = layer x KV head), as given (`/cell`, `total`, `B`).",
+        "",
+        f"**Tie rule.** {rule}. Intervals: 95% percentile bootstrap over examples (rows of one example are "
+        "never resampled separately).",
+        "",
+    ]
+    if config:
+        lines += ["```", *(f"{k}: {v}" for k, v in config.items()), "```", ""]
+    if skipped:
+        lines += ["Not run (not meaningful):", "",
+                  table(pl.DataFrame(list(skipped)).unique(["method", "mode", "protocol", "reason"],
+                                                           maintain_order=True).select("method", "mode", "protocol",
+                                                                                       "reason")), ""]
+    fc = full_cache_table(results, seed=seed, n_boot=n_boot)
+    lines += ["## The full cache (read every comparison against it)", "",
+              "A `floor` row means the model does not solve the task at that length even with the full cache: "
+              "differences in exact match there are not method effects; use `answer_logprob` and `kl`.", "",
+              table(fc, digits=3), ""]
+    if ev.height:
+        lines += ["## Bytes each protocol and mode needs", "",
+                  "`held after compression` = the budget in physical/uniform mode and the full cache in masked mode; "
+                  "`peak held` = the most K/V bytes held at any step (query-agnostic: budget + one chunk; "
+                  "query-aware: the whole context and question before its compression).", "",
+                  table(protocol_bytes_table(results), digits=3), ""]
+    if claims:
+        lines += ["## The papers' claims, our numbers beside theirs", "", claims_table(claims), ""]
+    if enforcement is not None and enforcement.height:
+        lines += ["### Enforcement cost per comparison (points = 100 x exact-match difference)", "",
+                  table(enforcement, digits=2), ""]
+    if margin is not None and margin.height:
+        lines += ["### Query-aware margin per comparison (points)", "", table(margin, digits=2), ""]
+    if ev.height:
+        lines += ["## Methods (means over examples)", "", table(_method_means(results), digits=3), ""]
+    for kind, title in (("method", "Method pairs (same mode, same budget)"),
+                        ("mode", "Mode pairs (same method, same budget): the enforcement cost"),
+                        ("full", "Against the full cache")):
+        p = pairs.filter(pl.col("kind") == kind) if pairs.height else pairs
+        if p.height == 0:
+            continue
+        lines += [f"## {title}", "", "Per comparison group (model, task, context, protocol, budget), verdicts "
+                  "under the tie rule; example counts beside them:", "", table(_verdicts(pairs, kind)), ""]
+        if kind != "full":
+            lines += ["Wins/ties/losses over examples (arm A's side), tasks x budgets; the full cache's exact match "
+                      "per task and length is printed above each table:", ""]
+            wide = wtl_table(pairs, kind)
+            for (model, context), g in wide.group_by(["model", "context"], maintain_order=True):
+                f = fc.filter((pl.col("model") == model) & (pl.col("context") == context))
+                floor = ", ".join(f"{r['task']} {r['exact_match [95% CI]']} ({r['regime']})" for r in f.to_dicts())
+                lines += [f"**{model}, {context} tokens.** Full cache exact match: {floor}.", "",
+                          table(g.drop("model", "context")), ""]
+        flat = p.filter(pl.col("regime").is_in(["floor", "ceiling"]))
+        if flat.height:
+            lines += [f"At a floor or ceiling of exact match ({flat.height} comparisons), ranked by answer "
+                      "log-probability and KL (differences A - B, 95% CI):", "",
+                      table(flat.select("model", "task", "context", "protocol", "budget", "a_method", "a_mode",
+                                        "b_method", "b_mode", "regime", "full_em",
+                                        pl.format("{} [{}, {}]", pl.col("d_logprob").round(3),
+                                                  pl.col("d_logprob_lo").round(3),
+                                                  pl.col("d_logprob_hi").round(3)).alias("d_logprob"),
+                                        pl.format("{} [{}, {}]", pl.col("d_kl").round(4), pl.col("d_kl_lo").round(4),
+                                                  pl.col("d_kl_hi").round(4)).alias("d_kl"), "verdict")), ""]
+    if figures:
+        lines += ["## Figures", ""]
+        for path, caption in figures:
+            lines += [f"![{path}]({path})", "", f"*{caption}*", ""]
+    return "\n".join(lines)

@@ -1,0 +1,83 @@
+"""Shared plumbing for the paper_repro scripts that run the evaluation grid.
+
+A script names a default grid (the smallest that tests its claim on our models); every
+field can be overridden on the command line. The grid runs (or resumes) into ``--grid``
+with the same :func:`evictlab.eval.grid.run_grid` as ``evictlab eval run``, so a killed
+script picks up where it stopped, and a finished grid is only read.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from collections.abc import Callable
+from typing import Any
+
+import polars as pl
+
+import _common
+
+from evictlab.eval.spec import GridSpec, LoopSettings, parse_list
+
+
+def parser(description: str, defaults: dict[str, Any]) -> argparse.ArgumentParser:
+    p = _common.parser(description, needs_results=False)
+    p.add_argument("--grid", type=Path, default=Path(defaults["grid"]),
+                   help=f"grid folder, run or resumed there (default {defaults['grid']})")
+    for name in ("models", "tasks", "contexts", "budgets", "methods", "modes", "protocols"):
+        p.add_argument(f"--{name}", default=",".join(map(str, defaults[name])),
+                       help=f"comma-separated (default {','.join(map(str, defaults[name]))})")
+    p.add_argument("--n", type=int, default=defaults["n"], help=f"examples per task (default {defaults['n']})")
+    p.add_argument("--chunk", type=int, default=256, help="prefill chunk (default 256)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--n-boot", type=int, default=2000, help="bootstrap resamples (default 2000)")
+    return p
+
+
+def run(args: argparse.Namespace) -> pl.DataFrame:
+    """Run or resume the grid the arguments describe; its results."""
+    import torch
+    from tqdm import tqdm
+
+    from evictlab.eval.grid import RESULTS, run_grid
+
+    torch.set_num_threads(args.threads)
+    spec = GridSpec.build(models=parse_list(args.models), tasks=parse_list(args.tasks),
+                          contexts=parse_list(args.contexts), methods=parse_list(args.methods),
+                          budgets=parse_list(args.budgets), modes=parse_list(args.modes),
+                          protocols=parse_list(args.protocols), n=args.n, seed=args.seed,
+                          loop=LoopSettings(chunk_size=args.chunk))
+    args.grid.parent.mkdir(parents=True, exist_ok=True)
+    bar: Any = None
+
+    def on_start(total: int, done: int) -> None:
+        nonlocal bar
+        bar = tqdm(total=total, initial=done, unit="ex", desc=args.grid.name)
+
+    try:
+        run_grid(spec, args.grid, progress=lambda k: bar.update(k) if bar else None, on_start=on_start)
+    finally:
+        if bar is not None:
+            bar.close()
+    return pl.read_parquet(args.grid / RESULTS)
+
+
+def claim_main(argv: list[str] | None, doc: str, defaults: dict[str, Any], script: str,
+               claims: Callable[..., tuple[list[Any], pl.DataFrame]], name: str) -> int:
+    """A claim script: parse, run or resume the grid, compute ``claims(results, seed=,
+    n_boot=)`` (rows and the per-comparison detail), write ``<out>/<name>_detail.md`` and
+    the accuracy-vs-bytes figure ``<figures>/<name>_accuracy_vs_bytes``, publish the rows."""
+    from evictlab.plots.evaluation import accuracy_vs_bytes
+    from evictlab.report import markdown as md
+    from evictlab.report.record import RunRecord
+
+    args = parser(doc.splitlines()[0], defaults).parse_args(argv)
+    record = RunRecord(kind=f"paper-repro-{name.replace('_', '-')}", seed=args.seed, config=_common.config(args))
+    results = run(args)
+    rows, detail = claims(results, seed=args.seed, n_boot=args.n_boot)
+    args.out.mkdir(parents=True, exist_ok=True)
+    md.write(args.out / f"{name}_detail.md", [f"# {name.replace('_', ' ')}: per comparison\n",
+                                              md.table(detail, digits=3)])
+    made = [accuracy_vs_bytes(results, _common.figures_dir(args) / f"{name}_accuracy_vs_bytes")]
+    _common.publish(args, script, rows, made, record)
+    return 0

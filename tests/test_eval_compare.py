@@ -1,0 +1,188 @@
+"""Pairing, the tie rule and the claims on hand-made result tables (no model)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pytest
+
+from evictlab.errors import InputError
+from evictlab.eval.claims import enforcement_cost, query_aware_margin, versus
+from evictlab.eval.compare import TieRule, cluster_bootstrap_mean, compare, example_outcomes, wtl_table
+from evictlab.eval.runner import RESULT_COLUMNS
+
+
+def _rows(method: str, mode: str, em: list[float | None], lp: list[float], *, protocol: str = "query-agnostic",
+          budget: str | None = "64/cell", task: str = "needle", kl: float = 0.1, bytes_live: int = 100,
+          allocator: str | None = None, scorer: str | None = None) -> list[dict[str, Any]]:
+    full = method == "full"
+    scorer = scorer or (None if full else method.split("+")[0])
+    alloc = allocator or (None if full else ("uniform" if mode == "uniform" or "+" not in method
+                                             else method.split("+")[1]))
+    out = []
+    for i, (e, l) in enumerate(zip(em, lp)):
+        out.append({c: None for c in RESULT_COLUMNS} | {
+            "model": "m", "task": task, "context": 1024, "method": method, "mode": mode,
+            "scorer": scorer, "allocator": alloc,
+            "protocol": "none" if full else protocol, "budget": None if full else budget,
+            "budget_unit": None if full else "tokens_per_cell", "budget_value": None if full else 64,
+            "example": i, "exact_match": e, "answer_logprob": l, "kl": 0.0 if full else kl,
+            "bytes_live": bytes_live, "bytes_live_peak": bytes_live, "bytes_full": 1000, "bytes_budget": 100,
+            "ppl": float(np.exp(-l)),
+        })
+    return out
+
+
+def _frame(*parts: list[dict[str, Any]]) -> pl.DataFrame:
+    return pl.DataFrame([r for p in parts for r in p], schema=RESULT_COLUMNS)
+
+
+def test_example_outcomes_exact_match_first_then_logprob_within_tolerance() -> None:
+    em_a = np.array([1, 0, 1, 1, 0, np.nan, np.nan])
+    em_b = np.array([0, 1, 1, 1, 0, np.nan, np.nan])
+    lp_a = np.array([-9.0, 0.0, -1.0, -1.0, -2.0, -3.0, -3.0])
+    lp_b = np.array([0.0, -9.0, -1.1, -1.3, -1.9, -3.2, -2.95])
+    # em decides; equal em: |d| <= 0.1 ties (boundary included), else the higher wins; no em: log-prob only
+    assert example_outcomes(em_a, em_b, lp_a, lp_b, 0.1).tolist() == [1, -1, 0, 1, 0, 1, 0]
+    assert example_outcomes(em_a, em_b, lp_a, lp_b, 0.0).tolist() == [1, -1, 1, 1, -1, 1, -1]
+
+
+def test_pairs_count_wins_ties_losses_per_example_and_state_the_rule() -> None:
+    # A beats B on examples 0, 1 (exact match), ties on 2 (log-prob within 0.1), loses 3 (log-prob)
+    res = _frame(_rows("snapkv", "physical", [1, 1, 0, 0], [-1, -1, -5.00, -6]),
+                 _rows("h2o", "physical", [0, 0, 0, 0], [-2, -2, -5.05, -5]),
+                 _rows("full", "full", [1, 1, 1, 0], [-0.5, -0.5, -1, -4]))
+    pairs = compare(res, TieRule(tolerance=0.1))
+    m = pairs.filter(pl.col("kind") == "method").row(0, named=True)
+    assert (m["a_method"], m["b_method"], m["n"]) == ("snapkv", "h2o", 4)
+    assert (m["wins"], m["ties"], m["losses"]) == (2, 1, 1)
+    assert m["verdict"] == "win" and "0.1 nats" in m["rule"]
+    assert m["d_em"] == pytest.approx(0.5) and m["em_a"] == 0.5 and m["em_b"] == 0.0
+    assert m["d_logprob"] == pytest.approx(np.mean([1, 1, 0.05, -1]))
+    assert m["full_em"] == pytest.approx(0.75) and m["regime"] == "open"
+    # each arm against the full cache, on the same examples
+    f = pairs.filter(pl.col("kind") == "full")
+    assert set(f["a_method"]) == {"snapkv", "h2o"} and set(f["b_method"]) == {"full"}
+    h2o = f.filter(pl.col("a_method") == "h2o").row(0, named=True)
+    assert (h2o["wins"], h2o["ties"], h2o["losses"]) == (0, 0, 4) and h2o["verdict"] == "loss"
+
+
+def test_examples_are_matched_by_index_not_row_order() -> None:
+    a = _rows("snapkv", "physical", [1, 0, 0], [-1, -3, -3])
+    b = _rows("h2o", "physical", [0, 0, 1], [-2, -3, -1])
+    res = _frame(list(reversed(a)), b)
+    m = compare(res, kinds=("method",)).row(0, named=True)
+    assert (m["wins"], m["ties"], m["losses"]) == (1, 1, 1)
+
+
+def test_mode_pairs_and_regimes() -> None:
+    res = _frame(_rows("snapkv+adakv", "physical", [1, 1], [-1, -1], bytes_live=100),
+                 _rows("snapkv+adakv", "masked", [1, 1], [-1, -1], bytes_live=1000),
+                 _rows("snapkv+adakv", "uniform", [1, 1], [-1.5, -1.01], bytes_live=100))
+    pairs = compare(res, kinds=("mode",))
+    got = {(r["a_mode"], r["b_mode"]): r for r in pairs.to_dicts()}
+    assert set(got) == {("physical", "uniform"), ("masked", "uniform"), ("physical", "masked")}
+    pm = got[("physical", "masked")]
+    assert (pm["wins"], pm["ties"], pm["losses"]) == (0, 2, 0) and pm["verdict"] == "tie"
+    assert pm["bytes_live_a"] == 100 and pm["bytes_live_b"] == 1000
+    mu = got[("masked", "uniform")]
+    # both at the exact-match ceiling: the log-prob ranks them (one win, one tie)
+    assert mu["regime"] == "ceiling" and (mu["wins"], mu["ties"], mu["losses"]) == (1, 1, 0)
+    floor = compare(_frame(_rows("a", "physical", [0, 0], [-3, -3]), _rows("b", "physical", [0, 0], [-3, -4])),
+                    kinds=("method",)).row(0, named=True)
+    assert floor["regime"] == "floor" and floor["verdict"] == "win"
+
+
+def test_bootstrap_rule_interval_containing_zero_is_a_tie() -> None:
+    rule = TieRule(kind="bootstrap", n_boot=500)
+    always = compare(_frame(_rows("a", "physical", [1] * 6, [-1] * 6), _rows("b", "physical", [0] * 6, [-1] * 6)),
+                     rule, kinds=("method",)).row(0, named=True)
+    assert always["verdict"] == "win" and always["d_em_lo"] == always["d_em_hi"] == 1.0
+    mixed = compare(_frame(_rows("a", "physical", [1, 0, 1, 0, 1, 0], [-1] * 6),
+                           _rows("b", "physical", [0, 1, 0, 1, 0, 1], [-1] * 6)), rule, kinds=("method",))
+    m = mixed.row(0, named=True)
+    assert m["verdict"] == "tie" and m["d_em_lo"] < 0 < m["d_em_hi"] and "bootstrap" in m["rule"]
+    # exact match tied everywhere: the log-prob interval decides
+    lp = compare(_frame(_rows("a", "physical", [0] * 5, [-1, -1.2, -0.9, -1.1, -1]),
+                        _rows("b", "physical", [0] * 5, [-3, -3.1, -2.8, -3.3, -3])), rule, kinds=("method",))
+    assert lp.row(0, named=True)["verdict"] == "win"
+    # deterministic: same seed, same bits
+    assert mixed.equals(compare(_frame(_rows("a", "physical", [1, 0, 1, 0, 1, 0], [-1] * 6),
+                                       _rows("b", "physical", [0, 1, 0, 1, 0, 1], [-1] * 6)), rule, kinds=("method",)))
+
+
+def test_tie_rule_is_validated() -> None:
+    for kw, field in (({"kind": "coin"}, "tie_rule"), ({"tolerance": -1}, "tolerance"), ({"level": 1.0}, "level"),
+                      ({"n_boot": 0}, "n_boot")):
+        with pytest.raises(InputError) as e:
+            TieRule(**kw)  # type: ignore[arg-type]
+        assert e.value.field == field
+
+
+def test_cluster_bootstrap_resamples_whole_examples() -> None:
+    x = np.array([1.0, 1.0, 1.0, 0.0])
+    v, lo, hi = cluster_bootstrap_mean(x, ["a", "a", "a", "b"], seed=0, key="k", n_boot=400)
+    assert v == 0.75
+    # two clusters (means 1 and 0): a resample holds a, b or both, so the mean is 1, 0 or 0.75
+    assert lo == 0.0 and hi == 1.0
+    assert cluster_bootstrap_mean(np.array([]), None, seed=0, key="k")[0] != 0  # nan
+    assert cluster_bootstrap_mean(x, None, seed=1, key="k") == cluster_bootstrap_mean(x, None, seed=1, key="k")
+
+
+def test_wtl_table_is_pairs_by_task_and_budget() -> None:
+    parts = []
+    for task in ("needle", "multi_key"):
+        for budget in ("32/cell", "64/cell"):
+            parts += [_rows("snapkv", "physical", [1, 0], [-1, -2], task=task, budget=budget),
+                      _rows("h2o", "physical", [0, 0], [-2, -2], task=task, budget=budget)]
+    wide = wtl_table(compare(_frame(*parts), kinds=("method",)))
+    assert wide.height == 1 and wide["pair"][0] == "snapkv [physical] vs h2o [physical]"
+    assert [c for c in wide.columns if "@" in c] == ["needle @ 32/cell", "needle @ 64/cell", "multi_key @ 32/cell",
+                                                     "multi_key @ 64/cell"]
+    assert set(wide.row(0)[4:]) == {"1/1/0"}
+
+
+def test_enforcement_cost_points_and_bytes() -> None:
+    res = _frame(_rows("snapkv+adakv", "masked", [1, 1, 1, 0], [-1] * 4, bytes_live=1000),
+                 _rows("snapkv+adakv", "uniform", [0, 1, 0, 0], [-2] * 4, bytes_live=100),
+                 _rows("snapkv+adakv", "physical", [1, 1, 1, 0], [-1] * 4, bytes_live=100),
+                 _rows("snapkv", "masked", [1] * 4, [-1] * 4),  # uniform allocator: not a per-head selection
+                 _rows("full", "full", [1, 1, 1, 1], [-0.5] * 4))
+    claims, detail = enforcement_cost(res, n_boot=300)
+    assert len(claims) == 1 and detail.height == 1
+    d = detail.row(0, named=True)
+    assert d["points_lost"] == pytest.approx(50.0) and d["physical_minus_masked"] == 0.0
+    assert d["MiB_masked"] * 2**20 == pytest.approx(1000) and d["MiB_uniform"] * 2**20 == pytest.approx(100)
+    assert d["full_em"] == 1.0
+    c = claims[0]
+    assert c.paper_value.startswith("14.1-62.2") and "+50.0" in c.our_value and "snapkv+adakv" in c.claim
+
+
+def test_query_aware_margin_on_retrieval_tasks_only() -> None:
+    res = _frame(_rows("snapkv", "physical", [1, 1, 0], [-1] * 3, protocol="query-aware"),
+                 _rows("snapkv", "physical", [0, 0, 0], [-3] * 3, protocol="query-agnostic"),
+                 _rows("snapkv", "physical", [1, 1, 1], [-1] * 3, protocol="query-aware", task="variable_tracking"),
+                 _rows("snapkv", "physical", [0, 0, 0], [-1] * 3, protocol="query-agnostic", task="variable_tracking"),
+                 _rows("streaming_llm", "physical", [1] * 3, [-1] * 3, protocol="query-aware"),
+                 _rows("streaming_llm", "physical", [0] * 3, [-1] * 3, protocol="query-agnostic"),
+                 _rows("full", "full", [1, 1, 1], [-0.5] * 3))
+    claims, detail = query_aware_margin(res, n_boot=300)
+    assert detail["task"].to_list() == ["needle"] and detail["method"].to_list() == ["snapkv"]
+    assert detail["margin"][0] == pytest.approx(200 / 3)
+    assert len(claims) == 1 and "87.6" in claims[0].paper_value
+
+
+def test_versus_places_the_paper_relative_to_our_interval() -> None:
+    assert versus(10, 20, 14.1, 62.2) == "paper overlaps our CI"
+    assert versus(0, 5, 14.1, 62.2) == "paper above our CI"
+    assert versus(70, 90, 14.1, 62.2) == "paper below our CI"
+    assert versus(0, 100, 14.1, 62.2) == "paper within our CI"
+    assert versus(float("nan"), 1, 1, 2) == "no data"
+
+
+def test_compare_refuses_a_table_that_is_not_grid_results() -> None:
+    with pytest.raises(InputError) as e:
+        compare(pl.DataFrame({"x": [1]}))
+    assert e.value.field == "results"
