@@ -177,7 +177,7 @@ def _main(argv: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pyte
 
 def _train_args(folder: Path, out: Path, text: Path, *extra: str) -> list[str]:
     return ["gates", "train", "--model", str(folder), "--out", str(out), "--steps", "3", "--seq-len", "32",
-            "--capacity", "4", "--text", f"file:{text}", "--text-fraction", "1", "--threads", "1",
+            "--capacity", "4", "--source", f"file:{text}", "--text-fraction", "1", "--threads", "1",
             "--dtype", "float32", "--checkpoint-every", "1", *extra]
 
 
@@ -240,12 +240,13 @@ BAD = [
     (["--seq-len", "8"], "--seq-len"),
     (["--text-fraction", "1.5"], "--text-fraction"),
     (["--text-fraction", "0.5", "--seq-len", "100"], "--seq-len"),  # too short for a synthetic task
-    (["--text", "nowhere:x"], "--text"),
+    (["--source", "nowhere:x"], "--source"),
     (["--dtype", "float16"], "--dtype"),
     (["--threads", "-1"], "--threads"),
     (["--device", "tpu"], "--device"),
     (["--seed", "-3"], "--seed"),
     (["--capacity", "0"], "--capacity"),
+    (["--text-fraction", "0.5", "--seq-len", "256", "--tasks", "needle,nope"], "--tasks"),
 ]
 
 
@@ -257,7 +258,7 @@ def test_gates_train_refuses_bad_input_in_one_line_before_loading(extra: list[st
     from evictlab import cli
 
     args = ["gates", "train", "--model", str(tmp_path / "no-such-model"), "--out", str(tmp_path / "o"),
-            "--text", f"file:{text_file}", "--text-fraction", "1", *extra]
+            "--source", f"file:{text_file}", "--text-fraction", "1", *extra]
     rc, _, err = _main(args, capsys, monkeypatch)
     assert rc == 2, err
     assert "Traceback" not in err
@@ -272,7 +273,7 @@ def test_gates_train_refuses_a_foreign_out_folder(tmp_path: Path, text_file: Pat
     out = tmp_path / "o"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    rc, _, err = _main(["gates", "train", "--model", "x", "--out", str(out), "--text", f"file:{text_file}",
+    rc, _, err = _main(["gates", "train", "--model", "x", "--out", str(out), "--source", f"file:{text_file}",
                         "--text-fraction", "1"], capsys, monkeypatch)
     assert rc == 2 and "error: --out: " in err and "not a gates folder" in err
     assert (out / "notes.txt").read_text() == "mine"

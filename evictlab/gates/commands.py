@@ -71,10 +71,12 @@ def train(
     capacity_weight: float = typer.Option(1.0, "--capacity-weight", help="weight of the capacity loss"),
     intermediate: int = typer.Option(64, "--intermediate", help="width of the gate MLP"),
     bias_init: float = typer.Option(8.0, "--bias-init", help="initial final bias (beta = sigmoid(8) = 0.9997)"),
-    text: str = typer.Option("shakespeare", "--text", help="text source: shakespeare (before the held-out split), "
+    text: str = typer.Option("shakespeare", "--source", help="text source: shakespeare (before the held-out split), "
                              "file:PATH or jsonl:PATH:FIELD"),
     text_fraction: float = typer.Option(0.5, "--text-fraction", help="share of text windows; the rest are "
                                         "synthetic tasks"),
+    tasks: str = typer.Option("needle,multi_needle,multi_key,variable_tracking", "--tasks",
+                              help="comma-separated synthetic tasks of the non-text sequences"),
     dtype: str = typer.Option("auto", "--dtype", help="dtype of the frozen model while training: auto (bfloat16 "
                               "on CUDA and on CPUs with bfloat16 matrix units, else float32), float32 or bfloat16"),
     seed: int = typer.Option(0, "--seed"),
@@ -97,15 +99,13 @@ def train(
     recipe = Recipe(steps=steps, batch=batch, lr=lr, warmup=warmup, capacity=capacity, capacity_weight=capacity_weight,
                     intermediate=intermediate, bias_init=bias_init, shared=not local, seed=seed,
                     checkpoint_every=checkpoint_every, dtype=resolve_dtype(dtype, dev),
-                    data=DataSpec(seq_len=seq_len, text=text, text_fraction=text_fraction))
+                    data=DataSpec(seq_len=seq_len, text=text, text_fraction=text_fraction,
+                                  tasks=tuple(t.strip() for t in tasks.split(",") if t.strip())))
     out = _prepare_out(out, overwrite)
     if recipe.data.text_fraction > 0:
         from evictlab.capture.texts import load_text_source
 
-        try:
-            load_text_source(recipe.data.text)
-        except InputError as exc:
-            raise InputError("--text", exc.problem, exc.fix) from None
+        load_text_source(recipe.data.text)  # a missing or unreadable source is refused now (--source)
     with exclusive_lock(out, "--out"):
         _prepare_out(out, overwrite)  # again under the lock: another run may have finished meanwhile
         record = RunRecord(kind="gates.train", model=model, seed=seed,

@@ -56,7 +56,7 @@ class DataSpec:
         if not 0.0 <= self.text_fraction <= 1.0:
             raise InputError("--text-fraction", f"{self.text_fraction} is not in [0, 1]", "use e.g. 0.5")
         if not is_text_source(self.text):
-            raise InputError("--text", f"unknown text source {self.text!r}", "use shakespeare, file:PATH or jsonl:PATH:FIELD")
+            raise InputError("--source", f"unknown text source {self.text!r}", "use shakespeare, file:PATH or jsonl:PATH:FIELD")
         bad = [t for t in self.tasks if t not in TASKS]
         if bad or (self.text_fraction < 1.0 and not self.tasks):
             raise InputError("--tasks", f"unknown task(s) {bad}" if bad else "no task given",
@@ -112,14 +112,14 @@ class TrainingData:
         from evictlab.decode.tasks import build_prompt, encode_text
 
         task = self.spec.tasks[int(rng.integers(len(self.spec.tasks)))]
-        probe = make_task(task, self.spec.seq_len, self.tokenizer, task_seed)  # question and answer only
+        probe = make_task(task, self.spec.seq_len, self.tokenizer, task_seed, field="--seq-len")  # question, answer
         qa = (encode_text(self.tokenizer, "\n\n" + probe.question, special=False)
               + encode_text(self.tokenizer, " " + probe.answer, special=False))
         room = self.spec.seq_len - len(qa)
         if room < 64:
             raise InputError("--seq-len", f"{self.spec.seq_len} tokens leave {room} for a {task} context",
                              f"use --seq-len {self.spec.seq_len + 64 - room} or more, or --text-fraction 1")
-        p = build_prompt(make_task(task, room, self.tokenizer, task_seed), self.tokenizer)
+        p = build_prompt(make_task(task, room, self.tokenizer, task_seed, field="--seq-len"), self.tokenizer)
         ids = p.context_ids + qa
         return ids[: self.spec.seq_len]
 
