@@ -1,26 +1,25 @@
-"""KV store and decode-loop benchmarks (results in docs/performance.md).
+"""KV store benchmarks (results in docs/performance.md; the decode loop end to end, against
+transformers and kvpress, is ``benchmarks/bench_decode.py``).
 
-Three measurements, each printed as a Markdown table and written to ``--out`` as JSON:
+Two measurements, each printed as a Markdown table and written to ``--out`` as JSON:
 
 1. ``bytes``: bytes held by the paged store right after a ragged compression to a budget,
    against the analytic budget ``kept x 2 x head_dim x 4`` (page slack counted). SmolLM2-135M
    geometry (30 layers x 3 KV heads, head dim 64), a 4096-token context, random per-cell
    sizes summing exactly to the budget (AdaKV-like spread, seeded).
 2. ``attention``: one decode step's attention (1 query, 9 query / 3 KV heads, head dim 64)
-   over the ragged store against dense attention over the same number of kept tokens held
-   contiguously: transformers' ``eager_attention_forward`` (repeat_kv + matmul) and a
-   grouped matmul on the contiguous tensor (no gather). Ragged: ``ragged_attention``
-   (per-cell matmuls on zero-copy pool views) with its views cached ("ragged") or rebuilt
-   on every call as after an append ("ragged_cold"), and the layer block gather +
-   grouped matmul ("gather_grouped", the previous path). "dense_plain" is the leanest dense
-   reference: grouped matmul + softmax + matmul with no mask at all.
-3. ``decode``: SmolLM2-135M on the CPU, 4096-token context, greedy decoding of ``--new``
-   tokens; the full cache (stock DynamicCache) against the physical store at a 1/8 budget
-   (512 kept entries per cell, SnapKV scores, uniform allocation), same process, same
-   prompt. Tokens/s counts decode-phase tokens only; prefill time is reported separately.
+   over the paged store laid out as the decode loop lays it out (``for_budget`` with a
+   prefill headroom, compaction, ``reserve_headroom`` after prefill, one appended key), with
+   equal cells (``n`` each) and ragged cells (0.75n, n, 1.25n; the same 3n entries):
+   ``ragged_attention`` ("ragged": one sdpa call over the zero-copy layer view when the layer
+   has one, ``*_layer_view`` says whether it had, else one sdpa call per cell), the per-cell
+   path forced ("cell": one sdpa per cell on its view) and the layer gather + grouped matmul
+   ("gather": what an eager model's ``Cache.update`` gets); against dense attention over
+   ``n`` entries per head held contiguously: torch sdpa (the GQA kernel transformers' sdpa
+   uses for a decode step: "dense_sdpa"), transformers' ``eager_attention_forward``
+   (repeat_kv + matmul) and ``grouped_attention``. Minimum over ``reps`` interleaved rounds.
 
-    .venv/bin/python benchmarks/bench_kv.py --part bytes,attention
-    .venv/bin/python benchmarks/bench_kv.py --part decode --threads 1
+    .venv/bin/python benchmarks/bench_kv.py --part bytes,attention --threads 1
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ import time
 import numpy as np
 import torch
 
-from evictlab.kv.attention import grouped_attention, ragged_attention
+from evictlab.kv.attention import cell_attention, grouped_attention, ragged_attention
 from evictlab.kv.budget import kv_bytes
 from evictlab.kv.paged import PagedKVStore
 
@@ -89,6 +88,8 @@ def _time_interleaved(fns: list, reps: int) -> list[float]:
 def bench_attention(reps: int = 200, seed: int = 0) -> list[dict]:
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
+    from evictlab.models.geometry import ModelGeometry
+
     g = torch.Generator().manual_seed(seed)
     rows = []
 
@@ -97,71 +98,55 @@ def bench_attention(reps: int = 200, seed: int = 0) -> list[dict]:
         training = False
 
     mod = _Mod()
+    geo = ModelGeometry(n_layers=1, q_heads=HQ, kv_heads=HK, head_dim=D, dtype=torch.float32, scaling=D ** -0.5,
+                        windows=(None,), rope=(None,))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     for kept in (256, 512, 1024, 2048):
-        lens = [kept - kept // 4, kept, kept + kept // 4]  # ragged heads, same total
-        store = PagedKVStore(1, 1, HK, D, capacity_blocks=3 * (2 * kept // 16 + 2), block_size=16)
-        kfull = torch.randn(1, HK, max(lens), D, generator=g)
-        store.append(0, kfull, kfull, torch.arange(max(lens)))
-        store.keep(0, [[torch.arange(n) for n in lens]])
         q = torch.randn(1, HQ, 1, D, generator=g)
-        qpos = torch.tensor([max(lens)])
         kd = torch.randn(1, HK, kept, D, generator=g)
         vd = torch.randn(1, HK, kept, D, generator=g)
         dpos = torch.arange(kept).expand(1, HK, kept)
-        assert store.contiguous_cells() == (HK, HK)  # one append per cell: each cell is one run
+        row = {"kept_per_head": kept}
+        for shape, lens in (("equal", [kept] * HK), ("ragged", [kept - kept // 4, kept, kept + kept // 4])):
+            # The decode loop's layout: a pool sized by for_budget with the prefill headroom
+            # (one equal region per cell), the cells filled and compacted to their sizes, the
+            # pool resized to the budget + decode headroom (end of prefill: equal cells keep
+            # equal regions, unequal cells get runs of their own size), then this step's key
+            # appended to every cell.
+            store = PagedKVStore.for_budget(geo, 1, kept_tokens=sum(lens), headroom_tokens_per_cell=max(lens),
+                                            block_size=16)
+            kfull = torch.randn(1, HK, max(lens), D, generator=g)
+            store.append(0, kfull, kfull, torch.arange(max(lens)))
+            store.keep(0, [[torch.arange(n - 1) for n in lens]])
+            store.reserve_headroom(16)
+            store.append(0, torch.randn(1, HK, 1, D, generator=g), torch.randn(1, HK, 1, D, generator=g),
+                         torch.tensor([max(lens)]))
+            qpos = torch.tensor([max(lens)])
+            row[f"{shape}_layer_view"] = store.layer_view(0) is not None
 
-        def ragged_cold():
-            store._views.clear()  # as after an append: the per-cell views are rebuilt
-            return ragged_attention(store, 0, q, qpos, D ** -0.5)
+            def per_cell(st=store):  # the per-cell path (what runs when there is no layer view)
+                return sum(cell_attention(q[0, h * (HQ // HK):(h + 1) * (HQ // HK)], cv, qpos, int(qpos), D ** -0.5)
+                           .sum() for h, cv in enumerate(st.cell_views(0)[0]))
 
-        def gather_path():  # the layer gather (what the model's Cache.update still returns)
-            k, v, pos = store.gather_view(0)
-            return grouped_attention(q, k, v, pos, qpos, D ** -0.5)
+            def gather_path(st=store):  # the layer gather + grouped matmul (what eager models get)
+                k, v, pos = st.gather_view(0)
+                return grouped_attention(q, k, v, pos, qpos, D ** -0.5)
 
-        def dense_plain():  # the leanest dense: grouped matmul, softmax, matmul; no mask, no copy
-            qg = q.reshape(1, HK, HQ // HK, D) * D ** -0.5
-            return torch.matmul(torch.softmax(torch.matmul(qg, kd.transpose(-1, -2)), -1), vd)
-
-        t_rag, t_cold, t_gather, t_eager, t_group, t_plain = _time_interleaved([
-            lambda: ragged_attention(store, 0, q, qpos, D ** -0.5),
-            ragged_cold,
-            gather_path,
+            t_rag, t_cell, t_gather = _time_interleaved([
+                lambda st=store: ragged_attention(st, 0, q, qpos, D ** -0.5, own_keys=True), per_cell, gather_path,
+            ], reps)
+            row.update({f"{shape}_ragged_us": 1e6 * t_rag, f"{shape}_cell_us": 1e6 * t_cell,
+                        f"{shape}_gather_us": 1e6 * t_gather})
+        t_sdpa, t_eager, t_group = _time_interleaved([
+            lambda: sdpa(q, kd, vd, scale=D ** -0.5, enable_gqa=True),
             lambda: eager_attention_forward(mod, q, kd, vd, None, D ** -0.5),
             lambda: grouped_attention(q, kd, vd, dpos, qpos, D ** -0.5),
-            dense_plain,
         ], reps)
-        rows.append({"kept_per_head": kept, "ragged_us": 1e6 * t_rag, "ragged_cold_us": 1e6 * t_cold,
-                     "gather_grouped_us": 1e6 * t_gather, "dense_eager_us": 1e6 * t_eager,
-                     "dense_grouped_us": 1e6 * t_group, "dense_plain_us": 1e6 * t_plain,
-                     "ragged_vs_grouped": t_rag / t_group, "ragged_vs_plain": t_rag / t_plain,
-                     "cold_vs_plain": t_cold / t_plain,
-                     "cold_vs_grouped": t_cold / t_group, "gather_vs_grouped": t_gather / t_group,
-                     "ragged_vs_eager": t_rag / t_eager})
-    return rows
-
-
-def bench_decode(context: int = 4096, new: int = 32, chunk: int = 512) -> list[dict]:
-    from evictlab.models.loading import load_model
-    from evictlab.decode.loop import DecodeConfig, run_sequence
-    from evictlab.decode.tasks import heldout_windows
-    from evictlab.kv.budget import Budget
-
-    model, tok = load_model("smollm2-135m")
-    w = heldout_windows(tok, 1, context, 32, seed=0)[0]
-    ctx = torch.tensor([w.context_ids])
-    q = torch.tensor([w.target_ids])
-    rows = []
-    for name, cfg in (
-        ("full cache", DecodeConfig(mode="full", chunk_size=chunk)),
-        ("physical 1/8 (snapkv, uniform)", DecodeConfig(mode="physical", budget=Budget("tokens_per_cell", context // 8),
-                                                        scorer="snapkv", chunk_size=chunk, compress_every=16)),
-    ):
-        out = run_sequence(model, ctx, q, cfg, max_new_tokens=new + 1)
-        rows.append({"cache": name, "context": context, "new_tokens": new, "decode_s": out.decode_s,
-                     "tokens_per_s": new / out.decode_s, "total_s": out.wall_s,
-                     "bytes_live_end": out.trace[-1].report.bytes_live if out.trace else out.bytes_full_cache,
-                     "bytes_allocated_peak": out.peak("bytes_allocated") or out.bytes_full_cache,
-                     "peak_rss_mib": out.peak_rss / 2**20, "compressions": out.compressions})
+        row.update({"dense_sdpa_us": 1e6 * t_sdpa, "dense_eager_us": 1e6 * t_eager, "dense_grouped_us": 1e6 * t_group,
+                    "equal_ragged_vs_sdpa": row["equal_ragged_us"] / t_sdpa / 1e6,
+                    "ragged_ragged_vs_sdpa": row["ragged_ragged_us"] / t_sdpa / 1e6,
+                    "ragged_cell_vs_sdpa": row["ragged_cell_us"] / t_sdpa / 1e6})
+        rows.append(row)
     return rows
 
 
@@ -175,18 +160,15 @@ def _table(rows: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", default="bytes,attention,decode")
+    ap.add_argument("--part", default="bytes,attention")
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     results = {}
     for part in args.part.split(","):
-        fn = {"bytes": bench_bytes, "attention": bench_attention,
-              "decode": lambda: bench_decode(args.context, args.new)}[part]
+        fn = {"bytes": bench_bytes, "attention": bench_attention}[part]
         results[part] = fn()
         print(f"## {part}\n\n{_table(results[part])}\n", flush=True)
     if args.out:

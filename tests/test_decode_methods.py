@@ -1,5 +1,7 @@
 """Every registered scorer and allocator through the decode loop on the real default model
-(SmolLM2-135M) at short context: a registry-driven grid, so a new method is tested on add."""
+(SmolLM2-135M) at short context: a registry-driven grid, so a new method is tested on add;
+the loop's ragged sdpa attention against eager attention (same kept entries, logits equal
+to the full cache when nothing is evicted)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ def real():
     from evictlab.models.loading import load_model
 
     torch.set_num_threads(1)  # far faster than 2 threads on a shared 2-core machine
-    model, tok = load_model("smollm2-135m")
+    model, tok = load_model("smollm2-135m", attention="decode")  # what `evictlab decode` runs
     ex = task_examples(tok, ["needle"], 1, 128, seed=0)[0]
     t = lambda x: torch.tensor([x])  # noqa: E731
     ctx, q, a = t(ex.context_ids), t(ex.question_ids), t(ex.answer_ids[:3])
@@ -49,3 +51,51 @@ def test_method_runs_physically_within_budget(real, scorer: str, allocator: str)
     assert out.after_compression("bytes_in_use") <= kv_bytes(PER_CELL * cells + cells * (cfg.block_size - 1), d, dtype)
     # Eviction at 24 of ~160 entries per cell changes the predictions a little, not wildly.
     assert out.logits.shape == full.logits.shape
+
+
+@pytest.fixture(scope="module")
+def eager_model():
+    from evictlab.models.loading import load_model
+
+    return load_model("smollm2-135m")[0]
+
+
+def _kept(monkeypatch, run):  # noqa: ANN001, ANN202
+    """The output of ``run()`` and every kept set of every compression it made."""
+    from evictlab.kv.paged import PagedKVStore
+
+    calls = []
+    orig = PagedKVStore.keep
+
+    def rec(self, layer, keep):  # noqa: ANN001, ANN202
+        calls.append((layer, [[k.tolist() for k in row] for row in keep]))
+        return orig(self, layer, keep)
+
+    monkeypatch.setattr(PagedKVStore, "keep", rec)
+    out = run()
+    monkeypatch.undo()
+    return out, calls
+
+
+@pytest.mark.parametrize("scorer", sorted(REGISTRY))
+def test_ragged_attention_keeps_what_eager_attention_keeps(real, eager_model, monkeypatch, scorer: str) -> None:
+    """Switching the loop from eager attention to ragged sdpa changes no kept set, at any
+    compression (prefill chunks, decode), and the logits only by float rounding."""
+    model, tok, ctx, q, a, _ = real
+    cfg = DecodeConfig(mode="physical", budget=Budget("tokens_per_cell", PER_CELL), scorer=scorer,
+                       chunk_size=64, compress_every=2, window=16, sinks=4, recent=8)
+    ragged, ragged_keep = _kept(monkeypatch, lambda: run_sequence(model, ctx, q, cfg, answer_ids=a, tokenizer=tok))
+    eager, eager_keep = _kept(monkeypatch, lambda: run_sequence(eager_model, ctx, q, cfg, answer_ids=a, tokenizer=tok))
+    assert len(eager_keep) >= 2 * model_geometry(model).n_layers and ragged_keep == eager_keep
+    torch.testing.assert_close(ragged.logits, eager.logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("chunk", [64, 1024])
+def test_nothing_evicted_equals_the_full_cache(real, chunk: int) -> None:
+    """A budget above the context: the ragged store's logits equal the stock full cache's
+    (transformers' sdpa over a DynamicCache) to 1e-5, chunked or in one pass."""
+    model, tok, ctx, q, a, full = real
+    out = run_sequence(model, ctx, q, DecodeConfig(mode="physical", budget=Budget("tokens_per_cell", 4096),
+                                                   chunk_size=chunk), answer_ids=a, tokenizer=tok)
+    assert out.compressions == 0
+    torch.testing.assert_close(out.logits, full.logits, rtol=0, atol=1e-5)

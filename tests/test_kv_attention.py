@@ -145,14 +145,16 @@ def test_cellwise_views_fragmented_contiguous_and_causal_equal_gathered_attentio
     """ragged_attention reads cells as pool views (contiguous) or per-cell gathers
     (fragmented); both, with a causal prefill-chunk query block, equal grouped attention
     over the layer gather. resize() lays every cell out as one run with a gap of free
-    blocks after it, so later appends keep cells contiguous (zero-copy)."""
+    blocks after it, so later appends keep cells contiguous (zero-copy).
+    (Fragmentation is forced here: normally each cell starts in its own region.)"""
     from evictlab.kv.attention import grouped_attention
 
     g = torch.Generator().manual_seed(5)
     bs, n_layers = 4, 2
     store = PagedKVStore(n_layers, B, HK, D, capacity_blocks=200, block_size=bs)
+    store._home[:] = 0  # no home regions: interleaved chunk appends fragment the cells
     seen = 0
-    for chunk in (5, 7, 3, 9):  # interleaved chunk appends: cells get fragmented
+    for chunk in (5, 7, 3, 9):
         for l in range(n_layers):
             store.append(l, torch.randn(B, HK, chunk, D, generator=g), torch.randn(B, HK, chunk, D, generator=g),
                          torch.arange(seen, seen + chunk))
@@ -184,3 +186,31 @@ def test_cellwise_views_fragmented_contiguous_and_causal_equal_gathered_attentio
     assert store.contiguous_cells() == (n_layers * B * HK, n_layers * B * HK)
     assert not any(cv.copied for row in store.cell_views(0) for cv in row)
     check(torch.tensor([seen - 1]))
+
+
+def test_interleaved_chunks_stay_contiguous_in_their_regions() -> None:
+    """Each cell starts in its own region of the pool, so chunks appended to every cell in
+    turn (a chunked prefill) leave every cell one contiguous run while it fits its region;
+    a cell that outgrows it falls back to other free blocks (correct, just copied)."""
+    bs, n_layers, cells = 4, 2, 2 * B * HK
+    store = PagedKVStore(n_layers, B, HK, D, capacity_blocks=cells * 6, block_size=bs)  # 6 blocks per region
+    g = torch.Generator().manual_seed(1)
+    seen = 0
+    for chunk in (5, 7, 3, 9):  # 24 entries = 6 blocks per cell: exactly the region
+        for l in range(n_layers):
+            kv = torch.randn(B, HK, chunk, D, generator=g)
+            store.append(l, kv, kv, torch.arange(seen, seen + chunk))
+        seen += chunk
+    assert store.contiguous_cells() == (cells, cells)
+    assert not any(cv.copied for l in range(n_layers) for row in store.cell_views(l) for cv in row)
+    store.keep(0, [[torch.arange(0, 24, 2)] * HK] * B)  # frees blocks at the end of layer 0's regions
+    kv = torch.randn(B, HK, 12, D, generator=g)
+    store.append(1, kv, kv, torch.arange(seen, seen + 12))  # layer 1 outgrows its regions
+    assert store.contiguous_cells(1)[0] < store.contiguous_cells(1)[1]
+    q = torch.randn(B, HQ, 1, D, generator=g)
+    k, v, pos = store.gather(1)
+    from evictlab.kv.attention import grouped_attention
+
+    torch.testing.assert_close(ragged_attention(store, 1, q, torch.tensor([seen + 12]), D ** -0.5),
+                               grouped_attention(q, k, v, pos, torch.tensor([seen + 12]), D ** -0.5),
+                               rtol=1e-5, atol=1e-6)

@@ -211,13 +211,19 @@ def ref_select(scores: np.ndarray, size: int, pos: np.ndarray, sinks: int, recen
     seed=st.integers(0, 1000),
     ties=st.booleans(),
     extra=st.integers(0, 50),
+    ascending=st.booleans(),
 )
-def test_select_keep_matches_reference(s: int, sinks: int, recent: int, seed: int, ties: bool, extra: int) -> None:
+def test_select_keep_matches_reference(s: int, sinks: int, recent: int, seed: int, ties: bool, extra: int,
+                                       ascending: bool) -> None:
+    """Both paths: positions ascending with the index (every store; the fast path) and in
+    any order (the general path)."""
     g = torch.Generator().manual_seed(seed)
     scores = torch.rand(2, 3, s, generator=g)
     if ties:  # few distinct values: exercises the recency tie-break
         scores = (scores * 3).floor()
-    pos = torch.randperm(100, generator=g)[:s].sort().values
+    pos = torch.randperm(100, generator=g)[:s]
+    if ascending:
+        pos = pos.sort().values
     forced = min(s, sinks + recent)
     sizes = [forced + (extra + h) % (s + 3 - forced) for h in range(3)]
     keep = select_keep(scores, sizes, pos, sinks=sinks, recent=recent)

@@ -105,7 +105,46 @@ def test_snapkv_matches_explicit_softmax_and_pooling() -> None:
         pooled[..., i] = att[..., lo:hi].sum(-1) / kernel
     ref = group_mean(pooled)
     np.testing.assert_allclose(out[..., :n_past], ref, rtol=1e-5, atol=1e-7)
-    assert np.allclose(out[..., n_past:], ref.max())
+    for b in range(B):  # window keys: the batch item's largest past score (items are independent)
+        assert np.allclose(out[b, :, n_past:], ref[b].max())
+
+
+def test_snapkv_pools_over_past_keys_in_held_order_whatever_the_positions() -> None:
+    """Keys held out of position order (allowed by the contract): the keys before the window
+    are pooled as the compacted sequence of them in held order, the others get the max."""
+    inp = make_inputs(s=20, q=6, seed=3)
+    perm = torch.randperm(20, generator=torch.Generator().manual_seed(0))
+    inp.positions = inp.positions[perm]
+    window, kernel = 6, 5
+    out = SnapKV(window=window, kernel=kernel).score(inp).double().numpy()
+    qpos = inp.q_positions.numpy()[-window:]
+    att = ref_attention(inp, inp.queries[:, :, -window:], qpos).mean(axis=2)
+    past = np.flatnonzero(inp.positions.numpy() < qpos.min())
+    pooled = np.stack([att[..., past[max(0, i - 2):i + 3]].sum(-1) / kernel for i in range(len(past))], -1)
+    ref = group_mean(pooled)
+    np.testing.assert_allclose(out[..., past], ref, rtol=1e-5, atol=1e-7)
+    rest = np.setdiff1d(np.arange(20), past)
+    for b in range(B):
+        assert np.allclose(out[b][:, rest], ref[b].max())
+
+
+@pytest.mark.parametrize("pooling", ["avg", "max"])
+def test_snapkv_score_cells_equals_one_call_per_cell(pooling: str) -> None:
+    """The decode loop scores a layer's cells in one call (stacked on the batch axis, one
+    positions row each): identical to scoring them one by one."""
+    g = torch.Generator().manual_seed(7)
+    s, q, d, rep = 30, 12, 8, 3
+    qpos = torch.arange(100, 112)
+    cells = []
+    for c in range(4):
+        pos = torch.sort(torch.randperm(100, generator=g)[:s - 8]).values
+        pos = torch.cat([pos, torch.arange(104, 112)])  # the last 8 held keys are inside the window
+        cells.append(ScoreInputs(layer=0, n_layers=1, keys=torch.randn(1, 1, s, d, generator=g),
+                                 values=torch.randn(1, 1, s, d, generator=g), positions=pos,
+                                 queries=torch.randn(1, rep, q, d, generator=g), q_positions=qpos, scaling=SCALE))
+    sc = SnapKV(window=8, kernel=5, pooling=pooling)
+    for one, many in zip([sc.score(c) for c in cells], sc.score_cells(cells)):
+        torch.testing.assert_close(many, one, rtol=1e-6, atol=1e-7)
 
 
 def test_snapkv_max_pool() -> None:

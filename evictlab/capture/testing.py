@@ -53,21 +53,25 @@ def tiny_config(family: str) -> Any:
     raise InputError("family", f"unknown family {family!r}", f"use one of: {', '.join(FAMILIES)}")
 
 
-def tiny_model(family: str, seed: int = 0) -> tuple[Any, None]:
-    """``(model, None)``: a random-initialised causal LM of ``family`` in eval mode, eager attention.
+def tiny_model(family: str, seed: int = 0, attention: str = "eager") -> tuple[Any, None]:
+    """``(model, None)``: a random-initialised causal LM of ``family`` in eval mode.
 
-    There is no tokenizer (None): feed token ids in ``[0, 256)`` directly.
+    ``attention``: ``"eager"`` (default), ``"decode"`` (evictlab's ragged attention) or
+    ``"sdpa"``, as :func:`evictlab.models.loading.load_model`; the weights depend on
+    ``seed`` only. There is no tokenizer (None): feed token ids in ``[0, 256)`` directly.
     """
     import torch
     from transformers import AutoModelForCausalLM
 
+    from evictlab.models.loading import attn_implementation
+
+    impl = attn_implementation(attention)
     config = tiny_config(family)
     # from_config draws initial weights from torch's global RNG; fork it so the caller's
     # RNG state is unchanged and the same seed always gives the same model
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager",
-                                                 dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=impl, dtype=torch.float32)
     model.eval()
     return model, None
 

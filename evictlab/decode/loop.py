@@ -87,7 +87,9 @@ from evictlab.kv.masked import MaskedKVStore
 from evictlab.kv.paged import PagedKVStore
 from evictlab.methods.base import AllocInputs, Allocator, Phase, Scorer, check_sizes
 from evictlab.models.geometry import ModelGeometry, model_geometry
-from evictlab.models.sites import find_attention_sites
+
+#: Most tokens one model forward of the evicting engine processes (see ``EvictionRunner.forward``).
+FORWARD_TOKENS = 1024
 
 Mode = Literal["physical", "masked", "full"]
 MODES: tuple[str, ...] = ("physical", "masked", "full")
@@ -253,48 +255,18 @@ class DecodeOutput:
 @contextlib.contextmanager
 def attach_model(model: torch.nn.Module, cache: EvictionCache,
                  windows: list[int | None] | tuple[int | None, ...] | None = None) -> Iterator[EvictionCache]:
-    """:func:`evictlab.kv.cache.attach` plus the sliding window on sliding layers.
+    """:func:`evictlab.kv.cache.attach` with the model's sliding windows.
 
-    ``attach``'s pre-hook replaces each layer's mask by a causal mask over the store's slot
-    positions; on a layer with window ``w`` (``windows``, default the model's
-    :attr:`ModelGeometry.windows`) a second pre-hook, registered after it so it runs after
-    it, also masks every slot with ``q_pos - slot_pos >= w``: the bound the model's own
-    sliding mask applies, per query, which a chunk of several queries needs even after
-    out-of-window entries were dropped. Hooks are removed on exit.
+    On a layer with window ``w`` (``windows``, default the model's
+    :attr:`ModelGeometry.windows`) a query at ``q_pos`` attends only slots with
+    ``q_pos - slot_pos < w``: the bound the model's own sliding mask applies, per query,
+    which a chunk of several queries needs even after out-of-window entries were dropped
+    (ragged attention applies it itself; the rectangular path adds it to the mask). Hooks
+    are removed on exit.
     """
     windows = model_geometry(model).windows if windows is None else windows
-    with attach(model, cache):
-        handles: list[Any] = []
-
-        def make_window_hook(layer: int, w: int):  # noqa: ANN202 - closure over the layer
-            def window_hook(module: torch.nn.Module, args: tuple[Any, ...],
-                            kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-                hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-                seen = cache.layers[layer].seen
-                q_pos = torch.arange(seen, seen + hidden.shape[1], device=hidden.device)
-                slot_pos = cache.store.layout_positions(layer, q_pos).to(hidden.device)
-                mask = kwargs.get("attention_mask")
-                if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[-1] != slot_pos.shape[-1]:
-                    raise RuntimeError(f"layer {layer}: expected attach()'s (batch, q_heads, q_len, "
-                                       f"{slot_pos.shape[-1]}) mask to add the sliding window to, got "
-                                       f"{type(mask).__name__}")
-                far = slot_pos[:, :, None, :] <= (q_pos - w)[None, None, :, None]  # q_pos - slot_pos >= w
-                far = far.repeat_interleave(mask.shape[1] // far.shape[1], dim=1)
-                kwargs["attention_mask"] = mask.masked_fill(far, torch.finfo(mask.dtype).min)
-                return args, kwargs
-
-            return window_hook
-
-        try:
-            for site in find_attention_sites(model):
-                w = windows[site.layer]
-                if w is not None:
-                    handles.append(site.module.register_forward_pre_hook(make_window_hook(site.layer, w),
-                                                                         with_kwargs=True))
-            yield cache
-        finally:
-            for h in handles:
-                h.remove()
+    with attach(model, cache, windows):
+        yield cache
 
 
 def _rss() -> int:
@@ -310,7 +282,9 @@ class Engine(Protocol):
     """What the driver (:func:`_drive`) needs from a run: forwards through one cache, and
     hooks that may compress it. Each hook returns the trace phase to record after it
     (``"compress"``, ``"resize"``), or None. ``report`` gives the store's bytes (None: no
-    store to account, the full-cache reference)."""
+    store to account, the full-cache reference). ``forward`` returns only the last
+    position's logits ``(batch, 1, vocab)`` (``logits_to_keep=1``): the driver reads nothing
+    else, and a chunk's full logits would cost ``chunk x vocab`` floats and the head's matmul."""
 
     cache: Any
     compressions: int
@@ -343,7 +317,7 @@ class FullCache:
         yield
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=ids, cache=self.cache, use_cache=True).logits
+        return self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1).logits
 
     def report(self) -> ByteReport | None:
         return None
@@ -432,8 +406,20 @@ class EvictionRunner:
             yield
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """One forward of ``ids`` ``(batch, q_len)`` through the model with the cache; returns logits."""
-        out = self.model(input_ids=ids, cache=self.cache, use_cache=True)
+        """Feed ``ids`` ``(batch, q_len)`` through the model with the cache; returns the last
+        position's logits ``(batch, 1, vocab)``.
+
+        Inputs longer than :data:`FORWARD_TOKENS` go through the model in consecutive pieces
+        of that many tokens with nothing evicted in between: the same attention (every piece
+        attends to everything before it), so the same logits up to float rounding, with the
+        model's activations bounded by one piece whatever the chunk (a one-pass prefill
+        holds the whole context's K/V, never its whole activations). Compressions happen
+        only where the protocol says (after ``chunk_size`` tokens)."""
+        out = None
+        for start in range(0, ids.shape[1], FORWARD_TOKENS):
+            out = self.model(input_ids=ids[:, start:start + FORWARD_TOKENS], cache=self.cache, use_cache=True,
+                             logits_to_keep=1)
+        assert out is not None
         return out.logits
 
     def report(self) -> ByteReport | None:
@@ -516,7 +502,7 @@ class EvictionRunner:
         self.drop_out_of_window()
         if self.live_per_sequence() <= self.budget_tokens:
             return
-        from evictlab.methods.base import ScoreInputs, select_keep
+        from evictlab.methods.base import ScoreInputs, select_keep_ordered
 
         rep = self.q_heads // self.kv_heads
         layer_scores: list[torch.Tensor] = []
@@ -524,7 +510,7 @@ class EvictionRunner:
         lengths = np.zeros((self.n_layers, self.kv_heads), dtype=np.int64)
         fill = -torch.finfo(torch.float32).max
         for l in range(self.n_layers):
-            k, v, pos = self.store.gather(l)
+            cells, pos = self.store.live_cells(l)  # per-cell views (paged: no copy) + padded positions
             lens = self.store.lengths(l)
             if not bool((lens == lens[0:1]).all()):
                 raise RuntimeError("cells of one KV head differ in length across the batch")
@@ -533,21 +519,26 @@ class EvictionRunner:
             if rec is None:
                 raise RuntimeError(f"no queries recorded for layer {l}; run a forward inside attach() first")
             q, qpos = rec
-            sc = torch.full((self.batch, self.kv_heads, k.shape[2]), fill, dtype=torch.float32, device=k.device)
+            sc = torch.full((self.batch, self.kv_heads, pos.shape[2]), fill, dtype=torch.float32, device=pos.device)
+            inputs: list[ScoreInputs] = []
             for b in range(self.batch):
                 for h in range(self.kv_heads):
-                    n = int(lens[b, h])
                     extra = None
                     if self.extra_queries is not None:
                         extra = self.extra_queries[l][b:b + 1, h * rep:(h + 1) * rep]
-                    inputs = ScoreInputs(
+                    cell = cells[b][h]
+                    inputs.append(ScoreInputs(
                         layer=l, n_layers=self.n_layers,
-                        keys=k[b:b + 1, h:h + 1, :n], values=v[b:b + 1, h:h + 1, :n], positions=pos[b, h, :n],
+                        keys=cell.k[None, None], values=cell.v[None, None], positions=cell.pos,
                         queries=q[b:b + 1, h * rep:(h + 1) * rep], q_positions=qpos, scaling=self.scaling,
                         extra_queries=extra, state=self.states.setdefault((l, b, h), {}), cell=(b, h),
-                    )
-                    out = self.layer_scorers[l].score(inputs)
-                    sc[b, h, :n] = out.reshape(-1).float()
+                    ))
+            scorer = self.layer_scorers[l]
+            many = getattr(scorer, "score_cells", None)  # the same scores in fewer calls, when offered
+            outs = many(inputs) if many is not None else [scorer.score(x) for x in inputs]
+            for i, out in enumerate(outs):
+                b, h = divmod(i, self.kv_heads)
+                sc[b, h, :int(lens[b, h])] = out.reshape(-1).float()
             layer_scores.append(sc)
             cell_pos.append(pos)
         g = self.geometry
@@ -556,16 +547,17 @@ class EvictionRunner:
             phase=phase, positions=tuple(cell_pos), next_position=self.cache.seen, head_dim=g.head_dim,
             dtype_bytes=g.dtype_bytes, geometry=g, sinks=self.cfg.sinks, recent=self.cfg.recent)
         sizes = check_sizes(alloc_inputs, self.allocator.allocate(alloc_inputs), f"allocator {self.cfg.allocator!r}")
+        sinks, recent = self.cfg.sinks, self.cfg.recent
         for l in range(self.n_layers):
-            keep: list[list[torch.Tensor]] = []
-            for b in range(self.batch):
-                row = []
-                for h in range(self.kv_heads):
-                    n = int(lengths[l, h])
-                    sel = select_keep(layer_scores[l][b:b + 1, h:h + 1, :n], [int(sizes[l, h])], cell_pos[l][b, h, :n],
-                                      sinks=self.cfg.sinks, recent=self.cfg.recent)
-                    row.append(sel[0][0])
-                keep.append(row)
+            # Cells hold their entries in position order (a store invariant), so the kept
+            # entries follow from scores alone; cells of equal length go in one call.
+            if (lengths[l] == lengths[l, 0]).all():
+                keep = select_keep_ordered(layer_scores[l][:, :, :int(lengths[l, 0])], sizes[l], sinks=sinks,
+                                           recent=recent)
+            else:
+                keep = [[select_keep_ordered(layer_scores[l][b:b + 1, h:h + 1, :int(lengths[l, h])], [int(sizes[l, h])],
+                                             sinks=sinks, recent=recent)[0][0] for h in range(self.kv_heads)]
+                        for b in range(self.batch)]
             self.store.keep(l, keep)
         self.compressions += 1
         if self.live_per_sequence() > self.budget_tokens:
@@ -606,7 +598,7 @@ def _oracle_queries(model: torch.nn.Module, ids: torch.Tensor, n_future: int) ->
     cache = EvictionCache(store)
     cache.query_window = n_future
     with attach_model(model, cache, g.windows):
-        model(input_ids=ids, cache=cache, use_cache=True)
+        model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
     return {l: cache.queries[l][0] for l in range(g.n_layers)}
 
 

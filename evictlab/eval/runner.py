@@ -102,11 +102,12 @@ def clear_caches() -> None:
 
 
 def load_cached(model: str, device: str = "cpu") -> tuple[Any, Any]:
-    """``(model, tokenizer)`` of :func:`evictlab.models.loading.load_model`, loaded once per
-    process and device (the two most recent are kept)."""
+    """``(model, tokenizer)`` of :func:`evictlab.models.loading.load_model` with the decode
+    loop's attention (``attention="decode"``: ragged scaled-dot-product attention over the
+    store, docs/kv.md), loaded once per process and device (the two most recent are kept)."""
     from evictlab.models.loading import load_model
 
-    return _MODELS.get((model, device), lambda: load_model(model, device=device))
+    return _MODELS.get((model, device), lambda: load_model(model, device=device, attention="decode"))
 
 
 def cell_examples(cell: CellSpec, tokenizer: Any) -> list[Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from evictlab.kv.base import KVStore
+from evictlab.kv.base import CellView, KVStore, LayerView
 
 
 def position_mask(slot_pos: torch.Tensor, q_pos: torch.Tensor, n_rep: int, dtype: torch.dtype) -> torch.Tensor:
@@ -55,46 +55,190 @@ def grouped_attention(
     return out.reshape(b, hq, q, d).to(query.dtype)
 
 
+#: Query rows per attention call on a masked path: bounds the mask (``tile x n`` booleans)
+#: and, if a kernel materialises it, the score matrix (``n_rep x tile x n``), whatever the
+#: chunk size; a one-pass prefill of a long context never builds a ``q_len x n`` matrix.
+QUERY_TILE = 512
+
+
 def ragged_attention(
-    store: KVStore, layer: int, query: torch.Tensor, q_pos: torch.Tensor, scaling: float
+    store: KVStore, layer: int, query: torch.Tensor, q_pos: torch.Tensor, scaling: float,
+    window: int | None = None, *, own_keys: bool = False, tile: int = QUERY_TILE,
 ) -> torch.Tensor:
-    """Attention of ``query`` ``(batch, q_heads, q_len, d)`` over the live entries of ``layer``.
+    """Attention of ``query`` ``(batch, q_heads, q_len, d)`` over the entries of ``layer``.
 
-    Equals dense attention restricted to the kept entries with renormalised (forced)
-    weights. A store with ``cell_views`` (the paged store) is read cell by cell: each
-    GQA group's query heads, folded into one ``(n_rep * q_len, d)`` matrix, attend to
-    their cell's own ``n`` entries, which are zero-copy views of the pool when the cell's
-    blocks are contiguous (:meth:`PagedKVStore.cell_views`); no padding, no layer gather.
-    Other stores go through one gather and :func:`grouped_attention`.
+    ``q_pos``: int64 ``(q_len,)`` ascending absolute positions of the queries (host tensor
+    preferred: no device sync). A key is attended iff its position is ``>= 0``, ``<=`` the
+    query's and, with a sliding ``window``, ``> q_pos - window``. Equals dense attention
+    restricted to the kept entries with renormalised (forced) weights. ``own_keys=True``
+    promises that the last ``q_len`` entries of every cell are the queries' own keys, just
+    appended (what the model's forward does): it enables the ``is_causal`` path and lets
+    each query tile find its last visible key without reading positions.
+
+    When the store can show the layer as one zero-copy strided view (the paged store's
+    :meth:`~evictlab.kv.paged.PagedKVStore.layer_view`: contiguous cells in equally spaced
+    regions), the whole layer is one scaled-dot-product call (:func:`layer_attention`),
+    reading exactly what a dense cache of the longest cell reads. Otherwise cells are read
+    one by one through :meth:`KVStore.cell_views` (zero-copy views of the paged pool when the
+    cell is contiguous; no layer gather, no padding), each with one call for its GQA group
+    (K/V never repeated per query head):
+
+    - every key visible to every query (decode: ``cell.last <= q_pos[0]``): no mask;
+    - ``own_keys`` and the cell holds only this forward's keys (a one-pass prefill):
+      ``is_causal``;
+    - otherwise (a chunk after earlier entries, a window, the masked store's holes): a
+      boolean mask from positions, the queries taken ``tile`` rows at a time, each tile
+      reading only the keys up to its last query (all keys in a cell with holes).
+
+    On CUDA with half-precision inputs and ``flash_attn`` installed, an ``own_keys`` layer
+    without holes or window runs as one ``flash_attn_varlen_func`` call over the packed cells (causal,
+    bottom-right aligned: exactly "old entries + this forward's keys"). Returns
+    ``(batch, q_heads, q_len, d)`` in the query's dtype; an empty cell gives NaN.
     """
-    views_fn = getattr(store, "cell_views", None)
-    if views_fn is None:
-        k, v, pos = store.gather(layer)
-        return grouped_attention(query, k, v, pos, q_pos, scaling)
-    return _cellwise_attention(views_fn(layer), query, q_pos, scaling)
-
-
-def _cellwise_attention(views, query: torch.Tensor, q_pos: torch.Tensor, scaling: float) -> torch.Tensor:
     b, hq, q, d = query.shape
+    q_first = int(q_pos[0]) if q else 0
+    view_fn = getattr(store, "layer_view", None)
+    lv = view_fn(layer) if view_fn is not None else None
+    if lv is not None and (own_keys or (window is None and int(lv.last.max()) <= q_first)):
+        return layer_attention(lv, query, q_pos, q_first, scaling, window, tile=tile)
+    views = store.cell_views(layer)
     hk = len(views[0])
     rep = hq // hk
-    # One (n_rep * q_len, d) query matrix per cell, pre-scaled (views of one tensor).
-    qcells = (query.reshape(b * hk, rep * q, d).float() * scaling).unbind(0)
-    q_min = int(q_pos.min()) if q_pos.numel() else 0
-    qp = None
-    outs = []
-    for i, cv in enumerate(c for row in views for c in row):
-        if cv.k.shape[0] == 0:  # softmax over an empty set (NaN, as grouped_attention)
-            outs.append(torch.full((rep * q, d), float("nan"), device=query.device))
+    if (own_keys and window is None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+            and _flash_varlen() is not None and not any(cv.holes or cv.k.shape[0] == 0 for row in views for cv in row)):
+        return _flash_layer(views, query, scaling)
+    qp = q_pos.to(query.device)
+    out = torch.empty(b, hk, rep, q, d, dtype=query.dtype, device=query.device)
+    groups = query.view(b, hk, rep, q, d)  # splitting the head axis is always a view
+    for bi, row in enumerate(views):
+        for hi, cv in enumerate(row):
+            out[bi, hi] = cell_attention(groups[bi, hi], cv, qp, q_first, scaling, window, own_keys=own_keys,
+                                         tile=tile)
+    return out.view(b, hq, q, d)
+
+
+def layer_attention(
+    lv: LayerView, query: torch.Tensor, q_pos: torch.Tensor, q_first: int, scaling: float,
+    window: int | None = None, *, tile: int = QUERY_TILE,
+) -> torch.Tensor:
+    """All cells of a layer in one scaled-dot-product call per query tile, over the zero-copy
+    strided :class:`LayerView` (``(batch, kv_heads, S, d)``; slot ``j`` of a cell is live iff
+    ``j < lengths``). Either every key precedes every query (decode), or the last ``q_len``
+    live slots of every cell are the queries' own keys (``own_keys``), so causality is by
+    index: query ``i`` sees slots ``j < n - q_len + 1 + i``. No mask when nothing needs one
+    (equal lengths and decode; a one-pass prefill: ``is_causal``). Returns ``(batch,
+    q_heads, q_len, d)``."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    b, hq, q, d = query.shape
+    hk, s = lv.k.shape[1], lv.k.shape[2]
+    rep = hq // hk
+    k, v = (lv.k, lv.v) if lv.k.dtype == query.dtype else (lv.k.to(query.dtype), lv.v.to(query.dtype))
+    dev = query.device
+    full = bool((lv.lengths == s).all())
+    if window is None and int(lv.last.max()) <= q_first:  # every key at or before every query
+        if full:  # no mask: transformers' own decode call (GQA kernel), bit for bit
+            return sdpa(query, k, v, scale=scaling, enable_gqa=True)
+        qg = query.reshape(b, hk, rep * q, d)  # the group's queries as rows: K/V read once per KV head
+        mask = (torch.arange(s, device=dev) < torch.from_numpy(lv.lengths).to(dev)[..., None])[:, :, None, :]
+        return sdpa(qg, k, v, attn_mask=mask, scale=scaling).view(b, hq, q, d)
+    if window is None and full and s == q:  # only this forward's keys in every cell
+        return sdpa(query, k, v, is_causal=True, scale=scaling, enable_gqa=True)
+    lens = torch.from_numpy(lv.lengths).to(dev)[:, :, None, None]  # (b, hk, 1, 1)
+    qp = q_pos.to(dev)
+    out = torch.empty_like(query)
+    for i0 in range(0, q, tile):
+        i1 = min(q, i0 + tile)
+        hi = s - q + i1  # slots any query of the tile may see
+        j = torch.arange(hi, device=dev)
+        ok = j < lens - q + 1 + torch.arange(i0, i1, device=dev)[:, None]  # (b, hk, T, hi)
+        if window is not None:
+            ok &= lv.pos[:, :, None, :hi] > (qp[i0:i1, None] - window)
+        # One additive mask for the layer, then one call per KV head (measured faster on CPU
+        # than one GQA call with the mask repeated for every query head).
+        bias = torch.zeros(ok.shape, dtype=query.dtype, device=dev).masked_fill_(~ok, float("-inf"))
+        for h in range(hk):
+            g = slice(h * rep, (h + 1) * rep)
+            out[:, g, i0:i1] = sdpa(query[:, g, i0:i1], k[:, h:h + 1, :hi], v[:, h:h + 1, :hi],
+                                    attn_mask=bias[:, h:h + 1], scale=scaling, enable_gqa=True)
+    return out
+
+
+def cell_attention(
+    query: torch.Tensor, cell: CellView, q_pos: torch.Tensor, q_first: int, scaling: float,
+    window: int | None = None, *, own_keys: bool = False, tile: int = QUERY_TILE,
+) -> torch.Tensor:
+    """One GQA group over one cell: ``query`` ``(n_rep, q_len, d)`` -> ``(n_rep, q_len, d)``.
+
+    ``q_pos`` ``(q_len,)`` on the query's device, ``q_first = q_pos[0]`` (host int). See
+    :func:`ragged_attention` for the three paths; every path is exact softmax attention
+    (scaled-dot-product kernels, float32 accumulation).
+    """
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    rep, q, d = query.shape
+    n = cell.k.shape[0]
+    if n == 0:  # softmax over an empty set (NaN, as grouped_attention)
+        return torch.full_like(query, float("nan"))
+    k, v = cell.k[None, None], cell.v[None, None]  # (1, 1, n, d): the group shares them
+    if k.dtype != query.dtype:
+        k, v = k.to(query.dtype), v.to(query.dtype)
+    if not cell.holes and window is None:
+        if cell.last <= q_first:  # every key at or before every query: no mask (decode)
+            return sdpa(query.reshape(1, 1, rep * q, d), k, v, scale=scaling).view(rep, q, d)
+        if own_keys and n == q:  # only this forward's keys: plain causal attention
+            return sdpa(query[None], k, v, is_causal=True, scale=scaling, enable_gqa=True)[0]
+    ends = list(range(min(q, tile), q, tile)) + [q]  # each tile's end row
+    if cell.holes:  # positions are not sorted: every tile reads every slot
+        his = [n] * len(ends)
+    elif own_keys:  # keys up to a tile's last query: the old entries + that many new ones
+        his = [n - q + i1 for i1 in ends]
+    else:  # keys at positions <= the tile's last query (positions ascend)
+        his = torch.searchsorted(cell.pos, q_pos[[i1 - 1 for i1 in ends]], right=True).tolist()
+    out = torch.empty_like(query)
+    for i0, i1, hi in zip([0] + ends[:-1], ends, his):
+        if hi == 0:  # no key at or before these queries (as grouped_attention: NaN)
+            out[:, i0:i1] = float("nan")
             continue
-        k, v = (cv.k, cv.v) if cv.k.dtype == torch.float32 else (cv.k.float(), cv.v.float())
-        logits = torch.nn.functional.linear(qcells[i], k)  # (n_rep * q_len, n)
-        if cv.last > q_min:  # some key lies in some query's future: causal mask needed
-            if qp is None:
-                qp = q_pos.to(query.device).repeat(rep)
-            logits = logits.masked_fill(cv.pos[None, :] > qp[:, None], float("-inf"))
-        outs.append(torch.mm(torch.softmax(logits, dim=-1), v))
-    return torch.stack(outs).reshape(b, hq, q, d).to(query.dtype)
+        pos, qp = cell.pos[:hi], q_pos[i0:i1, None]
+        ok = (pos[None, :] <= qp) & (pos[None, :] >= 0)
+        if window is not None:
+            ok &= pos[None, :] > qp - window
+        out[:, i0:i1] = sdpa(query[None, :, i0:i1], k[:, :, :hi], v[:, :, :hi], attn_mask=ok, scale=scaling,
+                             enable_gqa=True)[0]
+    return out
+
+
+_FLASH: object = False  # not looked up yet; then the function or None
+
+
+def _flash_varlen():  # noqa: ANN202 - the function or None
+    """``flash_attn.flash_attn_varlen_func`` when flash-attn is installed, else None."""
+    global _FLASH
+    if _FLASH is False:
+        try:
+            from flash_attn import flash_attn_varlen_func
+        except ImportError:  # optional: CUDA builds only
+            flash_attn_varlen_func = None
+        _FLASH = flash_attn_varlen_func
+    return _FLASH
+
+
+
+def _flash_layer(views: list[list[CellView]], query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """All cells of a layer in one flash-attn varlen call: each cell is one "sequence" with
+    one KV head and its ``n_rep`` query heads; K/V of the cells are packed (a copy of the
+    layer's live entries, no padding). ``causal=True`` aligns the queries with the last
+    ``q_len`` keys of each cell, which is where this forward's keys are."""
+    b, hq, q, d = query.shape
+    cells = [cv for row in views for cv in row]
+    rep = hq // len(views[0])
+    lens = torch.tensor([0] + [cv.k.shape[0] for cv in cells], dtype=torch.int32)
+    cu_k = torch.cumsum(lens, 0, dtype=torch.int32).to(query.device)
+    cu_q = (torch.arange(len(cells) + 1, dtype=torch.int32) * q).to(query.device)
+    k = torch.cat([cv.k for cv in cells]).to(query.dtype)[:, None]  # (total, 1, d)
+    v = torch.cat([cv.v for cv in cells]).to(query.dtype)[:, None]
+    qs = query.reshape(b * len(views[0]), rep, q, d).transpose(1, 2).reshape(-1, rep, d)  # (cells * q, rep, d)
+    out = _flash_varlen()(qs, k, v, cu_q, cu_k, q, int(lens.max()), softmax_scale=scaling, causal=True)
+    return out.view(len(cells), q, rep, d).transpose(1, 2).reshape(b, hq, q, d)
 
 
 def forced_attention_reference(

@@ -15,10 +15,36 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from evictlab.kv.budget import ByteReport
+
+
+class CellView(NamedTuple):
+    """One cell's entries as attention reads them (:meth:`KVStore.cell_views`), in append
+    (= position) order; the last ``q_len`` entries are those appended by the current forward."""
+
+    k: torch.Tensor  #: ``(n, head_dim)``
+    v: torch.Tensor  #: ``(n, head_dim)``
+    pos: torch.Tensor  #: int64 ``(n,)`` absolute positions, ascending; ``-1`` = not attendable (a hole)
+    last: int  #: largest position held (``-1`` for an empty cell); an upper bound when ``holes``
+    copied: bool  #: True when the entries had to be gathered (a transient copy of this cell)
+    holes: bool = False  #: True when some ``pos`` are ``-1`` (the masked store's evicted entries)
+
+
+class LayerView(NamedTuple):
+    """All cells of one layer as rectangular views (:meth:`PagedKVStore.layer_view`): no copy.
+    Slot ``j`` of cell ``(b, h)`` is live iff ``j < lengths[b, h]``; live slots are in
+    position order and the last ``q_len`` of them are the current forward's keys."""
+
+    k: torch.Tensor  #: ``(batch, kv_heads, S, head_dim)``, S = the longest cell
+    v: torch.Tensor  #: ``(batch, kv_heads, S, head_dim)``
+    pos: torch.Tensor  #: int64 ``(batch, kv_heads, S)``; meaningful only on live slots
+    lengths: np.ndarray  #: int64 ``(batch, kv_heads)`` live entries per cell (host)
+    last: np.ndarray  #: int64 ``(batch, kv_heads)`` position of each cell's last entry (host)
 
 
 class KVStore(ABC):
@@ -47,6 +73,16 @@ class KVStore(ABC):
         """
 
     @abstractmethod
+    def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append ``keys``/``values`` ``(batch, kv_heads, q_len, head_dim)`` at ``positions``
+        ``(q_len,)`` to every cell of ``layer`` (after each cell's entries)."""
+
+    @abstractmethod
+    def cell_views(self, layer: int) -> list[list[CellView]]:
+        """Every cell of ``layer`` as ``views[b][h]`` (:class:`CellView`), for attention that
+        reads cells one by one (no layer gather, no padding)."""
+
+    @abstractmethod
     def append_gather(
         self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,6 +95,17 @@ class KVStore(ABC):
         """Live entries of ``layer``, left-aligned per head: K, V ``(batch, kv_heads, S, d)``
         and positions int64 ``(batch, kv_heads, S)`` (``-1`` past each head's length), with
         ``S`` = the longest head. Always a fresh (transient) tensor for the physical store."""
+
+    def live_cells(self, layer: int) -> tuple[list[list[CellView]], torch.Tensor]:
+        """Every cell's live entries (no holes) as ``views[b][h]`` (:class:`CellView`), and
+        their positions left-aligned ``(batch, kv_heads, S)`` (``-1`` past a cell's length),
+        for scoring. The default slices one :meth:`gather`; a store whose cells are views
+        already (the paged store) avoids the copy."""
+        k, v, pos = self.gather(layer)
+        lens = self.lengths(layer).tolist()
+        views = [[CellView(k[b, h, :n], v[b, h, :n], pos[b, h, :n], -1, True) for h, n in enumerate(row)]
+                 for b, row in enumerate(lens)]
+        return views, pos
 
     @abstractmethod
     def keep(self, layer: int, keep: Sequence[Sequence[torch.Tensor]]) -> None:

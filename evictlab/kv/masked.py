@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from evictlab.errors import InputError
-from evictlab.kv.base import KVStore
+from evictlab.kv.base import CellView, KVStore
 from evictlab.kv.budget import ByteReport, dtype_size
 
 
@@ -50,6 +50,7 @@ class MaskedKVStore(KVStore):
         self.keep_mask = [torch.zeros(shape[:3], dtype=torch.bool, device=self.device) for _ in range(n_layers)]
         self.pos = torch.full((initial_capacity,), -1, dtype=torch.int64, device=self.device)
         self.n = [0] * n_layers
+        self._last = [-1] * n_layers  # position of each layer's last appended slot (host side)
 
     def _grow(self, layer: int, need: int) -> None:
         cap = self.k[layer].shape[2]
@@ -77,9 +78,7 @@ class MaskedKVStore(KVStore):
         new = new_positions.to(self.device).expand(self.batch, self.kv_heads, q)
         return torch.cat([old, new], -1)
 
-    def append_gather(
-        self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         q = keys.shape[2]
         n = self.n[layer]
         self._grow(layer, n + q)
@@ -88,8 +87,28 @@ class MaskedKVStore(KVStore):
         self.keep_mask[layer][:, :, n : n + q] = True
         self.pos[n : n + q] = positions.to(self.device)
         self.n[layer] = n + q
+        if q:
+            self._last[layer] = int(positions.max())
+
+    def append_gather(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.append(layer, keys, values, positions)
+        n = self.n[layer]
         # Views, no copy: masked entries are excluded by the attention mask only.
-        return self.k[layer][:, :, : n + q], self.v[layer][:, :, : n + q]
+        return self.k[layer][:, :, :n], self.v[layer][:, :, :n]
+
+    def cell_views(self, layer: int) -> list[list[CellView]]:
+        """Every cell's ``n`` appended slots as views (no copy); evicted slots have position
+        ``-1`` (``holes``): attention reads, and masks, all of them, as a masked cache does."""
+        n = self.n[layer]
+        mask = self.keep_mask[layer][:, :, :n]
+        pos = torch.where(mask, self.pos[:n], -1)  # (batch, kv_heads, n), one small tensor per call
+        holes = (~mask).any(-1).tolist() if n else [[False] * self.kv_heads] * self.batch
+        last = self._last[layer] if n else -1
+        k, v = self.k[layer], self.v[layer]
+        return [[CellView(k[b, h, :n], v[b, h, :n], pos[b, h], last, False, bool(holes[b][h]))
+                 for h in range(self.kv_heads)] for b in range(self.batch)]
 
     def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Kept entries left-aligned per head (a transient copy, used for scoring)."""
@@ -125,6 +144,7 @@ class MaskedKVStore(KVStore):
             raise InputError("count", f"{count} entries to discard from {n}", "discard at most what was appended")
         self.keep_mask[layer][:, :, n - count:n] = False
         self.n[layer] = n - count
+        self._last[layer] = int(self.pos[n - count - 1]) if n > count else -1
 
     def bytes(self) -> ByteReport:
         per_entry = 2 * self.head_dim * dtype_size(self.dtype)

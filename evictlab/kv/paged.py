@@ -39,25 +39,13 @@ attention zero-copy per-cell views (fragmented cells fall back to a per-cell gat
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
-
 import numpy as np
 import torch
 
 from evictlab.errors import BudgetExceededError, InputError
-from evictlab.kv.base import KVStore
+from evictlab.kv.base import CellView, KVStore, LayerView
 from evictlab.kv.budget import ByteReport, dtype_size
 from evictlab.models.geometry import ModelGeometry
-
-
-class CellView(NamedTuple):
-    """One cell's live entries as read by :meth:`PagedKVStore.cell_views`."""
-
-    k: torch.Tensor  #: ``(n, head_dim)``
-    v: torch.Tensor  #: ``(n, head_dim)``
-    pos: torch.Tensor  #: int64 ``(n,)``, ascending
-    last: int  #: position of the last entry (``-1`` for an empty cell)
-    copied: bool  #: True when the cell was fragmented and had to be gathered (a copy)
 
 
 class PagedKVStore(KVStore):
@@ -90,8 +78,14 @@ class PagedKVStore(KVStore):
         self._scratch = torch.empty(0, dtype=dtype, device=self.device)
         self.block_table = np.full((n_layers, batch, kv_heads, 0), -1, dtype=np.int64)
         self.cell_len = np.zeros((n_layers, batch, kv_heads), dtype=np.int64)
-        # Free blocks as a stack; popping from the end hands out low block ids first.
-        self._free: list[int] = list(range(capacity_blocks - 1, -1, -1))
+        # Free blocks as a mask (O(1) to take or return a given block).
+        self._free_mask = np.ones(capacity_blocks, dtype=bool)
+        self._n_free = capacity_blocks
+        # Each cell's home block: the pool is split into one equal region per cell (cell-major)
+        # and an empty cell takes its region's first block, so cells that stay within their
+        # region's size (budget + headroom under uniform sizes) stay contiguous while the
+        # chunks of every cell are appended in turn (prefill): zero-copy cell views.
+        self._home = self._regions(capacity_blocks)
         self._table_dev: dict[int, torch.Tensor] = {}
         self._views: dict[int, list[list[CellView]]] = {}
         self._layout: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -179,7 +173,22 @@ class PagedKVStore(KVStore):
 
     @property
     def blocks_in_use(self) -> int:
-        return self.capacity_blocks - len(self._free)
+        return self.capacity_blocks - self._n_free
+
+    def _regions(self, capacity_blocks: int, used: np.ndarray | None = None) -> np.ndarray:
+        """int64 ``(n_layers, batch, kv_heads)``: the first block of each cell's region, the
+        pool split cell-major into runs of each cell's ``used`` blocks followed by an equal
+        share of the spare blocks; when the cells are equal (or empty) these are equal
+        regions, so :meth:`layer_view` sees equally spaced cells."""
+        cells = self.n_layers * self.batch * self.kv_heads
+        nb = np.zeros(cells, dtype=np.int64) if used is None else used.reshape(-1)
+        region = capacity_blocks // cells
+        gap = max(0, (capacity_blocks - int(nb.sum())) // cells)  # spare blocks each cell gets
+        if region > 0 and int(nb.max(initial=0)) + gap <= region:  # equal regions, same spare for all
+            start = np.arange(cells, dtype=np.int64) * region
+        else:  # unequal cells: a run of each cell's blocks followed by its share of the spare
+            start = np.concatenate([[0], np.cumsum(nb + gap)[:-1]]).astype(np.int64)
+        return np.minimum(start, capacity_blocks - 1).reshape(self.n_layers, self.batch, self.kv_heads)
 
     def lengths(self, layer: int) -> torch.Tensor:
         return torch.from_numpy(self.cell_len[layer].copy())
@@ -201,22 +210,25 @@ class PagedKVStore(KVStore):
             self._table_dev[layer] = t
         return t
 
-    def _alloc_block(self, after: int = -1) -> int:
+    def _alloc_block(self, after: int = -1, home: int = -1) -> int:
         """Take a free block: ``after + 1`` if it is free (keeps the cell's run contiguous),
-        else the lowest free block."""
-        if not self._free:
+        else ``home`` if it is free (an empty cell starts its region), else the lowest free block."""
+        if not self._n_free:
             raise BudgetExceededError(
                 f"paged KV pool is full ({self.capacity_blocks} blocks of {self.block_size} "
                 "entries): appending would exceed the budget plus its headroom; compress "
                 "more often or raise the budget"
             )
-        if after >= 0 and self._free[-1] != after + 1:
-            try:
-                self._free.remove(after + 1)
-                return after + 1
-            except ValueError:
-                pass
-        return self._free.pop()
+        want = after + 1 if after >= 0 else home
+        if not (0 <= want < self.capacity_blocks and self._free_mask[want]):
+            want = int(np.argmax(self._free_mask))
+        self._free_mask[want] = False
+        self._n_free -= 1
+        return want
+
+    def _release_block(self, block: int) -> None:
+        self._free_mask[block] = True
+        self._n_free += 1
 
     # -- append / gather ---------------------------------------------------------------
     def _flat_slots(self, layer: int, start: np.ndarray, count: int) -> np.ndarray:
@@ -237,27 +249,36 @@ class PagedKVStore(KVStore):
         need = -(-(start + q) // self.block_size)
         have = -(-start // self.block_size)
         extra = int((need - have).sum())
-        if extra > len(self._free):
+        if extra > self._n_free:
             raise BudgetExceededError(
                 f"layer {layer}: appending {q} entries per cell needs {extra} more blocks but only "
-                f"{len(self._free)} of {self.capacity_blocks} are free; the store never grows past its budget"
+                f"{self._n_free} of {self.capacity_blocks} are free; the store never grows past its budget"
             )
-        self._ensure_columns(int(need.max()))
-        for bi in range(b):
-            for hi in range(h):
-                for col in range(int(have[bi, hi]), int(need[bi, hi])):
-                    prev = int(self.block_table[layer, bi, hi, col - 1]) if col else -1
-                    self.block_table[layer, bi, hi, col] = self._alloc_block(prev)
-        if extra:
+        if extra:  # only when some cell crosses into a new block (every block_size decode steps)
+            self._ensure_columns(int(need.max()))
+            for bi in range(b):
+                for hi in range(h):
+                    for col in range(int(have[bi, hi]), int(need[bi, hi])):
+                        prev = int(self.block_table[layer, bi, hi, col - 1]) if col else -1
+                        self.block_table[layer, bi, hi, col] = self._alloc_block(prev, int(self._home[layer, bi, hi]))
             self._table_dev.pop(layer, None)
             self._layout.pop(layer, None)
-        flat = torch.from_numpy(self._flat_slots(layer, start, q).reshape(-1)).to(self.device)
-        self.k_pool.view(-1, d).index_copy_(0, flat, keys.reshape(-1, d).to(self.dtype))
-        self.v_pool.view(-1, d).index_copy_(0, flat, values.reshape(-1, d).to(self.dtype))
-        self.pos_pool.view(-1).index_copy_(0, flat, positions.to(self.device).expand(b, h, q).reshape(-1))
+        contig, first, _ = self._layout_of(layer)
+        if contig.all():  # every cell one run: entry j of a cell sits at its first slot + j
+            slots = (first + start)[..., None] + np.arange(q)
+        else:
+            slots = self._flat_slots(layer, start, q)
+        flat = torch.from_numpy(slots.reshape(-1)).to(self.device)
+        # Keys and values in one copy: (2, batch * kv_heads * q_len, d) into the (2, slots, d) pool.
+        self.kv_pool.view(2, -1, d).index_copy_(1, flat, torch.stack([keys, values]).reshape(2, -1, d).to(self.dtype))
+        host = positions.numpy() if positions.device.type == "cpu" else None  # no device sync for the last position
+        if q == 1 and host is not None:  # one decode token: the same position in every cell
+            self.pos_pool.view(-1).index_fill_(0, flat, int(host[0]))
+        else:
+            self.pos_pool.view(-1).index_copy_(0, flat, positions.to(self.device).expand(b, h, q).reshape(-1))
         self.cell_len[layer] = start + q
         if q:
-            self.cell_last[layer] = int(positions.max())
+            self.cell_last[layer] = int(host.max() if host is not None else positions.max())
         self._views.pop(layer, None)
 
     def _gather_layer(self, layer: int, s: int, *, scratch: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -314,17 +335,7 @@ class PagedKVStore(KVStore):
         lens = self.cell_len[layer]
         nbs = -(-lens // bs)
         table = self.block_table[layer]
-        layout = self._layout.get(layer)
-        if layout is None:  # recomputed only when the layer's block table changed
-            # A cell is contiguous iff every used column follows its predecessor by one block.
-            if table.shape[-1] > 1:
-                cols = np.arange(1, table.shape[-1])
-                contig = ((np.diff(table, axis=-1) == 1) | (cols >= nbs[..., None])).all(-1)
-            else:
-                contig = np.ones(lens.shape, dtype=bool)
-            first = np.maximum(table[..., 0], 0) * bs if table.shape[-1] else np.zeros(lens.shape, dtype=np.int64)
-            layout = self._layout[layer] = (contig, first)
-        contig, first = layout
+        contig, first, _ = self._layout_of(layer)
         lasts = self.cell_last[layer]
         out: list[list[CellView]] = []
         for bi in range(self.batch):
@@ -345,6 +356,67 @@ class PagedKVStore(KVStore):
         if not any(cv.copied for row in out for cv in row):
             self._views[layer] = out  # views only; per-cell copies are never kept alive
         return out
+
+    def _layout_of(self, layer: int) -> tuple[np.ndarray, np.ndarray, int | None]:
+        """``(contiguous, first_slot, stride)`` of the layer's cells, recomputed only when its
+        block table changed: whether each cell's used blocks are one run, the flat slot of each
+        cell's first entry, and the slot distance between consecutive cells (batch-major) when
+        every cell is contiguous and they start equally spaced (None otherwise)."""
+        layout = self._layout.get(layer)
+        if layout is not None:
+            return layout
+        bs, table = self.block_size, self.block_table[layer]
+        # A cell is contiguous iff every used column (a prefix of the row; -1 after it)
+        # follows its predecessor by one block.
+        if table.shape[-1] > 1:
+            contig = ((np.diff(table, axis=-1) == 1) | (table[..., 1:] < 0)).all(-1)
+        else:
+            contig = np.ones(table.shape[:-1], dtype=bool)
+        has = table[..., 0] >= 0 if table.shape[-1] else np.zeros(table.shape[:-1], dtype=bool)
+        first = np.maximum(table[..., 0], 0) * bs if table.shape[-1] else np.zeros(table.shape[:-1], dtype=np.int64)
+        stride: int | None = None
+        starts = first.reshape(-1)
+        if contig.all() and has.all():
+            steps = np.diff(starts)
+            if steps.size == 0:
+                stride = 0
+            elif steps[0] > 0 and (steps == steps[0]).all():
+                stride = int(steps[0])
+        layout = self._layout[layer] = (contig, first, stride)
+        return layout
+
+    def layer_view(self, layer: int) -> LayerView | None:
+        """The layer's cells as one zero-copy strided view of the pool, or None.
+
+        Possible when every cell of the layer is one contiguous run, the runs start equally
+        spaced (``stride`` slots apart, batch-major, as the per-cell regions of
+        :meth:`for_budget` and :meth:`resize` lay them out) and the longest cell ``S`` fits in
+        that spacing: then ``k``/``v`` ``(batch, kv_heads, S, d)`` and ``pos`` ``(batch,
+        kv_heads, S)`` are ``as_strided`` views (no copy), and slot ``j`` of a cell is live
+        iff ``j < lengths[b, h]`` (slots past a cell's length hold whatever that part of its
+        region holds: mask them by length, never by position). Attention then runs one
+        kernel per layer over exactly the bytes a dense cache of the longest cell would read.
+        """
+        _, first, stride = self._layout_of(layer)
+        lens = self.cell_len[layer]
+        s = int(lens.max()) if lens.size else 0
+        if stride is None or s == 0 or (stride and s > stride):
+            return None
+        start = int(first.reshape(-1)[0])
+        if start + stride * (lens.size - 1) + s > self.pos_pool.numel():
+            return None
+        b, h, d = self.batch, self.kv_heads, self.head_dim
+        kv = self.kv_pool.view(2, -1, d)
+        shape, strides = (b, h, s, d), (h * stride * d, stride * d, d, 1)
+        k = kv[0].as_strided(shape, strides, kv[0].storage_offset() + start * d)
+        v = kv[1].as_strided(shape, strides, kv[1].storage_offset() + start * d)
+        pos = self.pos_pool.view(-1).as_strided((b, h, s), (h * stride, stride, 1), start)
+        return LayerView(k, v, pos, lens.copy(), self.cell_last[layer].copy())
+
+    def live_cells(self, layer: int) -> tuple[list[list[CellView]], torch.Tensor]:
+        """:meth:`cell_views` (zero-copy when contiguous) and the left-aligned positions
+        ``(batch, kv_heads, S)``: no K/V gather (see :meth:`KVStore.live_cells`)."""
+        return self.cell_views(layer), self.layout_positions(layer, torch.empty(0, dtype=torch.int64))
 
     def contiguous_cells(self, layer: int | None = None) -> tuple[int, int]:
         """``(contiguous, total)`` cells (of ``layer``, or of every layer) whose blocks form one run."""
@@ -412,12 +484,13 @@ class PagedKVStore(KVStore):
         if src_all:
             src = torch.from_numpy(np.concatenate(src_all)).to(self.device)
             dst = torch.from_numpy(np.concatenate(dst_all)).to(self.device)
-            d = self.head_dim
-            for pool in (self.k_pool.view(-1, d), self.v_pool.view(-1, d), self.pos_pool.view(-1, 1)):
-                moved = pool.index_select(0, src)
-                pool.index_copy_(0, dst, moved)
+            kv = self.kv_pool.view(2, -1, self.head_dim)  # keys and values move together
+            kv.index_copy_(1, dst, kv.index_select(1, src))
+            pos = self.pos_pool.view(-1)
+            pos.index_copy_(0, dst, pos.index_select(0, src))
         # Clear the positions of slots past each cell's new length and free emptied blocks.
         stale: list[np.ndarray] = []
+        freed: list[int] = []
         for bi in range(self.batch):
             for hi in range(self.kv_heads):
                 used = self.blocks_for(int(new_len[bi, hi]), self.block_size)
@@ -425,11 +498,15 @@ class PagedKVStore(KVStore):
                 j = np.arange(int(new_len[bi, hi]), min(int(self.cell_len[layer, bi, hi]), used * self.block_size))
                 if j.size:
                     stale.append(row[j // self.block_size] * self.block_size + j % self.block_size)
-                for col in range(used, row.shape[0]):
-                    if row[col] >= 0:
-                        self._free.append(int(row[col]))
-                        self.pos_pool[int(row[col])] = -1
-                        row[col] = -1
+                gone = row[used:]
+                gone = gone[gone >= 0]
+                if gone.size:
+                    freed.extend(gone.tolist())
+                    row[used:] = -1
+        for block in freed:
+            self._release_block(block)
+        if freed:
+            self.pos_pool.index_fill_(0, torch.tensor(freed, dtype=torch.int64, device=self.device), -1)
         if stale:
             self.pos_pool.view(-1).index_fill_(0, torch.from_numpy(np.concatenate(stale)).to(self.device), -1)
         self.cell_len[layer] = new_len
@@ -461,8 +538,7 @@ class PagedKVStore(KVStore):
         # contiguous (same capacity, same bytes: only the placement of free blocks changes).
         order = used
         nb = (self.block_table >= 0).sum(-1).reshape(-1)
-        gap = (capacity_blocks - order.size) // nb.size
-        run_start = np.concatenate([[0], np.cumsum(nb + gap)[:-1]]).astype(np.int64)
+        run_start = self._regions(capacity_blocks, nb).reshape(-1)
         used_start = np.concatenate([[0], np.cumsum(nb)[:-1]]).astype(np.int64)
         new_ids = np.repeat(run_start, nb) + np.arange(order.size) - np.repeat(used_start, nb)
         remap = np.full(self.capacity_blocks, -1, dtype=np.int64)
@@ -476,9 +552,10 @@ class PagedKVStore(KVStore):
         del old_kv, old_pos
         self.block_table = np.where(self.block_table >= 0, remap[np.maximum(self.block_table, 0)], -1)
         self.capacity_blocks = int(capacity_blocks)
-        taken = np.zeros(capacity_blocks, dtype=bool)
-        taken[new_ids] = True
-        self._free = np.nonzero(~taken)[0][::-1].tolist()
+        self._free_mask = np.ones(capacity_blocks, dtype=bool)
+        self._free_mask[new_ids] = False
+        self._n_free = capacity_blocks - int(new_ids.size)
+        self._home = run_start.reshape(self.cell_len.shape)
         self._table_dev.clear()
         self._views.clear()
         self._layout.clear()

@@ -17,6 +17,7 @@ from evictlab.methods.base import (
     attention_probs,
     check_sizes,
     combine_groups,
+    query_attention,
     select_keep,
 )
 from evictlab.methods.params import parse_assignments
@@ -37,5 +38,6 @@ __all__ = [
     "make_scorer",
     "parse_assignments",
     "parse_method",
+    "query_attention",
     "select_keep",
 ]

@@ -43,7 +43,9 @@ __all__ = [
     "Scorer",
     "attention_probs",
     "combine_groups",
+    "query_attention",
     "select_keep",
+    "select_keep_ordered",
 ]
 
 
@@ -61,7 +63,9 @@ class ScoreInputs:
         n_layers: number of layers of the model.
         keys: ``(b, hk, s, d)`` post-RoPE keys currently held for this layer.
         values: ``(b, hk, s, d)`` the matching values.
-        positions: ``(s,)`` int64 absolute token positions of those keys.
+        positions: ``(s,)`` int64 absolute token positions of those keys, ascending (every
+            store holds a cell's entries in position order); ``(b, s)``, one row per batch
+            item, only for scorers that say they accept it (SnapKV, StreamingLLM).
         queries: ``(b, hq, q, d)`` post-RoPE queries of the chunk just processed; the
             observation window is its tail.
         q_positions: ``(q,)`` int64 absolute positions of those queries.
@@ -109,6 +113,10 @@ class Scorer(Protocol):
     previous call for the layer (H2O accumulates them; Compactor and ExpectedAttention use
     the whole chunk); otherwise only the last ``DecodeConfig.window`` queries (SnapKV's
     observation window).
+
+    Optional method ``score_cells(cells: Sequence[ScoreInputs]) -> list[Tensor]``: exactly
+    ``[score(c) for c in cells]``, computed in fewer calls (the decode loop passes the
+    single-item cells of one layer together when the scorer has it; SnapKV stacks them).
     """
 
     name: str
@@ -354,25 +362,75 @@ def attention_probs(
         queries: ``(b, hq, q, d)``.
         keys: ``(b, hk, s, d)``; ``hk`` divides ``hq``.
         scaling: logit scale.
-        q_positions, k_positions: ``(q,)`` and ``(s,)`` int64; when both are given the mask
-            is causal (a query sees keys at positions ``<=`` its own). A query that sees no
-            key gets an all-zero row.
+        q_positions, k_positions: ``(q,)`` and ``(s,)`` (or ``(b, s)``: one row per batch
+            item) int64; when both are given the mask is causal (a query sees keys at
+            positions ``<=`` its own). A query that sees no key gets an all-zero row.
 
     Returns:
         ``(b, hq, q, s)`` float32 probabilities (computed in float32 whatever the input).
     """
     b, hq, q, d = queries.shape
-    hk = keys.shape[1]
+    hk, s = keys.shape[1], keys.shape[2]
     g = hq // hk
-    qg = queries.float().reshape(b, hk, g, q, d)
-    logits = torch.einsum("bhgqd,bhsd->bhgqs", qg, keys.float()) * scaling
+    # One matmul per KV head with its group's queries stacked (K never repeated).
+    logits = torch.matmul(queries.float().reshape(b, hk, g * q, d), keys.float().transpose(-1, -2)) * scaling
+    logits = logits.view(b, hk, g, q, s)
     if q_positions is not None and k_positions is not None:
-        visible = k_positions.to(queries.device)[None, :] <= q_positions.to(queries.device)[:, None]
-        logits = logits.masked_fill(~visible, float("-inf"))
+        visible = k_positions.to(queries.device)[..., None, :] <= q_positions.to(queries.device)[:, None]
+        logits.masked_fill_(~(visible if visible.ndim == 2 else visible[:, None, None]), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     # A fully masked row is NaN after softmax; it received no attention, so it contributes 0.
-    probs = torch.nan_to_num(probs, nan=0.0)
+    probs = torch.nan_to_num_(probs, nan=0.0)
     return probs.reshape(b, hq, q, -1)
+
+
+#: Default bound on the probabilities one block of :func:`query_attention` holds at once
+#: (elements; 2**22 float32 = 16 MiB, plus the logits of the same size while they exist).
+QUERY_BLOCK_ELEMENTS = 2 ** 22
+
+
+def query_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float,
+    q_positions: torch.Tensor | None = None,
+    k_positions: torch.Tensor | None = None,
+    *,
+    reduce: Literal["sum", "mean", "max"],
+    block: int | None = None,
+) -> torch.Tensor:
+    """:func:`attention_probs` reduced over the query axis, computed a block of queries at a time.
+
+    Args:
+        queries: ``(b, hq, q, d)``; keys ``(b, hk, s, d)``; scaling, positions: as
+            :func:`attention_probs` (causal when both positions are given).
+        reduce: ``"sum"``, ``"mean"`` or ``"max"`` over the ``q`` queries of each head.
+        block: queries per block; default: as many as keep ``b x hq x block x s`` under
+            :data:`QUERY_BLOCK_ELEMENTS`, so memory stays bounded whatever ``q`` is (an
+            all-query scorer after a one-pass prefill never holds a ``q x s`` matrix).
+
+    Returns:
+        ``(b, hq, s)`` float32. With one block (``q <= block``) it is exactly
+        ``attention_probs(...).sum/mean/amax(dim=2)``; with several, block sums (or maxima)
+        are combined, so sums differ from the one-block result only by float32 rounding.
+    """
+    b, hq, q, _ = queries.shape
+    s = keys.shape[2]
+    if block is None:
+        block = max(1, QUERY_BLOCK_ELEMENTS // max(1, b * hq * s))
+    if reduce not in ("sum", "mean", "max"):
+        raise InputError("reduce", f"unknown reduction {reduce!r}", "use sum, mean or max")
+    if q <= block:
+        probs = attention_probs(queries, keys, scaling, q_positions, k_positions)
+        return probs.amax(dim=2) if reduce == "max" else probs.mean(dim=2) if reduce == "mean" else probs.sum(dim=2)
+    out: torch.Tensor | None = None
+    for i0 in range(0, q, block):
+        qp = None if q_positions is None else q_positions[i0:i0 + block]
+        probs = attention_probs(queries[:, :, i0:i0 + block], keys, scaling, qp, k_positions)
+        part = probs.amax(dim=2) if reduce == "max" else probs.sum(dim=2)
+        out = part if out is None else torch.maximum(out, part) if reduce == "max" else out + part
+    assert out is not None
+    return out / q if reduce == "mean" else out
 
 
 def select_keep(
@@ -423,6 +481,8 @@ def select_keep(
         raise InputError("sizes", f"a head's size {int(sizes_t.min())} is below the {n_forced} "
                          f"always-kept keys (sinks={sinks}, recent={recent})",
                          "raise the budget or lower --sinks/--recent (allocators take floor=sinks+recent)")
+    if s > 1 and bool((pos[1:] > pos[:-1]).all()):
+        return select_keep_ordered(scores, sizes_t, sinks=sinks, recent=recent)
     # Rank keys by position once: the sinks are the oldest, the window the newest.
     by_pos = torch.argsort(pos, stable=True)
     forced = torch.zeros(s, dtype=torch.bool, device=device)
@@ -444,5 +504,39 @@ def select_keep(
             order = by_score[torch.sort(is_forced, descending=True, stable=True).indices]
             chosen = recency_order[order[:k]]
             per_head.append(torch.sort(chosen).values)
+        keep.append(per_head)
+    return keep
+
+
+def select_keep_ordered(
+    scores: torch.Tensor, sizes: torch.Tensor | np.ndarray | list[int], *, sinks: int, recent: int,
+) -> list[list[torch.Tensor]]:
+    """:func:`select_keep` for cells whose keys are held in position order (what every
+    store holds: index order = position order, so no positions are needed), for all heads
+    of ``scores`` ``(b, hk, s)`` at once. The sinks are the first ``sinks`` indices, the
+    recency window the last ``recent``, and "more recent" is "larger index", so one stable
+    sort of the middle keys (reversed, so equal scores go to the larger index) ranks them.
+    Same result as :func:`select_keep` with ascending positions (it delegates here)."""
+    b, hk, s = scores.shape
+    sizes_t = torch.as_tensor(np.asarray(sizes, dtype=np.int64)).reshape(-1)
+    if sizes_t.numel() != hk:
+        raise InputError("sizes", f"{sizes_t.numel()} sizes for {hk} KV heads", "pass one size per KV head")
+    if (sizes_t < min(s, sinks + recent)).any():
+        raise InputError("sizes", f"a head's size {int(sizes_t.min())} is below the {min(s, sinks + recent)} "
+                         f"always-kept keys (sinks={sinks}, recent={recent})", "raise the budget or lower sinks/recent")
+    if torch.isnan(scores).any():
+        raise InputError("scores", "contains NaN", "fix the scorer; scores must be finite or +-inf")
+    lo, hi = min(sinks, s), max(min(sinks, s), s - recent)  # middle keys: [lo, hi)
+    device = scores.device
+    edges = torch.cat([torch.arange(lo, device=device), torch.arange(hi, s, device=device)])
+    # Middle keys newest first; a stable descending sort keeps that order among equal scores.
+    order = torch.sort(scores[:, :, lo:hi].flip(-1).float(), dim=-1, descending=True, stable=True).indices
+    picked = (hi - 1) - order  # back to key indices, best first
+    keep: list[list[torch.Tensor]] = []
+    for i in range(b):
+        per_head = []
+        for h in range(hk):
+            extra = max(0, min(int(sizes_t[h]), s) - edges.numel())
+            per_head.append(torch.sort(torch.cat([edges, picked[i, h, :extra]])).values)
         keep.append(per_head)
     return keep

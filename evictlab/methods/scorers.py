@@ -10,6 +10,8 @@ scores say, so no scorer pads them itself. Formulas, sources and what is ours:
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -17,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from evictlab.errors import InputError
-from evictlab.methods.base import ScoreInputs, attention_probs, combine_groups
+from evictlab.methods.base import ScoreInputs, combine_groups, query_attention
 
 __all__ = [
     "H2O",
@@ -84,7 +86,7 @@ class StreamingLLM:
     Score = the key's absolute position, so with the sinks forced by ``select_keep`` the kept
     set is the sinks + the newest keys. Identical for every KV head (no GQA combination).
 
-    Shapes: ``positions (s,)`` -> scores ``(b, hk, s)``.
+    Shapes: ``positions (s,)`` or ``(b, s)`` -> scores ``(b, hk, s)``.
     """
 
     name: str = "streaming_llm"
@@ -92,8 +94,8 @@ class StreamingLLM:
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         b, hk, s, _ = inputs.keys.shape
-        pos = inputs.positions.to(inputs.keys.device, torch.float32)
-        return pos.expand(b, hk, s).clone()
+        pos = inputs.positions.to(inputs.keys.device, torch.float32)  # (s,) or (b, s)
+        return (pos if pos.ndim == 1 else pos[:, None, :]).expand(b, hk, s).clone()
 
 
 @dataclass
@@ -129,8 +131,8 @@ class H2O:
             found = sorted_pos[idx] == pos
             carried = prev_acc[:, :, order[idx]]
             acc = torch.where(found[None, None, :], carried, acc)
-        probs = attention_probs(inputs.queries, keys, inputs.scaling, inputs.q_positions, pos)
-        acc = acc + combine_groups(probs.sum(dim=2), hk, "mean")
+        mass = query_attention(inputs.queries, keys, inputs.scaling, inputs.q_positions, pos, reduce="sum")
+        acc = acc + combine_groups(mass, hk, "mean")
         inputs.state["h2o_acc"] = acc
         inputs.state["h2o_positions"] = pos.clone()
         return acc.clone()
@@ -142,12 +144,14 @@ class SnapKV:
 
     The window is the last ``window`` queries of the chunk. For keys before the window:
     ``a^h[k] = mean_{t in window} softmax_t(q_t^h . K * scaling)[k]`` (causal), smoothed by a
-    1-D ``pooling`` kernel of size ``kernel`` along the key axis, then averaged over the
-    group. Keys inside the window (position >= the window's first query) get the maximum
-    score, as in SnapKV/kvpress, so they are preferred over everything else.
+    1-D ``pooling`` kernel of size ``kernel`` along the key axis (over the keys before the
+    window, in held order, zero-padded), then averaged over the group. Keys inside the
+    window (position >= the window's first query) get the batch item's maximum score, as in
+    SnapKV/kvpress, so they are preferred over everything else.
 
-    Shapes: ``queries (b, hq, q, d)``, ``keys (b, hk, s, d)`` -> ``(b, hk, s)``.
-    GQA: pool per query head, then mean over the group.
+    Shapes: ``queries (b, hq, q, d)``, ``keys (b, hk, s, d)``, ``positions (s,)`` or
+    ``(b, s)`` (one row per batch item) -> ``(b, hk, s)``. GQA: pool per query head, then
+    mean over the group. :meth:`score_cells` scores many cells in one call.
     """
 
     window: int = 32
@@ -168,17 +172,37 @@ class SnapKV:
         hk = inputs.keys.shape[1]
         pos = inputs.positions.to(inputs.keys.device)
         qw, qpos = inputs.queries[:, :, -self.window:], inputs.q_positions[-self.window:]
-        probs = attention_probs(qw, inputs.keys, inputs.scaling, qpos, pos).mean(dim=2)  # (b, hq, s)
-        in_window = pos >= qpos.min().to(pos.device)
-        out = torch.empty_like(probs)
-        past = ~in_window
-        if past.any():
-            out[..., past] = _pool(probs[..., past], self.kernel, self.pooling)
+        probs = query_attention(qw, inputs.keys, inputs.scaling, qpos, pos, reduce="mean")  # (b, hq, s)
+        b, hq, s = probs.shape
+        past = (pos < qpos.min().to(pos.device)).expand(b, s)  # keys before the window, per item
+        # Pool each item's past keys as if compacted: a stable sort puts them first, in held
+        # order; slots after them are the pooling's padding (0 for avg, -inf for max, as F.*_pool1d).
+        order = torch.argsort((~past).to(torch.int8), dim=-1, stable=True)[:, None, :].expand(b, hq, s)
+        n_past = past.sum(-1)  # (b,)
+        pad = torch.arange(s, device=pos.device)[None, :] >= n_past[:, None]  # (b, s), in sorted order
+        packed = probs.gather(-1, order).masked_fill(pad[:, None, :], 0.0 if self.pooling == "avg" else -math.inf)
+        out = torch.empty_like(probs).scatter_(-1, order, _pool(packed, self.kernel, self.pooling))
         scores = combine_groups(out, hk, "mean")
-        if in_window.any():
-            top = scores[..., past].amax() if past.any() else torch.tensor(1.0, device=scores.device)
-            scores[..., in_window] = top
-        return scores
+        # Window keys: the item's largest past score (1.0 when it has no past key).
+        top = scores.masked_fill(~past[:, None, :], -math.inf).amax(dim=(1, 2))
+        top = torch.where(n_past > 0, top, torch.ones_like(top))
+        return torch.where(past[:, None, :], scores, top[:, None, None])
+
+    def score_cells(self, cells: Sequence[ScoreInputs]) -> list[torch.Tensor]:
+        """``[self.score(c) for c in cells]`` in one call: single-item cells of equal length
+        with the same queries' positions are stacked along the batch axis (their positions as
+        one row each), which is what the decode loop's cells of one layer usually are."""
+        c0 = cells[0]
+        same = all(c.keys.shape == c0.keys.shape and c.queries.shape == c0.queries.shape and c.positions.ndim == 1
+                   and (c.q_positions is c0.q_positions or torch.equal(c.q_positions, c0.q_positions)) for c in cells)
+        if len(cells) == 1 or c0.keys.shape[0] != 1 or not same:
+            return [self.score(c) for c in cells]
+        stacked = ScoreInputs(
+            layer=c0.layer, n_layers=c0.n_layers, keys=torch.cat([c.keys for c in cells]),
+            values=torch.cat([c.values for c in cells]), positions=torch.stack([c.positions for c in cells]),
+            queries=torch.cat([c.queries[:, :, -self.window:] for c in cells]), q_positions=c0.q_positions,
+            scaling=c0.scaling)
+        return list(self.score(stacked).split(1))
 
 
 @dataclass
@@ -285,8 +309,8 @@ class KVzip:
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         xq = _require_extra(inputs, "kvzip", "reconstruction-pass queries")
-        probs = attention_probs(xq, inputs.keys, inputs.scaling)  # (b, hq, m, s), all after keys
-        return combine_groups(probs.amax(dim=2), inputs.keys.shape[1], "max")
+        peak = query_attention(xq, inputs.keys, inputs.scaling, reduce="max")  # (b, hq, s); all after the keys
+        return combine_groups(peak, inputs.keys.shape[1], "max")
 
 
 @dataclass
@@ -336,8 +360,8 @@ class Compactor:
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         hk = inputs.keys.shape[1]
         lev = self.leverage(inputs.keys, inputs.positions)
-        probs = attention_probs(inputs.queries, inputs.keys, inputs.scaling)  # no causal mask
-        att = combine_groups(probs.sum(dim=2), hk, "mean").double() * inputs.values.double().norm(dim=-1)
+        mass = query_attention(inputs.queries, inputs.keys, inputs.scaling, reduce="sum")  # no causal mask
+        att = combine_groups(mass, hk, "mean").double() * inputs.values.double().norm(dim=-1)
         att = _pool(att, 3, "avg")
         return (self.blend * _zscore(lev) + _zscore(att)).float()
 
@@ -363,5 +387,5 @@ class Oracle:
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         xq = _require_extra(inputs, "oracle", "the true future queries")
-        probs = attention_probs(xq, inputs.keys, inputs.scaling)  # (b, hq, m, s)
-        return combine_groups(probs.mean(dim=2), inputs.keys.shape[1], "mean")
+        mean = query_attention(xq, inputs.keys, inputs.scaling, reduce="mean")  # (b, hq, s)
+        return combine_groups(mean, inputs.keys.shape[1], "mean")

@@ -2,9 +2,17 @@
 
 Anything that is not a registry name is treated as a local Hugging Face folder (if such a
 directory exists) or else as a hub id, and goes through the same ``from_pretrained`` call.
-Attention is always loaded as ``attn_implementation="eager"``: capture and the exactness
-tests need the explicit softmax, and the choice is made at load time, never by editing
-``model.config`` afterwards.
+
+The attention implementation is chosen at load time (``attention=``), never by editing
+``model.config`` afterwards:
+
+- ``"eager"`` (the default; capture): the explicit softmax, which capture's exactness
+  contract is stated against;
+- ``"decode"`` (the decode loop, the audit): evictlab's ragged attention,
+  :data:`evictlab.kv.cache.RAGGED_ATTENTION` (registered under that new name in
+  transformers' ``AttentionInterface`` just before loading): scaled-dot-product kernels
+  over the store's cells inside the loop, transformers' own ``sdpa`` anywhere else;
+- ``"sdpa"``: transformers' own, unchanged (the baseline of ``benchmarks/bench_decode.py``).
 """
 
 from __future__ import annotations
@@ -46,25 +54,43 @@ def resolve(name: str) -> tuple[str, Path | str]:
     return "hub", name
 
 
+ATTENTIONS = ("eager", "decode", "sdpa")
+
+
+def attn_implementation(attention: str) -> str:
+    """transformers' ``attn_implementation`` for one of :data:`ATTENTIONS` (``"decode"``
+    registers evictlab's ragged attention first); InputError for anything else."""
+    if attention == "decode":
+        from evictlab.kv.cache import register_ragged_attention
+
+        return register_ragged_attention()
+    if attention not in ATTENTIONS:
+        raise InputError("attention", f"unknown attention {attention!r}", f"use one of: {', '.join(ATTENTIONS)}")
+    return attention
+
+
 def load_model(
-    name: str = DEFAULT_MODEL, device: str = "cpu", dtype: "torch.dtype | None" = None,
+    name: str = DEFAULT_MODEL, device: str = "cpu", dtype: "torch.dtype | None" = None, attention: str = "eager",
 ) -> tuple[Any, Any]:
-    """Load ``(model, tokenizer)`` with eager attention, in eval mode, on ``device``.
+    """Load ``(model, tokenizer)`` in eval mode on ``device``.
 
     ``name`` is a registry name (pulled on first use), a local Hugging Face folder or a hub
     id (only where a hub is reachable). ``dtype`` defaults to float32: the exactness
     contract (captured rows reproduce the model's own attention to 1e-5) is stated in it.
+    ``attention``: ``"eager"`` (capture), ``"decode"`` (the decode loop: ragged
+    scaled-dot-product attention) or ``"sdpa"`` (see the module docstring).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = torch.float32 if dtype is None else dtype
+    impl = attn_implementation(attention)
     dev = check_device(device)
     kind, where = resolve(name)
     local = kind != "hub"
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            str(where), attn_implementation="eager", dtype=dtype, local_files_only=local,
+            str(where), attn_implementation=impl, dtype=dtype, local_files_only=local,
         )
         tok = AutoTokenizer.from_pretrained(str(where), local_files_only=local)
     except OSError as exc:
