@@ -1,5 +1,6 @@
 # The two commands (see README): `make demo` runs the main job, `make test` runs the tests.
-# Both create or reuse .venv, install the CPU torch wheel first, then evictlab editable,
+# Both create or reuse .venv, install the CPU torch wheel first, then evictlab editable
+# with the test and ray extras (the Ray executor is tested against a local Ray instance),
 # every package at the version pinned in constraints.txt (the versions the suite last
 # passed with). `make constraints` rewrites constraints.txt from .venv.
 PY ?= python3.11
@@ -18,7 +19,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/python -m pip install --quiet -c $(CONSTRAINTS) torch==2.13.0
-	$(BIN)/python -m pip install --quiet -c $(CONSTRAINTS) -e '.[test]'
+	$(BIN)/python -m pip install --quiet -c $(CONSTRAINTS) -e '.[test,ray]'
 	touch $(STAMP)
 
 demo: $(STAMP)

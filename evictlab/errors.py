@@ -23,6 +23,10 @@ class InputError(EvictlabError, ValueError):
         self.fix = fix
         super().__init__(f"{field}: {problem}. Fix: {fix}")
 
+    def __reduce__(self) -> tuple[type, tuple[str, str, str]]:
+        # pickled with its three parts (a Ray worker's error reaches the driver intact)
+        return (type(self), (self.field, self.problem, self.fix))
+
 
 class CorruptFileError(InputError):
     """A file on disk is truncated, corrupt or of an unknown schema version."""

@@ -377,9 +377,13 @@ def test_interrupt_then_rerun_and_compare(tmp_path: Path, tiny: Path, capsys: py
     code, err = _main(["eval", "compare", str(g)], capsys, monkeypatch)
     assert code == 2
     _one_line(err, "--out", ["eval", "compare"])
-    code, err = _main(["eval", "compare", str(g), "--tie-rule", "coin", "--overwrite"], capsys, monkeypatch)
-    assert code == 2
-    _one_line(err, "--tie-rule", ["eval", "compare"])
+    for bad, option in ((["--tie-rule", "coin"], "--tie-rule"), (["--tolerance", "-1"], "--tolerance"),
+                        (["--level", "2"], "--level"), (["--n-boot", "0"], "--n-boot"),
+                        (["--out", str(g / "pairs.csv")], "--out")):
+        code, err = _main(["eval", "compare", str(g), *bad, "--overwrite"], capsys, monkeypatch)
+        assert code == 2, (bad, err)
+        _one_line(err, option, ["eval", "compare"])
+    assert not (g / "pairs.csv").exists()
 
 
 # ---------------------------------------------------------------------------------- real model

@@ -59,12 +59,12 @@ def test_version_command_notes_drift(tmp_path, monkeypatch, capsys):
 
 
 def _closure() -> set[str]:
-    """Canonical names of every distribution evictlab[test] and torch pull in, as installed."""
+    """Canonical names of every distribution evictlab[test,ray] and torch pull in, as installed."""
     from packaging.requirements import Requirement
 
     canon = lambda n: re.sub(r"[-_.]+", "-", n).lower()  # noqa: E731
     seen: set[tuple[str, frozenset[str]]] = set()
-    stack = [("evictlab", frozenset({"test"})), ("torch", frozenset())]
+    stack = [("evictlab", frozenset({"test", "ray"})), ("torch", frozenset())]
     while stack:
         name, extras = stack.pop()
         if (canon(name), extras) in seen:

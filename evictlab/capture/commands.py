@@ -8,8 +8,11 @@ inside the function so ``evictlab --help`` is fast. (``evictlab models ...`` liv
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import typer
+
+from evictlab.executor.commands import EXECUTOR_OPTIONS
 
 
 def capture(
@@ -35,14 +38,21 @@ def capture(
                               "e.g. text windows); 0 = auto: 8 on CUDA, 1 on CPU."),
     out: Path = typer.Option(..., "--out", help="Row dataset directory (created, or resumed if it exists)."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+    executor: str = EXECUTOR_OPTIONS["executor"],
+    address: Optional[str] = EXECUTOR_OPTIONS["address"],
 ) -> None:
     """Capture attention rows (post-RoPE q, K, V per layer and query head) from a real model.
 
     Every row is checked against the attention module's own output before it is written.
     Rerunning the same command after an interruption resumes it (completed prompts are kept,
-    none is duplicated).
+    none is duplicated). With --executor ray each forward (one prompt on CPU, --batch prompts
+    on CUDA) is one Ray task (--threads CPUs each, 1 if 0; one GPU with --device cuda) that
+    loads the model on its worker; this process writes the dataset, the same as a local run.
     """
     from evictlab.errors import InputError
+    from evictlab.executor import check_executor
+
+    check_executor(executor, address)
     from evictlab.rows.schema import MANIFEST_FILE
 
     # Refused here, before torch is imported and the model loaded (seconds to minutes).
@@ -57,7 +67,10 @@ def capture(
     cfg = CaptureConfig(model=model, source=source, context=context, positions=positions, prompts=prompts,
                         mode=mode, layers=layers, device=device, seed=seed, rows_per_shard=rows_per_shard,
                         threads=threads, batch=batch)
-    s = run_capture(cfg, out, progress=not quiet)
+    from evictlab.executor.commands import executor_for
+
+    with executor_for(executor, address) as ex:
+        s = run_capture(cfg, out, progress=not quiet, executor=ex)
     typer.echo(f"{s.rows_written} rows from {s.prompts_written} prompts in {s.seconds:.1f} s "
                f"({s.rows_per_second:.0f} rows/s; {s.prompts_skipped} prompts already done); "
                f"dataset holds {s.rows_total} rows; max |mu - model| / max(1,|v|) = {s.max_verify_error:.1e}; {out}")

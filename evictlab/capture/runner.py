@@ -18,6 +18,13 @@ dataset appends more prompts. Any other setting that differs is refused: rows of
 dataset must come from one configuration. A run record (``run_record.json``) is written at
 the end of every run.
 
+Executors: the local run does all of this here. A remote executor (``--executor ray``,
+``docs/cluster.md``) first runs :func:`capture_probe` on a worker (model geometry for the
+manifest, every prompt's forward length and token digest), then one :func:`capture_group`
+task per forward group (the local run's groups, :func:`plan_groups`); each task returns its
+prompts' :class:`PromptRows` and this process writes them with :func:`write_rows` in
+prompt order, so the dataset is the local run's bit for bit.
+
 Query positions (documented choice, ours)
     ``query-agnostic``: the context is the whole prompt (no question is appended); the P
     positions are stratified over the last half of the context: split
@@ -31,6 +38,7 @@ Query positions (documented choice, ours)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -205,31 +213,97 @@ def capture_batch(model: Any, token_lists: list[list[int]], position_lists: list
     return cap.items
 
 
-def write_prompt(writer: Any, prompt_id: int, prompt: PromptTokens, mode: str,
-                 captures: dict[int, Any]) -> int:
-    """Write one prompt's blocks and rows; return the number of rows written."""
-    writer.add_prompt(prompt_id, _tokens_for_forward(prompt, mode), source=prompt.source, mode=mode,
-                      text=json.dumps({"name": prompt.prompt_id, "n_context": prompt.n_context,
-                                       "answer": prompt.answer,
-                                       **({"origin": prompt.origin} if prompt.origin else {})}))
-    rows = 0
+@dataclass
+class BlockRows:
+    """One (layer, KV head) block of a prompt and the query rows that read it, as
+    :meth:`~evictlab.rows.writer.RowWriter.add_block` and ``add_query_rows`` take them."""
+
+    layer: int
+    kv_head: int
+    keys: np.ndarray            # float32 [L, d], post-RoPE
+    values: np.ndarray          # float32 [L, d]
+    key_positions: np.ndarray   # int64 [L], absolute token positions
+    queries: np.ndarray         # float32 [R, d], post-RoPE
+    q_heads: np.ndarray         # int64 [R]
+    positions: np.ndarray       # int64 [R], query token positions
+    key_lo: np.ndarray          # int64 [R], row r sees block keys [key_lo, key_hi)
+    key_hi: np.ndarray          # int64 [R]
+    scale: float
+
+
+@dataclass
+class PromptRows:
+    """Everything one captured prompt adds to a dataset (picklable: what a remote task
+    returns to the driver, which alone writes)."""
+
+    prompt_id: int
+    tokens: list[int]
+    source: str
+    mode: str
+    text: str
+    blocks: list[BlockRows]
+    verify_error: float
+
+    @property
+    def n_rows(self) -> int:
+        return sum(int(b.q_heads.size) for b in self.blocks)
+
+
+def prompt_rows(prompt_id: int, prompt: PromptTokens, mode: str, captures: dict[int, Any]) -> PromptRows:
+    """One prompt's blocks and rows from its captures (``{layer: LayerCapture}``)."""
+    blocks = []
     for layer in sorted(captures):
         c = captures[layer]
         lo, hi = c.key_range(c.positions)
         a, b = int(lo.min()), int(hi.max())  # keys any row of this layer sees
         for g in range(c.n_kv_heads):
-            block = writer.add_block(prompt_id, layer, g, c.keys[g, a:b].numpy(),
-                                     c.values[g, a:b].numpy(), np.arange(a, b, dtype=np.int64))
             heads = [h for h in range(c.n_q_heads) if c.kv_head_of(h) == g]
             P = c.positions.size
-            q = c.queries[heads].reshape(len(heads) * P, -1).numpy()
-            writer.add_query_rows(
-                block, q, np.repeat(heads, P), np.tile(c.positions, len(heads)),
-                np.tile(lo - a, len(heads)), np.tile(hi - a, len(heads)), c.scaling,
-            )
-            rows += len(heads) * P
-    writer.end_prompt(prompt_id)
-    return rows
+            blocks.append(BlockRows(
+                layer, g, c.keys[g, a:b].numpy(), c.values[g, a:b].numpy(), np.arange(a, b, dtype=np.int64),
+                c.queries[heads].reshape(len(heads) * P, -1).numpy(), np.repeat(heads, P),
+                np.tile(c.positions, len(heads)), np.tile(lo - a, len(heads)), np.tile(hi - a, len(heads)),
+                c.scaling))
+    return PromptRows(prompt_id, list(_tokens_for_forward(prompt, mode)), prompt.source, mode,
+                      json.dumps({"name": prompt.prompt_id, "n_context": prompt.n_context, "answer": prompt.answer,
+                                  **({"origin": prompt.origin} if prompt.origin else {})}),
+                      blocks, max([0.0, *(float(getattr(c, "verify_error", 0.0)) for c in captures.values())]))
+
+
+def write_rows(writer: Any, rows: PromptRows) -> int:
+    """Write one prompt's blocks and rows into ``writer``; return the number of rows written."""
+    writer.add_prompt(rows.prompt_id, rows.tokens, source=rows.source, mode=rows.mode, text=rows.text)
+    for b in rows.blocks:
+        block = writer.add_block(rows.prompt_id, b.layer, b.kv_head, b.keys, b.values, b.key_positions)
+        writer.add_query_rows(block, b.queries, b.q_heads, b.positions, b.key_lo, b.key_hi, b.scale)
+    writer.end_prompt(rows.prompt_id)
+    return rows.n_rows
+
+
+def write_prompt(writer: Any, prompt_id: int, prompt: PromptTokens, mode: str,
+                 captures: dict[int, Any]) -> int:
+    """Write one prompt's blocks and rows; return the number of rows written."""
+    return write_rows(writer, prompt_rows(prompt_id, prompt, mode, captures))
+
+
+def plan_groups(todo: list[int], length: Any, per: int) -> list[list[int]]:
+    """Prompts per forward pass: consecutive prompts of ``todo`` with equal forward lengths
+    (``length(i)``), at most ``per`` of them (the same groups on every executor)."""
+    groups: list[list[int]] = []
+    for i in todo:
+        if groups and len(groups[-1]) < per and length(i) == length(groups[-1][0]):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def capture_prompts(model: Any, prompts: list[PromptTokens], ids: list[int], cfg: CaptureConfig,
+                    layers: list[int] | None, device: Any) -> list[PromptRows]:
+    """One forward over ``prompts`` (ids ``ids``, equal forward lengths); their rows."""
+    pos = [query_positions(p, cfg.mode, cfg.positions, cfg.seed, i) for p, i in zip(prompts, ids)]
+    items = capture_batch(model, [_tokens_for_forward(p, cfg.mode) for p in prompts], pos, layers, device)
+    return [prompt_rows(i, p, cfg.mode, caps) for i, p, caps in zip(ids, prompts, items)]
 
 
 def _text_provenance(cfg: CaptureConfig) -> dict[str, str]:
@@ -272,83 +346,38 @@ def _check_resume(out: Path, cfg: CaptureConfig, text: dict[str, str]) -> None:
 
 
 def run_capture(cfg: CaptureConfig, out: str | Path, *, model: Any = None, tokenizer: Any = None,
-                progress: bool = True, model_label: str | None = None) -> CaptureSummary:
+                progress: bool = True, model_label: str | None = None, executor: Any = None) -> CaptureSummary:
     """Capture ``cfg.prompts`` prompts into the row dataset at ``out`` (resuming if present).
 
     ``model``/``tokenizer`` may be passed pre-loaded (tests, notebooks); otherwise
-    ``cfg.model`` is loaded with :func:`evictlab.models.loading.load_model`.
+    ``cfg.model`` is loaded with :func:`evictlab.models.loading.load_model`. ``executor``
+    (:mod:`evictlab.executor`): None or local runs the forwards here; a Ray executor runs one
+    task per forward group (:func:`capture_group`, one prompt on CPU), each loading the
+    model on its worker, and this process writes the rows in prompt order, so the dataset
+    holds the same rows in the same shards as a local run.
     """
-    from tqdm.auto import tqdm
-
     from evictlab.io import check_output_path
-    from evictlab.models.loading import check_device, load_model
     from evictlab.report.record import RunRecord
     from evictlab.rows.schema import RECORD_FILE
-    from evictlab.rows.writer import RowWriter
 
     cfg.check()
     out = check_output_path(out, "--out", directory=True)  # before the model is loaded
     text = _text_provenance(cfg)
     _check_resume(out, cfg, text)
-    record = RunRecord(kind="capture", config=asdict(cfg), model=model_label or cfg.model, seed=cfg.seed)
-    device = check_device(cfg.device)
     if cfg.threads < 0:
         raise InputError("--threads", f"must be >= 0, got {cfg.threads}", "pass 0 (torch default) or a thread count")
-    if cfg.threads:
-        import torch
-
-        torch.set_num_threads(cfg.threads)
-    if model is None:
-        model, tokenizer = load_model(cfg.model, device=cfg.device)
-    else:
-        model.to(device)
-    sites = find_attention_sites(model)
-    layers = parse_layers(cfg.layers, max(s.layer for s in sites) + 1)
-    head_dim = sites[0].head_dim
-    if any(s.head_dim != head_dim for s in sites):
-        raise InputError("--model", "layers have different head dims", "capture layers of one head dim (--layers)")
-    source = {"capture": asdict(cfg), "model_class": type(model).__name__,
-              "quantisation": _quantisation(cfg.model),
-              "gqa": {str(s.layer): [s.n_q_heads, s.n_kv_heads] for s in sites},
-              "sliding_window": {str(s.layer): s.sliding_window for s in sites},
-              "positions_rule": POSITIONS_RULE[cfg.mode], **text}
-    # a prompt the settings cannot build (e.g. a text shorter than --context) is refused
-    # before the dataset folder exists
-    build_prompt(cfg.source, cfg.context, tokenizer, cfg.seed, 0)
+    remote = executor is not None and executor.name != "local"
+    record = RunRecord(kind="capture", config={**asdict(cfg), "executor": "ray" if remote else "local"},
+                       model=model_label or cfg.model, seed=cfg.seed)
     t0 = time.perf_counter()
-    written = skipped = rows_written = 0
-    worst = 0.0
-    # The dataset is marked complete only when this block ends normally, after the last
-    # prompt; an exception or a kill leaves it incomplete (readers refuse it until resumed).
-    with RowWriter(out, model=model_label or cfg.model, capture_mode=cfg.mode, head_dim=head_dim,
-                   source=source, rows_per_shard=cfg.rows_per_shard,
-                   expected={"prompts": cfg.prompts}) as writer:
-        done = writer.completed_prompts
-        todo = [i for i in range(cfg.prompts) if i not in done]
-        skipped = cfg.prompts - len(todo)
-        per = cfg.batch or (8 if device.type == "cuda" else 1)
-        bar = tqdm(total=cfg.prompts, initial=skipped, desc=f"capture {cfg.model}", unit="prompt",
-                   disable=not progress)
-        while todo:
-            group = [todo.pop(0)]
-            built = [build_prompt(cfg.source, cfg.context, tokenizer, cfg.seed, group[0])]
-            # consecutive prompts of the same length share one forward
-            while todo and len(group) < per:
-                nxt = build_prompt(cfg.source, cfg.context, tokenizer, cfg.seed, todo[0])
-                if len(_tokens_for_forward(nxt, cfg.mode)) != len(_tokens_for_forward(built[0], cfg.mode)):
-                    break
-                group.append(todo.pop(0))
-                built.append(nxt)
-            pos = [query_positions(p, cfg.mode, cfg.positions, cfg.seed, i) for p, i in zip(built, group)]
-            items = capture_batch(model, [_tokens_for_forward(p, cfg.mode) for p in built], pos, layers, device)
-            for i, prompt, caps in zip(group, built, items):
-                worst = max([worst, *(c.verify_error for c in caps.values())])
-                rows_written += write_prompt(writer, i, prompt, cfg.mode, caps)
-                written += 1
-            dt = time.perf_counter() - t0
-            bar.update(len(group))
-            bar.set_postfix(rows=rows_written, rows_s=f"{rows_written / max(dt, 1e-9):.0f}")
-        bar.close()
+    if remote:
+        if model is not None:
+            raise InputError("model", "a pre-loaded model cannot be sent to remote workers",
+                             "pass the model by name (cfg.model), or use the local executor")
+        written, skipped, rows_written, worst = _capture_remote(cfg, out, text, executor, progress, model_label)
+    else:
+        written, skipped, rows_written, worst = _capture_local(cfg, out, text, model, tokenizer, progress,
+                                                               model_label)
     seconds = time.perf_counter() - t0
     from evictlab.rows.reader import RowStore
 
@@ -359,6 +388,228 @@ def run_capture(cfg: CaptureConfig, out: str | Path, *, model: Any = None, token
                              max_verify_error=worst)
     record.write(out / RECORD_FILE, output=str(out), summary=asdict(summary))
     return summary
+
+
+def _source_info(cfg: CaptureConfig, model: Any, text: dict[str, str]) -> tuple[dict[str, Any], int, int]:
+    """The manifest's ``source`` entry, the head dim and the layer count of a loaded model."""
+    sites = find_attention_sites(model)
+    head_dim = sites[0].head_dim
+    if any(s.head_dim != head_dim for s in sites):
+        raise InputError("--model", "layers have different head dims", "capture layers of one head dim (--layers)")
+    source = {"capture": asdict(cfg), "model_class": type(model).__name__,
+              "quantisation": _quantisation(cfg.model),
+              "gqa": {str(s.layer): [s.n_q_heads, s.n_kv_heads] for s in sites},
+              "sliding_window": {str(s.layer): s.sliding_window for s in sites},
+              "positions_rule": POSITIONS_RULE[cfg.mode], **text}
+    return source, head_dim, max(s.layer for s in sites) + 1
+
+
+def _auto_batch(cfg: CaptureConfig, device_type: str) -> int:
+    return cfg.batch or (8 if device_type == "cuda" else 1)
+
+
+def _capture_local(cfg: CaptureConfig, out: Path, text: dict[str, str], model: Any, tokenizer: Any,
+                   progress: bool, model_label: str | None) -> tuple[int, int, int, float]:
+    """The local executor: forwards here, prompt group after prompt group."""
+    from tqdm.auto import tqdm
+
+    from evictlab.models.loading import check_device, load_model
+    from evictlab.rows.writer import RowWriter
+
+    device = check_device(cfg.device)
+    if cfg.threads:
+        import torch
+
+        torch.set_num_threads(cfg.threads)
+    if model is None:
+        model, tokenizer = load_model(cfg.model, device=cfg.device)
+    else:
+        model.to(device)
+    source, head_dim, n_layers = _source_info(cfg, model, text)
+    layers = parse_layers(cfg.layers, n_layers)
+    # a prompt the settings cannot build (e.g. a text shorter than --context) is refused
+    # before the dataset folder exists
+    built = {0: build_prompt(cfg.source, cfg.context, tokenizer, cfg.seed, 0)}
+
+    def prompt(i: int) -> PromptTokens:
+        if i not in built:
+            built[i] = build_prompt(cfg.source, cfg.context, tokenizer, cfg.seed, i)
+        return built[i]
+
+    written = rows_written = 0
+    worst = 0.0
+    t0 = time.perf_counter()
+    # The dataset is marked complete only when this block ends normally, after the last
+    # prompt; an exception or a kill leaves it incomplete (readers refuse it until resumed).
+    with RowWriter(out, model=model_label or cfg.model, capture_mode=cfg.mode, head_dim=head_dim,
+                   source=source, rows_per_shard=cfg.rows_per_shard,
+                   expected={"prompts": cfg.prompts}) as writer:
+        done = writer.completed_prompts
+        todo = [i for i in range(cfg.prompts) if i not in done]
+        skipped = cfg.prompts - len(todo)
+        if 0 in done:
+            built.clear()
+        per = _auto_batch(cfg, device.type)
+        bar = tqdm(total=cfg.prompts, initial=skipped, desc=f"capture {cfg.model}", unit="prompt",
+                   disable=not progress)
+        # groups are planned lazily, so each prompt is built once, just before its forward
+        group: list[int] = []
+        for pos, i in enumerate(todo):
+            group.append(i)
+            nxt = todo[pos + 1] if pos + 1 < len(todo) else None
+            if (nxt is not None and len(group) < per
+                    and _forward_len(prompt(nxt), cfg.mode) == _forward_len(prompt(group[0]), cfg.mode)):
+                continue
+            batch = [prompt(j) for j in group]
+            for j in group:
+                del built[j]
+            for rows in capture_prompts(model, batch, group, cfg, layers, device):
+                worst = max(worst, rows.verify_error)
+                rows_written += write_rows(writer, rows)
+                written += 1
+            bar.update(len(group))
+            bar.set_postfix(rows=rows_written, rows_s=f"{rows_written / max(time.perf_counter() - t0, 1e-9):.0f}")
+            group = []
+        bar.close()
+    return written, skipped, rows_written, worst
+
+
+def _forward_len(prompt: PromptTokens, mode: str) -> int:
+    return len(_tokens_for_forward(prompt, mode))
+
+
+# --------------------------------------------------------------------------- remote
+
+
+@dataclass(frozen=True)
+class CapturePlan:
+    """What the probe task learns on a worker before any capture task runs: the manifest's
+    ``source`` entry, the head dim, every prompt's forward length and token digest, and the
+    digest of the weights (:func:`~evictlab.models.loading.weights_digest`)."""
+
+    source: dict[str, Any]
+    head_dim: int
+    lengths: tuple[int, ...]
+    token_digests: tuple[str, ...]
+    weights: str
+
+
+@dataclass(frozen=True)
+class CaptureTask:
+    """One remote task: prompts ``prompt_ids`` (one forward) under ``cfg``; the worker checks
+    that its weights and prompts are the probe's (``weights``, ``token_digests``)."""
+
+    cfg: CaptureConfig
+    prompt_ids: tuple[int, ...]
+    weights: str
+    token_digests: tuple[str, ...]
+
+
+def _token_digest(prompt: PromptTokens) -> str:
+    import hashlib
+
+    return hashlib.sha256(np.asarray(prompt.tokens, dtype=np.int64).tobytes()
+                          + str(prompt.n_context).encode()).hexdigest()[:16]
+
+
+def _worker_model(cfg: CaptureConfig) -> tuple[Any, Any, Any]:
+    """``(model, tokenizer, device)`` on this worker (loaded once per process), torch threads
+    = the task's CPUs."""
+    import torch
+
+    from evictlab.models.loading import check_device, load_cached
+
+    device = check_device(cfg.device)
+    torch.set_num_threads(cfg.threads or 1)
+    model, tok = load_cached(cfg.model, cfg.device)
+    return model, tok, device
+
+
+def capture_probe(cfg: CaptureConfig) -> CapturePlan:
+    """The first remote task of a capture: load the model, check the settings the local run
+    checks (layers, head dims, the first prompt) and plan the prompts (:class:`CapturePlan`)."""
+    from evictlab.models.loading import weights_digest
+
+    model, tok, _ = _worker_model(cfg)
+    source, head_dim, n_layers = _source_info(cfg, model, _text_provenance(cfg))
+    parse_layers(cfg.layers, n_layers)
+    prompts = [build_prompt(cfg.source, cfg.context, tok, cfg.seed, i) for i in range(cfg.prompts)]
+    return CapturePlan(source, head_dim, tuple(_forward_len(p, cfg.mode) for p in prompts),
+                       tuple(_token_digest(p) for p in prompts), weights_digest(model))
+
+
+def capture_group(task: CaptureTask) -> list[PromptRows]:
+    """One remote capture task: the forward over ``task.prompt_ids`` and its verified rows.
+
+    Refuses (InputError) when this worker's weights or prompts differ from the probe's: a
+    node with another copy of the model or of the source text would mix two datasets.
+    """
+    import socket
+
+    from evictlab.models.loading import weights_digest
+
+    cfg = task.cfg
+    model, tok, device = _worker_model(cfg)
+    got = weights_digest(model)
+    if got != task.weights:
+        raise InputError("--model", f"node {socket.gethostname()} loaded other weights for {cfg.model} (digest "
+                         f"{got}, the first task's {task.weights}): rows of two models would be mixed",
+                         "give every node the same model files (a shared EVICTLAB_CACHE, or the same "
+                         "`evictlab models pull` on each)")
+    ids = list(task.prompt_ids)
+    prompts = [build_prompt(cfg.source, cfg.context, tok, cfg.seed, i) for i in ids]
+    for i, p, want in zip(ids, prompts, task.token_digests):
+        if _token_digest(p) != want:
+            raise InputError("--source", f"node {socket.gethostname()} builds prompt {i} with other tokens than the "
+                             "first task (another source text or tokenizer): rows of two datasets would be mixed",
+                             "give every node the same source files and model (shared storage)")
+    _, _, n_layers = _source_info(cfg, model, {})
+    return capture_prompts(model, prompts, ids, cfg, parse_layers(cfg.layers, n_layers), device)
+
+
+def _device_type(device: str) -> str:
+    """``cpu`` or ``cuda`` from ``--device`` (checked on the workers, which own the GPUs)."""
+    kind = device.split(":", 1)[0]
+    if kind not in ("cpu", "cuda"):
+        raise InputError("--device", f"device type {kind!r} is not supported", "use cpu or cuda")
+    return kind
+
+
+def _capture_remote(cfg: CaptureConfig, out: Path, text: dict[str, str], executor: Any, progress: bool,
+                    model_label: str | None) -> tuple[int, int, int, float]:
+    """A remote executor: a probe task, then one task per forward group; rows are written
+    here, in prompt order."""
+    from evictlab.executor import TaskSpec, task_bar
+    from evictlab.rows.writer import RowWriter
+
+    kind = _device_type(cfg.device)
+    spec = TaskSpec(cpus=cfg.threads or 1, gpus=1 if kind == "cuda" else 0)
+    ((_, plan),) = list(executor.map(capture_probe, [cfg], spec=spec))
+    if plan.source.get("text_sha256") != text.get("text_sha256"):
+        raise InputError("--source", f"the worker read another text for {cfg.source} than this machine",
+                         "give every node the same source files (shared storage)")
+    written = rows_written = 0
+    worst = 0.0
+    with RowWriter(out, model=model_label or cfg.model, capture_mode=cfg.mode, head_dim=plan.head_dim,
+                   source=plan.source, rows_per_shard=cfg.rows_per_shard,
+                   expected={"prompts": cfg.prompts}) as writer:
+        done = writer.completed_prompts
+        todo = [i for i in range(cfg.prompts) if i not in done]
+        skipped = cfg.prompts - len(todo)
+        groups = plan_groups(todo, lambda i: plan.lengths[i], _auto_batch(cfg, kind))
+        tasks = [CaptureTask(cfg, tuple(g), plan.weights, tuple(plan.token_digests[i] for i in g)) for g in groups]
+        bar = task_bar(f"capture {cfg.model}", disable=not progress)
+        # closing(): an error or Ctrl-C here cancels the tasks still out at once
+        with contextlib.closing(executor.map(capture_group, tasks, spec=spec, ordered=True, on_progress=bar)) as it:
+            try:
+                for _, rows_list in it:
+                    for rows in rows_list:
+                        worst = max(worst, rows.verify_error)
+                        rows_written += write_rows(writer, rows)
+                        written += 1
+            finally:
+                bar.close()
+    return written, skipped, rows_written, worst
 
 
 def _quantisation(name: str) -> str | None:

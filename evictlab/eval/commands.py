@@ -10,11 +10,12 @@ command's options (:func:`evictlab.decode.commands.as_options`).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import typer
 
 from evictlab.decode.commands import LOOP_OPTIONS, as_options
+from evictlab.executor.commands import EXECUTOR_OPTIONS
 
 eval_app = typer.Typer(help="The evaluation grid: methods at matched bytes on seeded examples, paired comparisons.",
                        no_args_is_help=True, rich_markup_mode=None)
@@ -58,18 +59,25 @@ def run(
     device: str = LOOP_OPTIONS["device"], sinks: int = LOOP_OPTIONS["sinks"], recent: int = LOOP_OPTIONS["recent"],
     chunk: int = LOOP_OPTIONS["chunk"], compress_every: int = LOOP_OPTIONS["compress_every"],
     window: int = LOOP_OPTIONS["window"], block_size: int = LOOP_OPTIONS["block_size"],
-    threads: int = typer.Option(0, "--threads", help="torch CPU threads (0 = torch default)"),
+    threads: int = typer.Option(0, "--threads", help="torch CPU threads (0 = torch default; with --executor ray: CPUs "
+                                "per cell task, 1 if 0)"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
+    executor: str = EXECUTOR_OPTIONS["executor"],
+    address: Optional[str] = EXECUTOR_OPTIONS["address"],
 ) -> None:
     """Run (or resume) the grid models x tasks x contexts x budgets x methods x modes x protocols
-    x n examples; one row per (cell, example) in OUT/results.parquet."""
+    x n examples; one row per (cell, example) in OUT/results.parquet. With --executor ray each
+    cell is one Ray task (models and full-cache references cached per worker); this process
+    writes the parts (docs/cluster.md)."""
     from evictlab.errors import InputError
+    from evictlab.executor import check_executor
     from evictlab.eval.spec import GridSpec, LoopSettings, parse_list
     from evictlab.io import check_output_path
     from evictlab.methods import parse_assignments
     from evictlab.report.record import RunRecord
 
     with as_options(RUN_OPTIONS):
+        check_executor(executor, address)
         out = check_output_path(out, "--out", directory=True)
         if threads < 0:
             raise InputError("--threads", f"must be >= 0, got {threads}", "pass 0 (torch default) or a thread count")
@@ -88,13 +96,17 @@ def run(
         spec.check_models()
         from evictlab.models.loading import check_device
 
-        check_device(device)
-        record = RunRecord(kind="eval.run", model=",".join(spec.models), seed=seed, config=spec.to_dict())
+        if executor == "local":
+            check_device(device)  # a remote run's workers own the GPUs (checked there)
+        record = RunRecord(kind="eval.run", model=",".join(spec.models), seed=seed,
+                           config={**spec.to_dict(), "executor": executor})
 
         import torch
         from tqdm import tqdm
 
-        from evictlab.eval.grid import run_grid
+        from evictlab.eval.grid import remote_cells, run_grid
+        from evictlab.executor import task_bar
+        from evictlab.executor.commands import executor_for
 
         if threads > 0:
             torch.set_num_threads(threads)
@@ -102,18 +114,28 @@ def run(
 
         def on_start(total: int, done: int) -> None:
             nonlocal bar
-            bar = tqdm(total=total, initial=done, unit="ex", desc="eval", disable=True if quiet else None,
-                       dynamic_ncols=True)
+            if executor == "local":
+                bar = tqdm(total=total, initial=done, unit="ex", desc="eval", disable=True if quiet else None,
+                           dynamic_ncols=True)
+            else:  # tasks (cells): done, running, queued, failed
+                bar = task_bar("eval", initial=done // spec.n, disable=quiet)
 
         def progress(k: int) -> None:
             if bar is not None:
                 bar.update(k)
 
-        try:
-            res = run_grid(spec, out, progress=progress, on_start=on_start, record=record)
-        finally:
+        def on_tasks(counts: Any) -> None:
             if bar is not None:
-                bar.close()
+                bar(counts)
+
+        with executor_for(executor, address) as ex:
+            remote = remote_cells(ex, threads, device, on_tasks) if executor != "local" else (None, None)
+            try:
+                res = run_grid(spec, out, progress=progress, on_start=on_start, record=record,
+                               map_cells=remote[0], check_models=remote[1])
+            finally:
+                if bar is not None:
+                    bar.close()
     typer.echo(f"{res.cells} cells ({res.ran} run now, {res.resumed} already done): {res.results}")
     typer.echo(f"next: evictlab eval compare {out}")
 
@@ -150,7 +172,11 @@ def compare(
         if not (grid / RESULTS).is_file():
             raise InputError("GRID", f"the grid in {grid} is not finished (no {RESULTS})",
                              "rerun the same `evictlab eval run` command to finish it")
-        out = check_output_file(out if out is not None else grid / "pairs.parquet", "--out", overwrite=overwrite)
+        out = out if out is not None else grid / "pairs.parquet"
+        if out.suffix != ".parquet":
+            raise InputError("--out", f"{out} does not end in .parquet (the pairs table is a Parquet file)",
+                             f"use e.g. --out {out.with_suffix('.parquet')}")
+        out = check_output_file(out, "--out", overwrite=overwrite)
         rule = TieRule(kind=tie_rule, tolerance=tolerance, level=level, n_boot=n_boot, seed=seed)  # type: ignore[arg-type]
         record = RunRecord(kind="eval.compare", seed=seed, config={
             "grid": str(grid), "tie_rule": tie_rule, "tolerance": tolerance, "level": level, "n_boot": n_boot})

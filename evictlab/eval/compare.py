@@ -78,11 +78,11 @@ class TieRule:
         if self.kind not in ("em-logprob", "bootstrap"):
             raise InputError("tie_rule", f"unknown rule {self.kind!r}", "use em-logprob or bootstrap")
         if not self.tolerance >= 0:
-            raise InputError("tolerance", f"{self.tolerance} nats", "use a tolerance >= 0")
+            raise InputError("tolerance", f"{self.tolerance} nats is not a tolerance", "use a tolerance >= 0 (nats)")
         if not 0 < self.level < 1:
-            raise InputError("level", f"{self.level}", "use a level in (0, 1), e.g. 0.95")
+            raise InputError("level", f"{self.level} is not an interval level", "use a level in (0, 1), e.g. 0.95")
         if self.n_boot < 1:
-            raise InputError("n_boot", f"{self.n_boot} resamples", "use n_boot >= 1, e.g. 2000")
+            raise InputError("n_boot", f"{self.n_boot} resamples", "use at least 1 resample, e.g. 2000")
 
     def describe(self) -> str:
         """The rule in words (the ``rule`` column)."""

@@ -17,9 +17,12 @@ finished parts and at most a temporary file (removed on the next run), never a p
 ``results.parquet`` that looks complete but is not.
 
 Executors: ``map_cells(fn, cells)`` yields ``(cell, frame)`` for every cell as each
-finishes (any order); the default runs them here, one after the other. A remote executor
-(Ray, issue 17) passes its own ``map_cells`` and calls :func:`evictlab.eval.runner.run_cell`
-on its workers; the driver writes the parts.
+finishes (any order); the default runs them here, one after the other. With a remote
+executor (``executor=``, ``eval run --executor ray``) every cell is one task
+(:func:`run_cell_task`: :func:`evictlab.eval.runner.run_cell` on a worker, whose model and
+full-cache references are cached per worker process), the checks that need the models
+(:func:`preflight`) run as one task too (the driver needs no model and no GPU), and the
+driver writes the parts, as here (``docs/cluster.md``).
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from evictlab.errors import CorruptFileError, InputError
 from evictlab.eval.runner import RESULT_COLUMNS, check_context, check_lengths, load_cached, run_cell
 from evictlab.eval.spec import GRID_VERSION, CellSpec, GridSpec
 
-__all__ = ["GridRun", "MapCells", "local_map", "preflight", "read_manifest", "run_grid", "write_manifest"]
+__all__ = ["CellTask", "CheckModels", "GridRun", "MapCells", "local_map", "preflight", "read_manifest", "remote_cells",
+           "run_cell_task", "run_grid", "write_manifest"]
 
 MANIFEST = "grid.json"
 RESULTS = "results.parquet"
@@ -65,6 +69,60 @@ def local_map(progress: Callable[[int], None] | None = None) -> MapCells:
             yield cell, fn(cell, progress)
 
     return map_cells
+
+
+@dataclass(frozen=True)
+class CellTask:
+    """One remote task: ``cell`` on ``threads`` torch CPU threads."""
+
+    cell: CellSpec
+    threads: int
+
+
+def run_cell_task(task: CellTask) -> pl.DataFrame:
+    """:func:`~evictlab.eval.runner.run_cell` on a worker, with the task's torch threads."""
+    import torch
+
+    torch.set_num_threads(task.threads)
+    return run_cell(task.cell)
+
+
+def preflight_task(task: tuple[GridSpec, list[CellSpec], int]) -> None:
+    """:func:`preflight` on a worker (``(spec, cells, threads)``); its InputError reaches the driver."""
+    import torch
+
+    spec, cells, threads = task
+    torch.set_num_threads(threads)
+    preflight(spec, cells)
+
+
+CheckModels = Callable[[GridSpec, list[CellSpec]], None]
+"""``check_models(spec, cells)``: the checks that need the models (:func:`preflight`)."""
+
+
+def remote_cells(executor: Any, threads: int, device: str,
+                 on_progress: Callable[..., None] | None = None) -> tuple[MapCells, CheckModels]:
+    """``(map_cells, check_models)`` over a remote executor (:mod:`evictlab.executor`): one
+    task per cell with ``threads`` CPUs (1 if 0) and one GPU when ``device`` is CUDA, and
+    :func:`preflight` as one task; ``on_progress`` gets the executor's task counts."""
+    import contextlib
+
+    from evictlab.executor import TaskSpec
+
+    spec = TaskSpec(cpus=threads or 1, gpus=1 if device.startswith("cuda") else 0)
+
+    def map_cells(fn: Callable[..., pl.DataFrame], cells: list[CellSpec]) -> Iterator[tuple[CellSpec, pl.DataFrame]]:
+        if fn is not run_cell:
+            raise ValueError("a remote executor runs run_cell only")
+        tasks = [CellTask(c, threads or 1) for c in cells]
+        with contextlib.closing(executor.map(run_cell_task, tasks, spec=spec, on_progress=on_progress)) as it:
+            for task, frame in it:
+                yield task.cell, frame
+
+    def check_models(grid: GridSpec, cells: list[CellSpec]) -> None:
+        list(executor.map(preflight_task, [(grid, cells, threads or 1)], spec=spec))
+
+    return map_cells, check_models
 
 
 def part_path(out: Path, cell: CellSpec) -> Path:
@@ -126,7 +184,7 @@ def preflight(spec: GridSpec, cells: list[CellSpec]) -> None:
 
     checked: set[tuple[Any, ...]] = set()
     for cell in cells:
-        lm, tok = load_cached(cell.model, cell.device)
+        lm, tok = load_cached(cell.model, cell.device, attention="decode")
         ex_key = (cell.model, cell.task, cell.context)
         if ex_key not in checked:
             checked.add(ex_key)
@@ -150,29 +208,31 @@ def preflight(spec: GridSpec, cells: list[CellSpec]) -> None:
 
 def run_grid(spec: GridSpec, out: str | Path, *, map_cells: MapCells | None = None,
              progress: Callable[[int], None] | None = None, on_start: Callable[[int, int], None] | None = None,
-             record: Any = None) -> GridRun:
+             record: Any = None, check_models: CheckModels | None = None) -> GridRun:
     """Run (or resume) ``spec`` into the folder ``out``; see the module docstring.
 
     ``progress`` gets 1 per finished example (local executor); ``on_start(total_examples,
     done_examples)`` is called once the pending work is known; ``record`` is a
-    :class:`~evictlab.report.record.RunRecord` written as ``run_record.json`` at the end.
+    :class:`~evictlab.report.record.RunRecord` written as ``run_record.json`` at the end;
+    ``check_models`` replaces :func:`preflight` (a remote executor's, :func:`remote_cells`).
     """
     from evictlab.io import atomic_path, check_output_path, exclusive_lock, read_parquet
     from evictlab.report.record import record_path
 
     out = check_output_path(out, "out", directory=True)
     cells = spec.cells()
+    check = check_models or preflight
     with exclusive_lock(out, "--out"):  # the option is named in the fix text too
         resume = _check_folder(spec, out)
         if not resume:
             # A grid refused by the checks that need the models leaves nothing behind, so the
             # corrected command can reuse the same --out.
-            preflight(spec, cells)
+            check(spec, cells)
             write_manifest(spec, out)
         done = _done(out, cells)
         pending = [c for c in cells if c.key not in done]
         if resume and pending:
-            preflight(spec, pending)
+            check(spec, pending)
         if on_start is not None:
             on_start(len(cells) * spec.n, len(done) * spec.n)
         mapper = map_cells or local_map(progress)

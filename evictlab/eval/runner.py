@@ -43,6 +43,7 @@ import polars as pl
 
 from evictlab.errors import InputError
 from evictlab.eval.spec import FULL, CellSpec
+from evictlab.models.loading import clear_loaded, load_cached
 
 __all__ = ["RESULT_COLUMNS", "FullReference", "check_context", "check_lengths", "clear_caches", "full_reference", "load_cached", "run_cell"]
 
@@ -90,24 +91,15 @@ class _LRU:
             self.items.clear()
 
 
-_MODELS = _LRU(2)
 _EXAMPLES = _LRU(16)
 _REFERENCES = _LRU(2)  # full-cache logits over the answers: (n, T, vocab) floats each
 
 
 def clear_caches() -> None:
     """Forget the cached models, examples and full-cache references of this process."""
-    for c in (_MODELS, _EXAMPLES, _REFERENCES):
+    clear_loaded()
+    for c in (_EXAMPLES, _REFERENCES):
         c.clear()
-
-
-def load_cached(model: str, device: str = "cpu") -> tuple[Any, Any]:
-    """``(model, tokenizer)`` of :func:`evictlab.models.loading.load_model` with the decode
-    loop's attention (``attention="decode"``: ragged scaled-dot-product attention over the
-    store, docs/kv.md), loaded once per process and device (the two most recent are kept)."""
-    from evictlab.models.loading import load_model
-
-    return _MODELS.get((model, device), lambda: load_model(model, device=device, attention="decode"))
 
 
 def cell_examples(cell: CellSpec, tokenizer: Any) -> list[Any]:
@@ -167,7 +159,7 @@ def full_reference(cell: CellSpec, progress: Callable[[int], None] | None = None
 
         from evictlab.decode.loop import run_sequence
 
-        lm, tok = load_cached(full.model, full.device)
+        lm, tok = load_cached(full.model, full.device, attention="decode")
         check_context(full, lm)
         examples = cell_examples(full, tok)
         check_lengths(full, lm, examples)
@@ -224,7 +216,7 @@ def run_cell(cell: CellSpec, progress: Callable[[int], None] | None = None) -> p
     from evictlab.kv.budget import Budget, kv_bytes
     from evictlab.models.geometry import model_geometry
 
-    lm, tok = load_cached(cell.model, cell.device)
+    lm, tok = load_cached(cell.model, cell.device, attention="decode")
     check_context(cell, lm)
     examples = cell_examples(cell, tok)
     ref = full_reference(cell, progress)

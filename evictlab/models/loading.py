@@ -17,6 +17,7 @@ The attention implementation is chosen at load time (``attention=``), never by e
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -124,3 +125,64 @@ def check_device(device: str) -> "torch.device":
         raise InputError("--device", f"device type {dev.type!r} is not supported", "use cpu or cuda")
     return dev
 
+
+
+# --------------------------------------------------------------------------- per-process cache
+
+#: Models loaded by this process: (name, device) -> [model, tokenizer, weights digest or None],
+#: least recently used first.
+_LOADED: "dict[tuple[str, str, str], list[Any]]" = {}
+_LOADED_LOCK = threading.Lock()
+#: How many models one process keeps loaded (a remote worker runs tasks of one or two models).
+CACHE_SIZE = 2
+
+
+def load_cached(name: str, device: str = "cpu", attention: str = "eager") -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of :func:`load_model`, loaded once per process, device and
+    ``attention`` (eager for capture, ``"decode"`` for the decode loop and the grid; the
+    :data:`CACHE_SIZE` most recently used are kept; thread-safe): the one model cache of
+    every long-running command (a grid run, a remote worker that runs many tasks of one
+    model)."""
+    key = (name, device, attention)
+    with _LOADED_LOCK:
+        hit = _LOADED.pop(key, None)
+        if hit is not None:
+            _LOADED[key] = hit  # most recent last
+            return hit[0], hit[1]
+    model, tok = load_model(name, device=device, attention=attention)  # outside the lock: loads take seconds
+    with _LOADED_LOCK:
+        _LOADED[key] = [model, tok, None]
+        while len(_LOADED) > CACHE_SIZE:
+            _LOADED.pop(next(iter(_LOADED)))
+    return model, tok
+
+
+def clear_loaded() -> None:
+    """Forget the models :func:`load_cached` holds in this process."""
+    with _LOADED_LOCK:
+        _LOADED.clear()
+
+
+def weights_digest(model: Any) -> str:
+    """SHA-256 (16 hex digits) of every parameter and buffer of ``model`` (names, dtypes,
+    shapes and bytes, in ``state_dict`` order): two processes that loaded the same weights
+    get the same digest, whichever node or cache they loaded them from. Cached for models
+    held by :func:`load_cached`."""
+    import hashlib
+
+    import torch
+
+    for hit in _LOADED.values():
+        if hit[0] is model and hit[2] is not None:
+            return hit[2]
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        t = t.detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy())
+    digest = h.hexdigest()[:16]
+    for hit in _LOADED.values():
+        if hit[0] is model:
+            hit[2] = digest
+    return digest

@@ -10,6 +10,7 @@ import typer
 from typer.core import TyperCommand
 
 from evictlab.errors import InputError
+from evictlab.executor.commands import EXECUTOR_OPTIONS
 
 #: A token that continues a ``--budgets`` list: an integer or a comma-separated list.
 _BUDGET_TOKEN = re.compile(r"^[0-9][0-9,]*$")
@@ -151,22 +152,31 @@ def solve(
     ls_seed: int = typer.Option(0, "--ls-seed", help="All-key search: seed of the kicks."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out."),
     restart: bool = typer.Option(False, "--restart", help="Discard part files of a different earlier job."),
+    executor: str = EXECUTOR_OPTIONS["executor"],
+    address: Optional[str] = EXECUTOR_OPTIONS["address"],
 ) -> None:
     """Exact pool optimum ES_hat, balancing selector and (optionally) certified ES(s) for every row.
 
     Resumable: an interrupted run leaves <out>.parts/; rerunning the same command checks
     the finished parts and computes only the rest. One run per --out at a time; the parent
     folder of --out must exist. A run record is written to <out stem>.run_record.json.
+    With --executor ray each part is one Ray task (--threads CPUs each, 1 if 0); the results
+    are the local run's, bit for bit.
     """
+    from evictlab.executor import check_executor
+    from evictlab.executor.commands import executor_for
     from evictlab.solve.runner import SolveConfig, solve_rows
+
+    check_executor(executor, address)
 
     bud = _parse_budgets(budgets)
     cfg = SolveConfig(budgets=bud, r_m=pool[0], r_e=pool[1], max_swaps=max_swaps, certify=certify,
                       cert_max_n=cert_max_n, cert_max_s=cert_max_s, cert_nodes=cert_nodes,
                       chunk_rows=chunk_rows, search=search, ls_pairs=ls_pairs, ls_kicks=ls_kicks,
                       ls_seed=ls_seed)
-    summary = solve_rows(rows, out, cfg, threads=threads, overwrite=overwrite, restart=restart,
-                         notify=lambda msg: typer.echo(msg, err=True))
+    with executor_for(executor, address) as ex:
+        summary = solve_rows(rows, out, cfg, threads=threads, overwrite=overwrite, restart=restart,
+                             notify=lambda msg: typer.echo(msg, err=True), executor=ex)
     resumed = f", {summary.parts_done_before} parts resumed" if summary.parts_done_before else ""
     typer.echo(f"wrote {summary.rows} rows x {len(bud)} budgets to {out}{resumed}")
 

@@ -20,12 +20,14 @@ run on the same output is refused at once.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import shutil
 from dataclasses import asdict, dataclass, field
 from math import comb
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import numpy as np
@@ -364,6 +366,7 @@ def solve_rows(
     stop_after: int | None = None,
     on_rows: Callable[[int], None] | None = None,
     notify: Callable[[str], None] | None = None,
+    executor: Any = None,
 ) -> SolveSummary:
     """Solve every row of the dataset at ``rows`` and write ``out`` (Parquet), resumably.
 
@@ -380,6 +383,10 @@ def solve_rows(
             then return without concatenating (used to test interruption).
         on_rows: optional callback with the number of rows finished after each part.
         notify: optional callback receiving one-line notices (a damaged part discarded).
+        executor: where the parts are computed (:mod:`evictlab.executor`); None or a
+            :class:`~evictlab.executor.LocalExecutor`: here, streaming the rows; a
+            :class:`~evictlab.executor.ray_backend.RayExecutor`: one Ray task per part
+            (:func:`solve_part`, ``threads`` CPUs each, 1 if 0), the driver writes the parts.
     """
     import numba
 
@@ -396,18 +403,20 @@ def solve_rows(
         if threads is not None:
             numba.set_num_threads(threads)
         return _solve_locked(Path(rows), out, cfg, threads, restart, progress, stop_after, on_rows,
-                             notify or (lambda msg: None))
+                             notify or (lambda msg: None), executor)
 
 
 def _solve_locked(rows: Path, out: Path, cfg: SolveConfig, threads: int | None, restart: bool,
                   progress: bool, stop_after: int | None, on_rows: Callable[[int], None] | None,
-                  notify: Callable[[str], None]) -> SolveSummary:
+                  notify: Callable[[str], None], executor: Any) -> SolveSummary:
     """:func:`solve_rows` once ``out``'s lock is held."""
     from tqdm import tqdm
 
     from evictlab.rows.reader import RowStore
 
-    record = RunRecord(kind="solve", config={**cfg.to_dict(), "rows": str(rows), "threads": threads})
+    remote = executor is not None and executor.name != "local"
+    record = RunRecord(kind="solve", config={**cfg.to_dict(), "rows": str(rows), "threads": threads,
+                                             "executor": "ray" if remote else "local"})
     store = RowStore.open(rows)
     index = store.meta.select("row_id", "n").sort("row_id")
     ids = index["row_id"].to_numpy()
@@ -475,18 +484,19 @@ def _solve_locked(rows: Path, out: Path, cfg: SolveConfig, threads: int | None, 
     written = 0
     rows_done = sum(chunk(k).shape[0] for k in done)
     if pending:
-        todo_ids = np.concatenate([chunk(k) for k in pending])
-        flt = pl.col("row_id").is_in(pl.Series(todo_ids).implode())
-        bar = tqdm(total=int(ids.shape[0]), initial=rows_done, unit="row", desc="solve",
-                   disable=not progress)
+        if remote:
+            tasks = [SolvePart(str(rows.resolve()), job["dataset"], k, int(chunk(k)[0]), int(chunk(k)[-1]), cfg,
+                               model, threads or 1) for k in pending]
+            from evictlab.executor import TaskSpec, task_bar
+
+            bar: Any = task_bar("solve", initial=len(done), disable=not progress)
+            results = _remote_parts(executor, tasks, TaskSpec(cpus=threads or 1), bar)
+        else:
+            bar = tqdm(total=int(ids.shape[0]), initial=rows_done, unit="row", desc="solve",
+                       disable=not progress)
+            results: Iterator[tuple[int, pl.DataFrame]] = _local_parts(store, pending, chunk, cfg, model, bar)
         try:
-            it = store.iter_batches(cfg.chunk_rows, filter=flt)
-            for k, batch in zip(pending, it):
-                expect = chunk(k)
-                got = batch.meta["row_id"].to_numpy()
-                if not np.array_equal(np.sort(got), expect):
-                    raise RuntimeError(f"batch for part {k} does not hold the expected rows")
-                df = solve_batch(batch, cfg, model)
+            for k, df in results:
                 with atomic_path(part_file(k), suffix=".parquet") as tmp:
                     df.write_parquet(tmp)
                 # A crash here leaves a complete part without a checksum: it is checked by
@@ -494,12 +504,12 @@ def _solve_locked(rows: Path, out: Path, cfg: SolveConfig, threads: int | None, 
                 sums[part_file(k).name] = sha256_file(part_file(k))
                 atomic_write_json(sums_file, sums)
                 written += 1
-                bar.update(batch.n_rows)
                 if on_rows is not None:
-                    on_rows(batch.n_rows)
+                    on_rows(chunk(k).shape[0])
                 if stop_after is not None and written >= stop_after:
                     break
         finally:
+            results.close()  # cancels the tasks still out (Ray) after a break or an error
             bar.close()
     complete = all(part_file(k).exists() for k in range(n_parts))
     summary = SolveSummary(out=None, parts_total=n_parts, parts_done_before=len(done),
@@ -512,8 +522,90 @@ def _solve_locked(rows: Path, out: Path, cfg: SolveConfig, threads: int | None, 
     with atomic_path(out, suffix=".parquet") as tmp:
         table.write_parquet(tmp)
     rec = record.write(record_path(out), output=str(out), rows_out=table.height,
-                       parts=n_parts, parts_resumed=len(done))
+                       parts=n_parts, parts_resumed=len(done), executor=record.config["executor"])
     shutil.rmtree(parts)
     summary.out = out
     summary.record = rec
     return summary
+
+
+def _local_parts(store: Any, pending: list[int], chunk: Callable[[int], np.ndarray], cfg: SolveConfig,
+                 model: str | None, bar: Any) -> Iterator[tuple[int, pl.DataFrame]]:
+    """The local executor: stream the pending chunks' rows in ``row_id`` order (one shard in
+    memory at a time) and solve each chunk here; yields ``(k, results)``."""
+    todo_ids = np.concatenate([chunk(k) for k in pending])
+    flt = pl.col("row_id").is_in(pl.Series(todo_ids).implode())
+    for k, batch in zip(pending, store.iter_batches(cfg.chunk_rows, filter=flt)):
+        got = batch.meta["row_id"].to_numpy()
+        if not np.array_equal(np.sort(got), chunk(k)):
+            raise RuntimeError(f"batch for part {k} does not hold the expected rows")
+        yield k, solve_batch(batch, cfg, model)
+        bar.update(batch.n_rows)
+
+
+def _remote_parts(executor: Any, tasks: list[SolvePart], spec: Any, bar: Any) -> Iterator[tuple[int, pl.DataFrame]]:
+    """A remote executor: one task per part (:func:`solve_part`), yields ``(k, results)`` as
+    parts finish; closing this generator cancels the tasks still out."""
+    with contextlib.closing(executor.map(solve_part, tasks, spec=spec, on_progress=bar)) as it:
+        for task, df in it:
+            yield task.k, df
+
+
+@dataclass(frozen=True)
+class SolvePart:
+    """One remote task: part ``k`` = rows ``first..last`` (row ids, inclusive) of the dataset at
+    ``rows`` whose content digest is ``dataset``, solved with ``cfg`` on ``threads`` threads."""
+
+    rows: str
+    dataset: str
+    k: int
+    first: int
+    last: int
+    cfg: SolveConfig
+    model: str | None
+    threads: int
+
+
+#: Row datasets opened by this worker process: path -> RowStore (shards verified once each).
+_STORES: dict[str, Any] = {}
+
+
+def worker_store(path: str, dataset: str) -> Any:
+    """The dataset at ``path`` as this process sees it, checked to be the driver's (content
+    digest ``dataset``): a node whose copy differs, is missing or is incomplete refuses with
+    an InputError naming the node."""
+    import socket
+
+    from evictlab.rows.reader import RowStore
+
+    store = _STORES.get(path)
+    if store is None or _dataset_id(store) != dataset:
+        try:
+            store = RowStore.open(path)
+        except InputError as exc:
+            raise InputError(exc.field, f"on node {socket.gethostname()}: {exc.problem}",
+                             "every node must read the same dataset at the same path (a shared folder, or "
+                             f"identical copies); {exc.fix}") from None
+        _STORES[path] = store
+    got = _dataset_id(store)
+    if got != dataset:
+        raise InputError("ROWS", f"node {socket.gethostname()} reads a different dataset at {path} (content "
+                         f"digest {got}, the driver's is {dataset}): rows of two datasets would be mixed",
+                         "give every node the same dataset at the same path (a shared folder, or identical "
+                         "copies)")
+    return store
+
+
+def solve_part(task: SolvePart) -> pl.DataFrame:
+    """Solve one part (a Ray task, :class:`SolvePart`): the same rows and the same
+    :func:`solve_batch` as the local run, so the same bits."""
+    import numba
+
+    store = worker_store(task.rows, task.dataset)
+    numba.set_num_threads(min(task.threads, numba.config.NUMBA_NUM_THREADS))
+    batches = list(store.iter_batches(task.last - task.first + 1,
+                                      filter=pl.col("row_id").is_between(task.first, task.last)))
+    got = batches[0].meta["row_id"].to_numpy() if len(batches) == 1 else None
+    if got is None or not np.array_equal(got, np.arange(task.first, task.last + 1)):
+        raise RuntimeError(f"part {task.k}: the dataset does not hold rows {task.first}..{task.last} in order")
+    return solve_batch(batches[0], task.cfg, task.model)
