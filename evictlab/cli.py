@@ -82,6 +82,9 @@ app.add_typer(eval_app, name="eval")
 from evictlab.dilution.commands import app as dilution_app  # noqa: E402
 
 app.add_typer(dilution_app, name="dilution")
+from evictlab.gates.commands import gates_app  # noqa: E402
+
+app.add_typer(gates_app, name="gates")
 # --- end registration -----------------------------------------------------------------
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from evictlab import cli
 from evictlab.capture.testing import save_tiny_folder
+from cli_helpers import run_cli
 
 
 def _options(command: str) -> set[str]:
@@ -27,13 +28,8 @@ def _options(command: str) -> set[str]:
 
 def _main(argv: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> tuple[int, str]:
     """Run ``evictlab.cli.main`` (the console entry point) in-process; (exit code, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["evictlab", *argv])
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    return code, capsys.readouterr().err
+    code, _, err = run_cli(argv, capsys, monkeypatch)
+    return code, err
 
 
 def _subprocess(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -17,7 +17,8 @@ from evictlab.models.geometry import model_geometry
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
-GRID = [(s, "uniform") for s in sorted(REGISTRY)] + [("snapkv", a) for a in sorted(ALLOCATORS) if a != "uniform"]
+GRID = ([(s, "uniform") for s in sorted(REGISTRY)] + [("snapkv", a) for a in sorted(ALLOCATORS) if a != "uniform"]
+        + [("trimkv", "global")])
 PER_CELL = 24
 
 
@@ -34,13 +35,26 @@ def real():
     return model, tok, ctx, q, a, full
 
 
+@pytest.fixture(scope="module")
+def untrained_gates(real, tmp_path_factory: pytest.TempPathFactory):
+    """Seeded, untrained gates for the real model (trimkv needs a gates folder; training
+    them is `evictlab gates train`, far too slow for a test)."""
+    from evictlab.gates.files import save_gates
+    from evictlab.gates.modules import GateSpec, RetentionGates
+
+    folder = tmp_path_factory.mktemp("gates")
+    save_gates(folder, RetentionGates(GateSpec.for_model(real[0]), seed=0), {"model": "smollm2-135m"})
+    return folder
+
+
 @pytest.mark.parametrize(("scorer", "allocator"), GRID)
-def test_method_runs_physically_within_budget(real, scorer: str, allocator: str) -> None:
+def test_method_runs_physically_within_budget(real, untrained_gates, scorer: str, allocator: str) -> None:
     model, tok, ctx, q, a, full = real
     params = {"predictor": str(example_predictor())} if allocator == "contourkv_pred" else {}
+    sparams = {"gates": str(untrained_gates)} if scorer == "trimkv" else {}
     cfg = DecodeConfig(mode="physical", budget=Budget("tokens_per_cell", PER_CELL), scorer=scorer,
                        allocator=allocator, allocator_params=params, chunk_size=64, compress_every=2, window=16,
-                       sinks=4, recent=8)
+                       sinks=4, recent=8, scorer_params=sparams)
     out = run_sequence(model, ctx, q, cfg, answer_ids=a, tokenizer=tok)
     geo = model_geometry(model)
     n_layers, hk, d, dtype = geo.n_layers, geo.kv_heads, geo.head_dim, geo.dtype
@@ -81,12 +95,14 @@ def _kept(monkeypatch, run):  # noqa: ANN001, ANN202
 
 
 @pytest.mark.parametrize("scorer", sorted(REGISTRY))
-def test_ragged_attention_keeps_what_eager_attention_keeps(real, eager_model, monkeypatch, scorer: str) -> None:
+def test_ragged_attention_keeps_what_eager_attention_keeps(real, eager_model, untrained_gates, monkeypatch,
+                                                          scorer: str) -> None:
     """Switching the loop from eager attention to ragged sdpa changes no kept set, at any
     compression (prefill chunks, decode), and the logits only by float rounding."""
     model, tok, ctx, q, a, _ = real
     cfg = DecodeConfig(mode="physical", budget=Budget("tokens_per_cell", PER_CELL), scorer=scorer,
-                       chunk_size=64, compress_every=2, window=16, sinks=4, recent=8)
+                       chunk_size=64, compress_every=2, window=16, sinks=4, recent=8,
+                       scorer_params={"gates": str(untrained_gates)} if scorer == "trimkv" else {})
     ragged, ragged_keep = _kept(monkeypatch, lambda: run_sequence(model, ctx, q, cfg, answer_ids=a, tokenizer=tok))
     eager, eager_keep = _kept(monkeypatch, lambda: run_sequence(eager_model, ctx, q, cfg, answer_ids=a, tokenizer=tok))
     assert len(eager_keep) >= 2 * model_geometry(model).n_layers and ragged_keep == eager_keep

@@ -32,7 +32,8 @@ def test_theory_defines_every_listed_quantity() -> None:
                  "Candidate pool", "ES_hat", "Gap closed", "kappa_hat", "1.11", "Free-weight error", "Penalty pi(s)",
                  "Balancing selector", "Certified optimum", "ZERO-ES", "alpha_rho", "cell", "Bytes held",
                  "`physical`", "`uniform`", "`masked`", "`query-agnostic`", "`query-aware`", "PyramidKV", "AdaKV",
-                 "ContourKV (ours", "DBTrimKV global budget", "StreamingLLM", "H2O", "SnapKV", "oracle"):
+                 "ContourKV (ours", "DBTrimKV global budget", "StreamingLLM", "H2O", "SnapKV", "oracle",
+                 "Learned retention gates", "Training bias.", "eviction limit", "Capacity loss.", "Objective."):
         assert term in text, term
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
+from cli_helpers import run_cli
 from evictlab import cli
 from evictlab.capture.testing import save_tiny_folder
 from evictlab.errors import InputError
@@ -228,13 +229,8 @@ BAD_RUNS = [
 
 def _main(argv: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> tuple[int, str]:
     """``evictlab.cli.main`` (the console entry point) in-process; (exit code, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["evictlab", *argv])
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    return code, capsys.readouterr().err
+    code, _, err = run_cli(argv, capsys, monkeypatch)
+    return code, err
 
 
 @pytest.mark.parametrize("args,option", BAD_RUNS, ids=[" ".join(a) or "empty" for a, _ in BAD_RUNS])

@@ -200,7 +200,8 @@ def _count(tokenizer: Any, text: str) -> int:
     return len(encode(tokenizer, text))
 
 
-def _haystack(tokenizer: Any, needles: list[str], context_tokens: int, rng: np.random.Generator) -> str:
+def _haystack(tokenizer: Any, needles: list[str], context_tokens: int, rng: np.random.Generator,
+              field: str = "--context") -> str:
     """Noise filler with ``needles`` inserted at seeded, increasing depths, fitted to the budget."""
     needle_tokens = sum(_count(tokenizer, n) for n in needles)
     per_noise = max(1, _count(tokenizer, _NOISE * 20) // 20)
@@ -224,7 +225,7 @@ def _haystack(tokenizer: Any, needles: list[str], context_tokens: int, rng: np.r
     # shrink until within budget (token counts of the repeated filler are near-linear in n)
     while (over := _count(tokenizer, text) - context_tokens) > 0:
         if n_noise <= 1:
-            raise InputError("--context", f"{context_tokens} tokens cannot hold the task's needles "
+            raise InputError(field, f"{context_tokens} tokens cannot hold the task's needles "
                              "and any filler", f"use a longer context (at least {context_tokens + over + per_noise})")
         n_noise = max(1, n_noise - max(1, over // per_noise))
         text = build(n_noise)
@@ -235,17 +236,19 @@ def _number(rng: np.random.Generator) -> str:
     return str(int(rng.integers(1_000_000, 10_000_000)))
 
 
-def make_task(task: str, context_tokens: int, tokenizer: Any, seed: int) -> TaskExample:
+def make_task(task: str, context_tokens: int, tokenizer: Any, seed: int, *, field: str = "--context") -> TaskExample:
     """A seeded RULER-style example whose context is at most ``context_tokens`` tokens.
 
     ``tokenizer`` counts tokens (a Hugging Face tokenizer, or None to count words). An
     unknown ``task`` is an InputError with the neutral field ``task`` (capture checks its
-    ``--source`` before calling; ``decode``/``audit`` report it as ``--task``).
+    ``--source`` before calling; ``decode``/``audit`` report it as ``--task``). A context too
+    short for the task is an InputError naming ``field``: the caller's option that sets the
+    length (``--context`` by default; ``gates train`` passes ``--seq-len``).
     """
     if task not in TASKS:
         raise InputError("task", f"unknown task {task!r}", f"use one of: {', '.join(TASKS)}")
     if context_tokens < 64:
-        raise InputError("--context", f"{context_tokens} tokens is too short for a task",
+        raise InputError(field, f"{context_tokens} tokens is too short for a task",
                          "use at least 64 tokens")
     rng = np.random.default_rng([seed, TASKS.index(task)])
     if task == "needle":
@@ -292,7 +295,7 @@ def make_task(task: str, context_tokens: int, tokenizer: Any, seed: int) -> Task
                     f"Answer: According to the chain(s) of variable assignment in the text above, "
                     f"5 variables are assigned the value {val}, they are:")
         answers = tuple(names)
-    context = _haystack(tokenizer, needles, context_tokens, rng)
+    context = _haystack(tokenizer, needles, context_tokens, rng, field)
     return TaskExample(task=task, context=context, question=question,
                        answer=" ".join(answers) if task == "variable_tracking" else ", ".join(answers),
                        seed=seed, answers=answers, facts=locate_facts(context, needles, answers))

@@ -155,12 +155,18 @@ class DecodeConfig:
         return self.scorer if self.allocator == "uniform" else f"{self.scorer}+{self.allocator}"
 
     def build_scorers(self, geometry: ModelGeometry | None) -> list[Scorer]:
-        """One scorer per layer (one object per distinct RoPE base; with ``geometry=None``
-        one scorer with the dataclass defaults). An explicit ``rope_theta`` wins."""
+        """One scorer per layer (one object for all layers, or, for scorers that undo RoPE,
+        one per distinct RoPE base; with ``geometry=None`` one scorer with the dataclass
+        defaults). An explicit ``rope_theta`` wins."""
         from evictlab.methods import make_scorer
 
         if geometry is None:
             return [make_scorer(self.scorer, **self.scorer_params)]
+        from evictlab.methods.params import settable_params
+        from evictlab.methods.registry import REGISTRY
+
+        if "rope_theta" not in settable_params(REGISTRY[self.scorer]):  # one object for every layer
+            return [make_scorer(self.scorer, **self.scorer_params)] * geometry.n_layers
         by_rope: dict[Any, Scorer] = {}
         for r in geometry.rope:
             if r not in by_rope:
@@ -395,7 +401,11 @@ class EvictionRunner:
     # -- engine hooks (see _drive) ------------------------------------------------------
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
-        with attach_model(self.model, self.cache, self.windows):
+        """The cache's hooks, then each scorer's own (``Scorer.attach``: TrimKV's gates)."""
+        with attach_model(self.model, self.cache, self.windows), contextlib.ExitStack() as stack:
+            for scorer in {id(s): s for s in self.layer_scorers}.values():
+                if hasattr(scorer, "attach"):
+                    stack.enter_context(scorer.attach(self.model, self.cache))
             yield
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -537,7 +547,7 @@ class EvictionRunner:
                         layer=l, n_layers=self.n_layers,
                         keys=cell.k[None, None], values=cell.v[None, None], positions=cell.pos,
                         queries=q[b:b + 1, h * rep:(h + 1) * rep], q_positions=qpos, scaling=self.scaling,
-                        extra_queries=extra, state=self.states.setdefault((l, b, h), {}),
+                        extra_queries=extra, state=self.states.setdefault((l, b, h), {}), cell=(b, h),
                     ))
                     if profile:
                         tails[l][b, h, :int(lens[b, h]) + 1], entropy[b, l, h] = window_stats(
@@ -554,7 +564,7 @@ class EvictionRunner:
         alloc_inputs = AllocInputs(
             tuple(layer_scores), lengths, np.minimum(self.floors, lengths), tuple(self.windows), self.budget_tokens,
             phase=phase, positions=tuple(cell_pos), next_position=self.cache.seen, head_dim=g.head_dim,
-            dtype_bytes=g.dtype_bytes, geometry=g,
+            dtype_bytes=g.dtype_bytes, geometry=g, sinks=self.cfg.sinks, recent=self.cfg.recent,
             window=WindowProfile(tuple(tails), entropy) if profile else None)
         sizes = check_sizes(alloc_inputs, self.allocator.allocate(alloc_inputs), f"allocator {self.cfg.allocator!r}")
         sinks, recent = self.cfg.sinks, self.cfg.recent

@@ -8,9 +8,9 @@ with validated parameters and one ``allocate(inputs: AllocInputs) -> sizes``, in
 every cell, where ``lengths`` are the entries each cell holds and ``floors`` the entries
 :func:`~evictlab.methods.base.select_keep` always keeps (sinks + recency window, clipped).
 
-Uniform and PyramidKV read only the lengths and floors; AdaKV reads the scores. With
-``batch > 1`` the scores are averaged over the batch, because the store keeps one size per
-cell for the whole batch. Integer rounding is :func:`fit` (Sainte-Lague), shared by all.
+Uniform and PyramidKV read only the lengths and floors; AdaKV and Global read the scores.
+With ``batch > 1`` the scores are averaged over the batch, because the store keeps one size
+per cell for the whole batch. Integer rounding is :func:`fit` (Sainte-Lague), shared by all.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 from evictlab.errors import InputError
 from evictlab.methods.base import AllocInputs, Allocator
 
-__all__ = ["AdaKV", "PyramidKV", "Uniform", "fit", "pyramid_weights"]
+__all__ = ["AdaKV", "Global", "PyramidKV", "Uniform", "fit", "pyramid_weights"]
 
 
 def _number(value: object, name: str) -> float:
@@ -155,3 +155,72 @@ class AdaKV(Allocator):
             order = np.lexsort((heads, -keys, -vals))[:rest]
             sizes[l] = safe + np.bincount(heads[order], minlength=kv_heads)
         return sizes
+
+
+@dataclass(frozen=True)
+class Global(Allocator):
+    """DBTrimKV's single global budget: one ranking of every held entry of every cell.
+
+    The kept set, built entry by entry (``target`` entries in all):
+
+    1. every cell's always-kept entries: its sinks and recency window when the inputs name
+       them (``AllocInputs.sinks``/``recent``, as the decode loop does), else its floor
+       counted as the cell's top scores (hand-made inputs, AdaKV's convention);
+    2. each cell topped up to ``min_per_head`` entries (clipped to its length) with its
+       best other entries;
+    3. the remaining ``target - (1 + 2)`` slots: the highest scores among all other entries
+       of all layers and KV heads, in one ranking.
+
+    A cell's size is its count in that set, so per-head lengths vary freely; with the
+    sizes, :func:`~evictlab.methods.base.select_keep` keeps exactly that set (it keeps the
+    same always-kept entries and orders the rest of a cell the same way). Order of the
+    ranking: higher score, then the more recent entry (larger position; the index when the
+    inputs carry no positions), then the lower cell (layer-major). ``min_per_head = 0``
+    (default) is the pure global ranking; a total of ``min_per_head`` over cells above the
+    budget is an :class:`InputError`.
+
+    The scores must be comparable across layers and heads: TrimKV's ``(t - i) log beta``
+    from gates with a shared final projection is (that is its design); attention
+    probabilities are not in general (each layer's softmax has its own temperature and
+    entropy). See docs/methods.md for the list.
+    """
+
+    min_per_head: int = 0
+    name: ClassVar[str] = "global"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.min_per_head, bool) or not isinstance(self.min_per_head, int) or self.min_per_head < 0:
+            raise InputError("min_per_head", f"{self.min_per_head!r} is not an integer >= 0",
+                             "use 0 (pure global ranking) or a per-head minimum")
+
+    def allocate(self, inputs: AllocInputs) -> np.ndarray:
+        layers = inputs.layer_scores()
+        lengths = inputs.lengths
+        n_layers, kv_heads = lengths.shape
+        known = inputs.sinks is not None and inputs.recent is not None
+        forced = np.minimum(lengths, int(inputs.sinks) + int(inputs.recent)) if known else np.zeros_like(lengths)
+        base = np.maximum(np.maximum(inputs.floors, forced), np.minimum(self.min_per_head, lengths))
+        if int(base.sum()) > inputs.target:
+            raise InputError("allocator_param", f"global parameter min_per_head={self.min_per_head}: the per-head "
+                             f"minimum and always-kept entries need {int(base.sum())} entries, the budget is "
+                             f"{inputs.target}", "lower min_per_head or raise the budget")
+        cand_score, cand_pos, cand_cell = [], [], []
+        for l, sc in enumerate(layers):
+            pos_l = None if inputs.positions is None else inputs.positions[l][0].to("cpu").numpy()
+            for h in range(kv_heads):
+                n = int(lengths[l, h])
+                idx = np.arange(n)
+                pos = idx if pos_l is None else pos_l[h, :n]
+                free = np.ones(n, dtype=bool)
+                if known:  # the first `sinks` and last `recent` entries are kept whatever their scores
+                    lo = min(int(inputs.sinks), n)
+                    free = (idx >= lo) & (idx < max(lo, n - int(inputs.recent)))
+                order = idx[free][np.lexsort((-pos[free], -sc[h, :n][free]))]  # best first
+                rest = order[int(base[l, h] - forced[l, h]):]
+                cand_score.append(sc[h, rest])
+                cand_pos.append(pos[rest])
+                cand_cell.append(np.full(rest.size, l * kv_heads + h))
+        score, pos, cell = (np.concatenate(x) if x else np.zeros(0) for x in (cand_score, cand_pos, cand_cell))
+        winners = np.lexsort((cell, -pos, -score))[: inputs.target - int(base.sum())]
+        extra = np.bincount(cell[winners].astype(np.int64), minlength=n_layers * kv_heads)
+        return (base + extra.reshape(n_layers, kv_heads)).astype(np.int64)

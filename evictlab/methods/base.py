@@ -75,6 +75,10 @@ class ScoreInputs:
             all at positions after every held key.
         state: per-layer persistent scorer state (e.g. H2O's accumulated attention), owned
             by the decode loop and passed back unchanged on the next call for this layer.
+        cell: ``(batch item, KV head)`` of the run's cache that ``keys`` (then
+            ``(1, 1, s, d)``) belong to, when the loop scores one cell at a time (it does);
+            None when ``keys`` cover every batch item and KV head in order. Scorers that
+            read per-entry data kept beside the cache (TrimKV's ``log beta``) need it.
     """
 
     layer: int
@@ -87,6 +91,7 @@ class ScoreInputs:
     scaling: float
     extra_queries: torch.Tensor | None = None
     state: dict[str, Any] = field(default_factory=dict)
+    cell: tuple[int, int] | None = None
 
 
 @runtime_checkable
@@ -94,8 +99,15 @@ class Scorer(Protocol):
     """A key-importance method: ``score(inputs) -> (b, hk, s)`` float32, higher = keep.
 
     ``needs`` names the extra inputs the decode loop must provide: ``"reconstruction"``
-    (KVzip: run a context-reconstruction pass and pass its queries as ``extra_queries``) or
-    ``"future"`` (oracle: pass the true future queries). Empty for query-agnostic methods.
+    (KVzip: run a context-reconstruction pass and pass its queries as ``extra_queries``),
+    ``"future"`` (oracle: pass the true future queries) or ``"gates"`` (TrimKV: the scorer
+    records data during every forward, see ``attach`` below). Empty for attention-based
+    query-agnostic methods.
+
+    Optional method ``attach(model, cache) -> ContextManager``: hooks the scorer needs
+    during every forward of an evicting run (TrimKV records each appended token's
+    ``log beta`` beside the cache); the decode loop enters it, once per scorer object,
+    around the whole run, inside the cache's own hooks.
 
     Optional class attribute ``uses_all_queries: ClassVar[bool]`` (absent = False): when
     True the decode loop passes as ``queries`` every query processed since this scorer's
@@ -173,6 +185,11 @@ class AllocInputs:
             must check a fitted profile against the model.
         window: the observation window's :class:`WindowProfile`, when the allocator
             ``needs`` it (None otherwise).
+        sinks, recent: the always-kept entries of :func:`select_keep` (the ``sinks``
+            oldest and ``recent`` newest entries of every cell; the stores hold a cell's
+            entries in position order, so these are its first and last indices); None when
+            unknown (hand-made inputs). Allocators that rank individual entries (``global``)
+            use them to know which entries a cell keeps whatever its scores.
 
     The rule every allocator obeys (checked by :func:`check_sizes`): sizes are int64
     ``(n_layers, kv_heads)`` summing exactly to :attr:`target` = ``min(budget, everything
@@ -191,6 +208,8 @@ class AllocInputs:
     dtype_bytes: int | None = None
     geometry: ModelGeometry | None = None
     window: WindowProfile | None = None
+    sinks: int | None = None
+    recent: int | None = None
 
     def __post_init__(self) -> None:
         n, hk = self.lengths.shape if self.lengths.ndim == 2 else (-1, -1)
@@ -231,6 +250,9 @@ class AllocInputs:
                 if t.ndim != 3 or t.shape[1] != hk or t.shape[2] < int(self.lengths[l].max()) + 1:
                     raise InputError(f"window.tail[{l}]", f"shape {t.shape}, expected (batch, {hk}, >= "
                                      f"{int(self.lengths[l].max()) + 1})", "pass b = 0..length for every cell")
+        if (self.sinks is None) != (self.recent is None) or min(self.sinks or 0, self.recent or 0) < 0:
+            raise InputError("sinks", f"sinks={self.sinks}, recent={self.recent}",
+                             "pass both as integers >= 0, or neither")
 
     @classmethod
     def build(

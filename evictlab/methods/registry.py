@@ -15,6 +15,7 @@ from typing import Any, Callable
 from evictlab.errors import InputError
 from evictlab.methods import allocators, contour, scorers
 from evictlab.methods.oracle_labels import OracleLabels
+from evictlab.methods import allocators, scorers, trimkv
 from evictlab.methods.base import Allocator, Scorer
 from evictlab.methods.params import build, settable_params
 from evictlab.models.geometry import RopeSpec, rope_spec_of
@@ -30,6 +31,7 @@ REGISTRY: dict[str, Callable[..., Scorer]] = {
     "compactor": scorers.Compactor,
     "oracle": scorers.Oracle,
     "oracle_labels": OracleLabels,  # ORACLE: reads the task's labels (evictlab.dilution)
+    "trimkv": trimkv.TrimKV,
 }
 """Scorer name -> scorer dataclass; ``make_scorer(name, **params)`` builds one."""
 
@@ -39,6 +41,7 @@ ALLOCATORS: dict[str, type[Allocator]] = {
     "adakv": allocators.AdaKV,
     "contourkv": contour.ContourKV,
     "contourkv_pred": contour.ContourKVPred,
+    "global": allocators.Global,
 }
 """Allocator name -> allocator dataclass; ``make_allocator(name, **params)`` builds one."""
 

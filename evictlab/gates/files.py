@@ -1,0 +1,171 @@
+"""Gates on disk: a folder with the weights (safetensors), a JSON config, checkpoints.
+
+A finished gates folder ``DIR`` holds
+
+- ``gates.safetensors``: the :class:`~evictlab.gates.modules.RetentionGates` parameters,
+  float32, named as its ``state_dict`` (``first.{l}.weight``, ``projection.weight``, ...);
+- ``gates.json`` (written LAST, so its presence marks a finished folder): ``format``
+  (``"evictlab-gates"``), ``version``, ``spec`` (the :class:`~evictlab.gates.modules.
+  GateSpec`), ``model`` (the ``--model`` given), ``geometry`` (layers, heads, head size,
+  hidden size, dtype), ``recipe``, ``data``, ``seed``, ``training`` (steps, wall and CPU
+  seconds, final loss terms) and ``sha256`` of the safetensors file;
+- ``losses.parquet`` (one row per step) and ``run_record.json``.
+
+During training ``checkpoint.pt`` (:func:`save_checkpoint`) holds the step, the gate
+parameters, the optimizer state, the RNG states and the loss history; it is replaced
+atomically every K steps and removed once the folder is finished.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from evictlab.errors import CorruptFileError, InputError
+from evictlab.gates.modules import GateSpec, RetentionGates
+from evictlab.io import atomic_path, atomic_write_json, read_json, sha256_file
+
+__all__ = [
+    "CHECKPOINT_FILE", "CONFIG_FILE", "FORMAT", "FORMAT_VERSION", "LOSSES_FILE", "WEIGHTS_FILE",
+    "capture_rng", "is_finished", "load_checkpoint", "load_gates", "read_config", "restore_rng",
+    "save_checkpoint", "save_gates",
+]
+
+FORMAT = "evictlab-gates"
+FORMAT_VERSION = 1
+WEIGHTS_FILE = "gates.safetensors"
+CONFIG_FILE = "gates.json"
+CHECKPOINT_FILE = "checkpoint.pt"
+LOSSES_FILE = "losses.parquet"
+
+
+def is_finished(folder: str | os.PathLike[str]) -> bool:
+    """Whether ``folder`` holds finished gates (its ``gates.json`` exists)."""
+    return (Path(folder) / CONFIG_FILE).is_file()
+
+
+def save_gates(folder: str | os.PathLike[str], gates: RetentionGates, meta: dict[str, Any]) -> Path:
+    """Write ``gates.safetensors`` then ``gates.json`` (``meta`` plus format, version, spec,
+    checksum) atomically into ``folder``; returns the JSON's path."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    weights = folder / WEIGHTS_FILE
+    state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in gates.state_dict().items()}
+    with atomic_path(weights, suffix=".safetensors") as tmp:
+        # One metadata key: safetensors writes a metadata map in hash order, so two keys
+        # could be written in either order and the same gates would not give the same bytes.
+        save_file(state, str(tmp), metadata={"format": f"{FORMAT}/{FORMAT_VERSION}"})
+    config = {**meta, "format": FORMAT, "version": FORMAT_VERSION, "spec": gates.spec.to_dict(),
+              "sha256": sha256_file(weights)}
+    atomic_write_json(folder / CONFIG_FILE, config)
+    return folder / CONFIG_FILE
+
+
+def read_config(folder: str | os.PathLike[str], field: str = "gates") -> dict[str, Any]:
+    """The ``gates.json`` of a finished folder; :class:`InputError` naming ``field`` when the
+    folder is missing or unfinished, :class:`CorruptFileError` when the JSON is damaged or of
+    another format/version."""
+    folder = Path(folder).expanduser()
+    if not folder.is_dir():
+        raise InputError(field, f"{folder} is not a folder", "pass the --out folder of `evictlab gates train`")
+    if not is_finished(folder):
+        hint = (" (it holds a checkpoint: the training did not finish)" if (folder / CHECKPOINT_FILE).is_file()
+                else "")
+        raise InputError(field, f"{folder} holds no finished gates: {CONFIG_FILE} is missing{hint}",
+                         "finish the training (rerun the same `evictlab gates train` command to resume) or pass "
+                         "another folder")
+    fix = f"retrain the gates into a new folder (evictlab gates train --out ...), or delete {folder}"
+    cfg = read_json(folder / CONFIG_FILE, fix)
+    if not isinstance(cfg, dict) or cfg.get("format") != FORMAT:
+        raise CorruptFileError(str(folder / CONFIG_FILE), f"is not an {FORMAT} config", fix)
+    if cfg.get("version") != FORMAT_VERSION:
+        raise CorruptFileError(str(folder / CONFIG_FILE), f"has version {cfg.get('version')!r}, this evictlab reads "
+                               f"version {FORMAT_VERSION}", fix)
+    return cfg
+
+
+def load_gates(folder: str | os.PathLike[str], field: str = "gates",
+               device: str | torch.device = "cpu") -> tuple[RetentionGates, dict[str, Any]]:
+    """``(gates, config)`` from a finished folder (checksum verified), in eval mode, on ``device``."""
+    folder = Path(folder).expanduser()
+    cfg = read_config(folder, field)
+    weights = folder / WEIGHTS_FILE
+    st = weights.stat() if weights.is_file() else None
+    state = _read_weights(str(weights.resolve()), st.st_mtime_ns if st else 0, st.st_size if st else 0,
+                          cfg.get("sha256", ""))
+    spec = GateSpec.from_dict(cfg["spec"])
+    gates = RetentionGates(spec)
+    try:
+        gates.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise CorruptFileError(str(weights), f"does not match its spec ({str(exc).splitlines()[0]})",
+                               "retrain the gates into a new folder") from None
+    gates.requires_grad_(False)
+    return gates.to(device).eval(), cfg
+
+
+@functools.lru_cache(maxsize=4)
+def _read_weights(path: str, mtime_ns: int, size: int, sha256: str) -> dict[str, torch.Tensor]:
+    """The tensors of a weights file, checksum verified (cached per path, mtime, size)."""
+    from safetensors.torch import load_file
+
+    from evictlab.io import check_sha256
+
+    del mtime_ns, size  # only part of the cache key: a rewritten file is read again
+    fix = f"retrain the gates into a new folder, or delete {Path(path).parent}"
+    check_sha256(path, sha256, fix)
+    try:
+        return load_file(path)
+    except Exception as exc:  # safetensors raises assorted types on damaged files
+        raise CorruptFileError(path, f"cannot be read as safetensors ({type(exc).__name__})", fix) from None
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def capture_rng() -> dict[str, Any]:
+    """Every RNG state a training step could touch (torch CPU and CUDA, numpy, random)."""
+    np_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": [np_state[0], torch.from_numpy(np.asarray(np_state[1])), *np_state[2:]],
+        "python": random.getstate(),
+    }
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Put back the RNG states of :func:`capture_rng`."""
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    n = state["numpy"]
+    np.random.set_state((n[0], n[1].numpy(), *n[2:]))
+    random.setstate(state["python"])
+
+
+def save_checkpoint(folder: str | os.PathLike[str], state: dict[str, Any]) -> Path:
+    """Write ``state`` (step, gates, optimizer, rng, history, fingerprint) atomically."""
+    path = Path(folder) / CHECKPOINT_FILE
+    with atomic_path(path, suffix=".pt") as tmp:
+        torch.save(state, tmp)
+    return path
+
+
+def load_checkpoint(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The checkpoint in ``folder`` (None if there is none); damaged -> :class:`CorruptFileError`."""
+    path = Path(folder) / CHECKPOINT_FILE
+    if not path.is_file():
+        return None
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises assorted types on damaged files
+        raise CorruptFileError(str(path), f"cannot be read ({type(exc).__name__})",
+                               f"delete {path} to restart the training from step 0") from None
