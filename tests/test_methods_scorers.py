@@ -20,6 +20,7 @@ from evictlab.methods.scorers import (
     StreamingLLM,
     rope_rotate,
 )
+from evictlab.methods.testing import scorers_on_tensors
 
 B, HQ, HK, D = 2, 4, 2, 8
 G = HQ // HK
@@ -68,9 +69,12 @@ def group_mean(x: np.ndarray) -> np.ndarray:
 
 def test_registry_complete_and_protocol() -> None:
     assert set(REGISTRY) == {"streaming_llm", "h2o", "snapkv", "expected_attention", "kvzip", "compactor", "oracle",
-                             "oracle_labels"}
-    for name, factory in REGISTRY.items():
-        sc = factory()
+                             "oracle_labels", "trimkv"}
+    assert scorers_on_tensors() == sorted(set(REGISTRY) - {"trimkv"})  # trimkv needs a model's gates
+    with pytest.raises(InputError, match="trimkv needs trained gates"):
+        REGISTRY["trimkv"]()
+    for name in scorers_on_tensors():
+        sc = REGISTRY[name]()
         assert isinstance(sc, Scorer) and sc.name == name
         out = sc.score(make_inputs())
         assert out.shape == (B, HK, 24) and out.dtype == torch.float32
@@ -322,7 +326,7 @@ def test_compactor_sketch_is_deterministic_and_close() -> None:
     torch.testing.assert_close(a.sum(-1), torch.full((B, HK), 6.0, dtype=torch.float64), atol=1e-8, rtol=0)
 
 
-@pytest.mark.parametrize("name", sorted(REGISTRY))
+@pytest.mark.parametrize("name", scorers_on_tensors())
 def test_scorers_deterministic_and_batch_independent(name: str) -> None:
     inp = make_inputs(seed=7)
     a = REGISTRY[name]().score(make_inputs(seed=7))
@@ -333,7 +337,7 @@ def test_scorers_deterministic_and_batch_independent(name: str) -> None:
     torch.testing.assert_close(REGISTRY[name]().score(single), a[:1], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", sorted(REGISTRY))
+@pytest.mark.parametrize("name", scorers_on_tensors())
 @pytest.mark.parametrize(("hk", "g"), [(1, 1), (1, 3), (3, 2)])
 def test_gqa_group_of_copies_equals_one_head(name: str, hk: int, g: int) -> None:
     """A group whose query heads are identical copies scores like a single head (MHA)."""
@@ -351,7 +355,7 @@ def test_gqa_group_of_copies_equals_one_head(name: str, hk: int, g: int) -> None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", sorted(REGISTRY))
+@pytest.mark.parametrize("name", scorers_on_tensors())
 def test_scorers_and_select_keep_on_cuda_match_cpu(name: str) -> None:
     cpu = make_inputs(seed=12)
     dev = ScoreInputs(cpu.layer, cpu.n_layers, cpu.keys.cuda(), cpu.values.cuda(), cpu.positions.cuda(),

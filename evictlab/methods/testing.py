@@ -19,7 +19,7 @@ import torch
 
 from evictlab.methods.base import AllocInputs, Allocator, WindowProfile
 
-__all__ = ["example_predictor", "example_window", "allocator_for_tests", "with_needs"]
+__all__ = ["example_predictor", "example_window", "allocator_for_tests", "scorers_on_tensors", "with_needs"]
 
 _DIR: Path | None = None
 
@@ -80,3 +80,21 @@ def with_needs(allocator: Allocator, inputs: AllocInputs, seed: int = 0) -> Allo
     if "window_profile" in allocator.needs and inputs.window is None:
         return dataclasses.replace(inputs, window=example_window(inputs, seed))
     return inputs
+
+
+def scorers_on_tensors() -> list[str]:
+    """Names of the registered scorers that score hand-made :class:`ScoreInputs` alone, sorted:
+    every scorer except those whose ``needs`` include ``"gates"`` (``trimkv`` reads a log-beta
+    side table that hooks on a model fill while it runs; it is tested with a model in
+    tests/test_gates.py, tests/test_methods_global.py and tests/test_decode_methods.py)."""
+    from evictlab.methods.registry import REGISTRY
+
+    def needs(cls: Any) -> frozenset[str]:
+        for f in dataclasses.fields(cls):
+            if f.name == "needs":
+                if f.default_factory is not dataclasses.MISSING:
+                    return frozenset(f.default_factory())
+                return frozenset(f.default) if f.default is not dataclasses.MISSING else frozenset()
+        return frozenset(getattr(cls, "needs", frozenset()))
+
+    return sorted(n for n, cls in REGISTRY.items() if "gates" not in needs(cls))
