@@ -142,17 +142,43 @@ def test_contour_stage_runs_eval_run_with_the_grid(tmp_path: Path, monkeypatch: 
     given = _contour_result(tmp_path)
     calls: list[list[str]] = []
 
-    def fake(args: list[str], log: Any, ok: tuple[int, ...] = (0,)) -> float:
-        calls.append(args)
-        out = Path(args[args.index("--out") + 1])
-        out.mkdir(parents=True)
-        given.results.write_parquet(out / "results.parquet")
-        return 0.0
+    class FakeProc:  # the grid as a background process that has already finished
+        def __init__(self, cmd: list[str]) -> None:
+            assert cmd[1:3] == ["-m", "evictlab.cli"]
+            calls.append(cmd[3:])
+            out = Path(cmd[cmd.index("--out") + 1])
+            out.mkdir(parents=True)
+            given.results.write_parquet(out / "results.parquet")
 
-    monkeypatch.setattr(stages, "_evictlab", fake)
+        def poll(self) -> int:
+            return 0
+
+        def wait(self, timeout: float | None = None) -> int:
+            return 0
+
+    monkeypatch.setattr(stages.subprocess, "Popen", FakeProc)
     got = stages.contour_stage(given.grid, tmp_path / "c", AnalysisConfig(n_boot=20, threads=1), lambda m: None)
     assert calls == [["eval", "run", "--models", "smollm2-135m", "--tasks", "needle_word", "--context", "512",
                       "--budgets", "64,128", "--methods", "snapkv+contourkv,snapkv", "--modes", "physical",
                       "--protocols", "query-agnostic", "--n", "3", "--seed", "0", "--threads", "1", "--quiet",
                       "--out", str(tmp_path / "c")]]
     assert got.detail.height == 2 and {c.claim_id for c in got.claims} >= {"contourkv:contourkv_vs_uniform"}
+
+
+def test_contour_job_failure_is_a_stage_error_and_stop_ends_a_running_grid(tmp_path: Path) -> None:
+    """The background grid: a non-zero exit is a StageError naming the command; a job that
+    fails or is interrupted stops the grid (terminate, then kill) instead of leaving it."""
+    import subprocess
+    import sys
+    import time
+
+    from evictlab.pipeline import stages
+
+    failed = stages.ContourJob(proc=subprocess.Popen([sys.executable, "-c", "raise SystemExit(2)"]), grid={},
+                               work=tmp_path, args=["eval", "run", "--bogus"], t0=time.perf_counter())
+    with pytest.raises(stages.StageError, match="evictlab eval run --bogus` exited with status 2"):
+        stages.contour_finish(failed, AnalysisConfig(n_boot=20), lambda m: None)
+    running = stages.ContourJob(proc=subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]),
+                                grid={}, work=tmp_path, args=["eval", "run"], t0=time.perf_counter())
+    running.stop()
+    assert running.proc.poll() is not None
