@@ -4,7 +4,6 @@ an interruption, two runs at once, unlabelled and bad input through the entry po
 
 from __future__ import annotations
 
-import sys
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -13,7 +12,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from evictlab import cli
+from cli_helpers import run_cli
 from evictlab.capture.runner import CaptureConfig, run_capture
 from evictlab.capture.testing import ByteTokenizer, tiny_model
 from evictlab.dilution import check as check_mod
@@ -193,17 +192,6 @@ def test_two_runs_at_once_are_refused(rows, tmp_path: Path, monkeypatch) -> None
 # ----------------------------------------------------------------------------- entry point
 
 
-def _main(argv: list[str], capsys, monkeypatch) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["evictlab", *argv])
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
-
-
 def _one_error_line(err: str) -> str:
     assert "Traceback" not in err, err
     lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
@@ -212,7 +200,7 @@ def _one_error_line(err: str) -> str:
 
 
 def test_text_rows_are_refused_with_one_line(rows, tmp_path: Path, capsys, monkeypatch) -> None:
-    code, _, err = _main(["dilution", "check", str(rows["text"]), "--out", str(tmp_path / "t.parquet")],
+    code, _, err = run_cli(["dilution", "check", str(rows["text"]), "--out", str(tmp_path / "t.parquet")],
                          capsys, monkeypatch)
     line = _one_error_line(err)
     assert code == 2 and "without fact labels" in line and "--source needle" in line
@@ -233,7 +221,7 @@ def test_text_rows_are_refused_with_one_line(rows, tmp_path: Path, capsys, monke
     (["--threads", "-2"], "--threads"),
 ])
 def test_bad_options_are_one_line_naming_the_option(rows, tmp_path: Path, capsys, monkeypatch, extra, option):
-    code, _, err = _main(["dilution", "check", str(rows["query-aware"]), "--out", str(tmp_path / "t.parquet"),
+    code, _, err = run_cli(["dilution", "check", str(rows["query-aware"]), "--out", str(tmp_path / "t.parquet"),
                           *extra], capsys, monkeypatch)
     assert code == 2 and _one_error_line(err).startswith(f"error: {option}: ")
     assert not list(tmp_path.iterdir())
@@ -246,11 +234,11 @@ def test_bad_paths(rows, tmp_path: Path, capsys, monkeypatch) -> None:
         ([str(rows["query-aware"]), "--out", str(tmp_path)], "--out"),
     ]
     for argv, what in cases:
-        code, _, err = _main(["dilution", "check", *argv], capsys, monkeypatch)
+        code, _, err = run_cli(["dilution", "check", *argv], capsys, monkeypatch)
         assert code == 2 and what in _one_error_line(err), err
     done = tmp_path / "done.parquet"
     done.write_bytes(b"x")
-    code, _, err = _main(["dilution", "check", str(rows["query-aware"]), "--out", str(done)], capsys, monkeypatch)
+    code, _, err = run_cli(["dilution", "check", str(rows["query-aware"]), "--out", str(done)], capsys, monkeypatch)
     assert code == 2 and "--overwrite" in _one_error_line(err)
 
 
@@ -267,11 +255,11 @@ def test_ctrl_c_is_one_line_and_a_rerun_finishes(rows, tmp_path: Path, capsys, m
     argv = ["dilution", "check", str(rows["query-agnostic"]), "--out", str(out), "--budgets", "24",
             "--methods", "top_mass", "--chunk-blocks", "1", "--quiet"]
     monkeypatch.setattr(check_mod, "check_block", interrupted)
-    code, _, err = _main(argv, capsys, monkeypatch)
+    code, _, err = run_cli(argv, capsys, monkeypatch)
     assert code == 130 and "Traceback" not in err and "rerun the same command to resume" in err
     assert not out.exists()
     monkeypatch.setattr(check_mod, "check_block", real)
-    code, stdout, err = _main(argv, capsys, monkeypatch)
+    code, stdout, err = run_cli(argv, capsys, monkeypatch)
     assert code == 0, err
     assert "1 already done" in stdout and "violations where the assumptions hold: 0" in stdout
     assert out.is_file()

@@ -4,7 +4,6 @@ real default model at a short context."""
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import polars as pl
 import pytest
 import torch
 
-from evictlab import cli
+from cli_helpers import run_cli
 from evictlab.capture.testing import ByteTokenizer, tiny_model
 from evictlab.dilution import sweep as sweep_mod
 from evictlab.dilution.sweep import RESULT_COLUMNS, SweepConfig, run_sweep, verdicts
@@ -197,16 +196,6 @@ def test_verdict_rule() -> None:
 # ----------------------------------------------------------------------------- entry point
 
 
-def _main(argv: list[str], capsys, monkeypatch) -> tuple[int, str]:
-    monkeypatch.setattr(sys, "argv", ["evictlab", *argv])
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    return code, capsys.readouterr().err
-
-
 @pytest.mark.parametrize(("extra", "option"), [
     (["--distractors", "0,x"], "--distractors"),
     (["--distractors", "0,999"], "--distractors"),
@@ -224,7 +213,7 @@ def _main(argv: list[str], capsys, monkeypatch) -> tuple[int, str]:
 ])
 def test_bad_options_are_one_line_before_any_model_loads(tmp_path: Path, capsys, monkeypatch, extra, option):
     monkeypatch.setattr("evictlab.models.loading.load_model", lambda *a, **k: pytest.fail("model loaded"))
-    code, err = _main(["dilution", "sweep", "--out", str(tmp_path / "s"), *extra], capsys, monkeypatch)
+    code, _, err = run_cli(["dilution", "sweep", "--out", str(tmp_path / "s"), *extra], capsys, monkeypatch)
     lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert code == 2 and "Traceback" not in err and len(lines) == 1, err
     assert lines[0].startswith(f"error: {option}: ") and "Fix:" in lines[0]
@@ -238,7 +227,7 @@ def test_bad_out_paths(tmp_path: Path, capsys, monkeypatch) -> None:
     (tmp_path / "busy" / "notes.txt").write_text("x")
     for out, what in ((tmp_path / "no" / "s", "does not exist"), (tmp_path / "file", "is a file"),
                       (tmp_path / "busy", "holds no sweep")):
-        code, err = _main(["dilution", "sweep", "--out", str(out)], capsys, monkeypatch)
+        code, _, err = run_cli(["dilution", "sweep", "--out", str(out)], capsys, monkeypatch)
         assert code == 2 and "Traceback" not in err and "error: --out: " in err and what in err, err
 
 
