@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from evictlab.eval.spec import parse_list
     from evictlab.plots.evaluation import accuracy_vs_bytes
     from evictlab.report import markdown as md
-    from evictlab.report.record import RunRecord
+    from evictlab.record import RunRecord
 
     p = _grid.parser(__doc__.splitlines()[0], DEFAULTS)
     p.add_argument("--jobs", type=int, default=1, help="model grids run at once, one process each (default 1)")

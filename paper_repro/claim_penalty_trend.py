@@ -21,7 +21,7 @@ import _common
 
 from evictlab.io import atomic_path
 from evictlab.plots.penalty import penalty_curve, penalty_vs_head_dim
-from evictlab.report.record import RunRecord
+from evictlab.record import RunRecord
 from evictlab.rows import RowStore
 from evictlab.stats.ceilings import summarize
 from evictlab.stats.claims import penalty_head_dim, penalty_trend

@@ -368,7 +368,7 @@ def run_capture(cfg: CaptureConfig, out: str | Path, *, model: Any = None, token
     holds the same rows in the same shards as a local run.
     """
     from evictlab.io import check_output_path
-    from evictlab.report.record import RunRecord
+    from evictlab.record import RunRecord
     from evictlab.rows.schema import RECORD_FILE
 
     cfg.check()

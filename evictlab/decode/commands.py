@@ -159,7 +159,7 @@ def audit(
     from evictlab.io import check_output_file
     from evictlab.kv.budget import Budget
     from evictlab.methods import parse_assignments
-    from evictlab.report.record import RunRecord
+    from evictlab.record import RunRecord
 
     with _as_options(AUDIT_OPTIONS):
         # Everything the user typed, checked before the model loads.
@@ -215,7 +215,7 @@ def _write_audit(df: Any, out: Path, model: str, record: Any, trace: Path | None
     from evictlab.io import atomic_path, atomic_write_text
     from evictlab.plots.audit import audit_bars
     from evictlab.report.audit import audit_markdown
-    from evictlab.report.record import record_path
+    from evictlab.record import record_path
 
     stem = out.with_suffix("")
     fig = audit_bars(df, stem)
@@ -248,7 +248,7 @@ def decode(
     from evictlab.io import check_output_file
     from evictlab.kv.budget import Budget
     from evictlab.methods import parse_assignments, parse_method
-    from evictlab.report.record import RunRecord, record_path
+    from evictlab.record import RunRecord, record_path
 
     with _as_options(DECODE_OPTIONS):
         # Everything the user typed, checked before the model loads.

@@ -335,7 +335,7 @@ def run_check(rows: str | Path, out: str | Path, cfg: CheckConfig, *, overwrite:
 
     from evictlab.dilution.parts import PartStore
     from evictlab.io import atomic_path, check_output_file, exclusive_lock
-    from evictlab.report.record import RunRecord, record_path
+    from evictlab.record import RunRecord, record_path
     from evictlab.rows.reader import RowStore
 
     cfg.check()

@@ -359,7 +359,7 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True, m
     from evictlab.dilution.tasks import make_example
     from evictlab.io import atomic_path, check_output_path, exclusive_lock
     from evictlab.models.geometry import model_geometry
-    from evictlab.report.record import RunRecord, record_path
+    from evictlab.record import RunRecord, record_path
 
     cfg.check()
     t0 = time.perf_counter()

@@ -77,7 +77,7 @@ def run(
     from evictlab.eval.spec import GridSpec, LoopSettings, parse_list
     from evictlab.io import check_output_path
     from evictlab.methods import parse_assignments
-    from evictlab.report.record import RunRecord
+    from evictlab.record import RunRecord
 
     with as_options(RUN_OPTIONS):
         check_executor(executor, address)
@@ -163,7 +163,7 @@ def compare(
     from evictlab.eval.compare import TieRule
     from evictlab.eval.grid import MANIFEST, RESULTS, read_manifest
     from evictlab.io import check_output_file, exclusive_lock, read_parquet
-    from evictlab.report.record import RunRecord, record_path
+    from evictlab.record import RunRecord, record_path
 
     with as_options(COMPARE_OPTIONS):
         if not grid.is_dir():

@@ -228,11 +228,11 @@ def run_grid(spec: GridSpec, out: str | Path, *, map_cells: MapCells | None = No
 
     ``progress`` gets 1 per finished example (local executor); ``on_start(total_examples,
     done_examples)`` is called once the pending work is known; ``record`` is a
-    :class:`~evictlab.report.record.RunRecord` written as ``run_record.json`` at the end;
+    :class:`~evictlab.record.RunRecord` written as ``run_record.json`` at the end;
     ``check_models`` replaces :func:`preflight` (a remote executor's, :func:`remote_cells`).
     """
     from evictlab.io import atomic_path, check_output_path, exclusive_lock, read_parquet
-    from evictlab.report.record import record_path
+    from evictlab.record import record_path
 
     out = check_output_path(out, "out", directory=True)
     cells = spec.cells()

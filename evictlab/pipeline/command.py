@@ -104,7 +104,7 @@ def demo(
     """The main job: capture -> solve -> stats -> predictors -> figures -> report; prints where the report is."""
     from rich.console import Console
 
-    from evictlab.report.record import RunRecord, record_path
+    from evictlab.record import RunRecord, record_path
 
     console = Console(stderr=True)
 

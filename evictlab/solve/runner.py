@@ -34,7 +34,7 @@ import numpy as np
 import polars as pl
 
 from evictlab.errors import CorruptFileError, InputError
-from evictlab.report.record import RunRecord, record_path
+from evictlab.record import RunRecord, record_path
 from evictlab.io import (
     atomic_path,
     atomic_write_json,
