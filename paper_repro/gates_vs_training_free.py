@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from evictlab.eval.compare import TieRule, compare, wtl_table
     from evictlab.report import markdown as md
-    from evictlab.report.evaluation import evaluation_markdown
+    from evictlab.eval.report import evaluation_markdown
     from evictlab.record import RunRecord
 
     p = _common.parser(__doc__.splitlines()[0], needs_results=False)

@@ -11,7 +11,7 @@ import pytest
 from evictlab.core import reference as R
 from evictlab.errors import CorruptFileError
 from evictlab.pipeline import AnalysisConfig, compute
-from evictlab.report.demo import write_report
+from evictlab.pipeline.report import write_report
 from evictlab.rows import RowStore, SynthConfig, synthesize
 from evictlab.solve import SolveConfig, solve_rows
 from evictlab.stats.penalty import DEFINITIONS, ablation_rows, explain, penalty_table

@@ -214,7 +214,7 @@ def _write_audit(df: Any, out: Path, model: str, record: Any, trace: Path | None
     and the record (written last) marks a finished audit."""
     from evictlab.io import atomic_path, atomic_write_text
     from evictlab.plots.audit import audit_bars
-    from evictlab.report.audit import audit_markdown
+    from evictlab.decode.audit_report import audit_markdown
     from evictlab.record import record_path
 
     stem = out.with_suffix("")

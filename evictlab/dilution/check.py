@@ -375,7 +375,7 @@ def run_check(rows: str | Path, out: str | Path, cfg: CheckConfig, *, overwrite:
             with atomic_path(out.with_name(f"{out.stem}.{name}.parquet"), suffix=".parquet") as tmp:
                 df.write_parquet(tmp)
         if make_report:
-            from evictlab.report.dilution import check_report
+            from evictlab.dilution.report import check_report
 
             check_report(out, table, heads, checks, cfg, store)
         violations = int(checks["violations"].sum())

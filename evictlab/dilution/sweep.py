@@ -410,7 +410,7 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True, m
             with atomic_path(out_dir / f"{name}.parquet", suffix=".parquet") as tmp:
                 df.write_parquet(tmp)
         from evictlab.plots.dilution import sweep_lines
-        from evictlab.report.dilution import sweep_report
+        from evictlab.dilution.report import sweep_report
 
         fig = sweep_lines(summary, out_dir / "sweep")
         sweep_report(out_dir, summary, verdict, cfg, fig)

@@ -200,7 +200,7 @@ def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any
     from evictlab.eval.compare import compare as compare_pairs
     from evictlab.io import atomic_path, atomic_write_text
     from evictlab.plots.evaluation import accuracy_vs_bytes, wtl_bars
-    from evictlab.report.evaluation import evaluation_markdown
+    from evictlab.eval.report import evaluation_markdown
 
     pairs = compare_pairs(results, rule)
     claims_e, detail_e = enforcement_cost(results, seed=rule.seed, n_boot=rule.n_boot)

@@ -8,7 +8,7 @@ Layout:
   :class:`Analysis`; :func:`analyse` = :func:`compute` + the report.
 - :mod:`evictlab.pipeline.command`: the typer command ``evictlab demo`` (which rows for
   which model, timings, the run record).
-- :mod:`evictlab.report.demo`: the report's Markdown text, from an :class:`Analysis`.
+- :mod:`evictlab.pipeline.report`: the report's Markdown text, from an :class:`Analysis`.
 
 Stages 1-2 call the package's own commands (``evictlab capture`` / ``evictlab rows synth``,
 then ``evictlab solve``) in a subprocess, exactly as a user would, so the job exercises the

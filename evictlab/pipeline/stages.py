@@ -1,7 +1,7 @@
 """The main job's stages: settings, cached rows and solver results, and the analysis tables.
 
 Nothing here writes Markdown: :func:`compute` returns an :class:`Analysis` (tables, claim
-rows, figures, notes) and :mod:`evictlab.report.demo` turns it into the report.
+rows, figures, notes) and :mod:`evictlab.pipeline.report` turns it into the report.
 """
 
 from __future__ import annotations
@@ -455,8 +455,8 @@ def beyond_pool_stage(df: Any, cdf: Any, cfg: AnalysisConfig, tables: Path, figs
 def analyse(results: Any, out_dir: str | os.PathLike[str], cfg: AnalysisConfig,
             provenance: Optional[dict[str, Any]] = None, log: Any = print, cert_results: Any = None,
             rows: Optional[dict[str, Path]] = None, contour: Any = None) -> Path:
-    """:func:`compute`, then the Markdown report (:func:`evictlab.report.demo.write_report`); returns its path."""
-    from evictlab.report.demo import write_report
+    """:func:`compute`, then the Markdown report (:func:`evictlab.pipeline.report.write_report`); returns its path."""
+    from evictlab.pipeline.report import write_report
 
     t0 = time.perf_counter()
     analysis = compute(results, out_dir, cfg, log=log, cert_results=cert_results, rows=rows, contour=contour)

@@ -173,7 +173,7 @@ def _contour_section(a: Any) -> list[str]:
     c = a.contour
     if c is None:
         return []
-    from evictlab.report.evaluation import full_cache_table
+    from evictlab.eval.report import full_cache_table
 
     g = c.grid
     ours = [r for r in c.claims if r.claim_id.startswith("contourkv:")]
