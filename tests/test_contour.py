@@ -25,7 +25,7 @@ from evictlab.core import reference as ref
 from evictlab.decode.trace import CompressionTrace
 from evictlab.errors import CorruptFileError, InputError
 from evictlab.methods import AllocInputs, WindowProfile, check_sizes, make_allocator
-from evictlab.methods.base import attention_probs
+from evictlab.kv.attention import attention_probs
 from evictlab.methods.testing import example_predictor, example_window
 from evictlab.rows.writer import RowWriter
 from evictlab.solve.reference import pool_bruteforce

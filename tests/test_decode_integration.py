@@ -17,7 +17,7 @@ from evictlab.errors import InputError
 from evictlab.kv.budget import Budget
 from evictlab.methods import ALLOCATORS, REGISTRY
 from evictlab.methods.allocators import AdaKV
-from evictlab.methods.base import combine_groups
+from evictlab.kv.attention import combine_groups
 from evictlab.methods.scorers import H2O, KVZIP_PROMPT, KVzip, SnapKV
 
 
