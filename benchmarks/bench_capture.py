@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     args = ap.parse_args()
 
-    from evictlab.capture.prompts import build_prompt
+    from evictlab.tasks.sources import build_prompt
     from evictlab.models.loading import check_device, load_model
     from evictlab.capture.runner import capture_batch, capture_prompt, query_positions, write_prompt
     from evictlab.rows.writer import RowWriter

@@ -210,8 +210,8 @@ def ensure_peer(venv: Path, pip_args: list[str]) -> Path:
 
 
 def _prompt(model: str, context: int, path: Path) -> None:
-    from evictlab.capture.prompts import make_task
-    from evictlab.decode.tasks import build_prompt
+    from evictlab.tasks.synthetic import make_task
+    from evictlab.tasks.examples import build_prompt
     from evictlab.models.loading import load_model
 
     _, tok = load_model(model)

@@ -13,14 +13,8 @@ import polars as pl
 import pytest
 
 from evictlab.capture import runner
-from evictlab.capture.prompts import (
-    TASKS,
-    Fact,
-    build_prompt,
-    fact_token_spans,
-    locate_facts,
-    make_task,
-)
+from evictlab.tasks.sources import build_prompt
+from evictlab.tasks.synthetic import TASKS, Fact, fact_token_spans, locate_facts, make_task
 from evictlab.capture.runner import CaptureConfig, run_capture
 from evictlab.capture.testing import ByteTokenizer, tiny_model
 from evictlab.errors import InputError

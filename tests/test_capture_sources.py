@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from evictlab.capture.prompts import build_prompt
+from evictlab.tasks.sources import build_prompt
 from evictlab.capture.runner import CaptureConfig, run_capture
 from evictlab.capture.testing import ByteTokenizer, tiny_model
-from evictlab.capture.texts import load_text_source, tokens_sha256
+from evictlab.tasks.texts import load_text_source, tokens_sha256
 from evictlab.errors import InputError
 from evictlab.rows import RowStore
 

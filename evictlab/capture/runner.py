@@ -1,6 +1,6 @@
 """The capture run: prompts -> model forward under hooks -> verified rows in a RowWriter.
 
-One prompt at a time: build its tokens (:func:`evictlab.capture.prompts.build_prompt`),
+One prompt at a time: build its tokens (:func:`evictlab.tasks.sources.build_prompt`),
 choose its query positions (:func:`query_positions`), run one forward pass with
 :class:`~evictlab.capture.hooks.AttentionCapture`, check every captured row against the
 attention module's own per-head output (:func:`~evictlab.capture.hooks.verify_layer`),
@@ -12,7 +12,7 @@ Blocks hold only the keys the layer's rows see: on full-attention layers keys
 ``[min position - W + 1, max position]``. Block key positions are absolute token positions.
 
 Labels: task prompts carry the token spans of their inserted facts
-(:attr:`~evictlab.capture.prompts.PromptTokens.facts`), written into the dataset's
+(:attr:`~evictlab.tasks.sources.PromptTokens.facts`), written into the dataset's
 ``facts`` column (schema version 2); text prompts have none.
 
 Resuming: the writer commits whole prompts; a rerun with the same settings skips the
@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from evictlab.capture.hooks import AttentionCapture, CaptureMismatchError, verify_layer
-from evictlab.capture.prompts import PromptTokens, build_prompt, check_source
+from evictlab.tasks.sources import PromptTokens, build_prompt, check_source
 from evictlab.errors import InputError
 from evictlab.models.sites import find_attention_sites
 
@@ -96,7 +96,7 @@ class CaptureConfig:
 
     def check(self) -> None:
         """InputError on any setting that cannot work, before the model is loaded."""
-        from evictlab.capture.texts import is_text_source
+        from evictlab.tasks.texts import is_text_source
 
         check_source(self.source)
         if self.mode not in MODES:
@@ -320,7 +320,7 @@ def capture_prompts(model: Any, prompts: list[PromptTokens], ids: list[int], cfg
 def _text_provenance(cfg: CaptureConfig) -> dict[str, str]:
     """For text sources: the prompt rule and a hash of the source's text (read now, so a
     missing file or a bad JSON line is reported before the model loads)."""
-    from evictlab.capture.texts import PROMPT_RULE, is_text_source, load_text_source
+    from evictlab.tasks.texts import PROMPT_RULE, is_text_source, load_text_source
 
     if not is_text_source(cfg.source):
         return {}

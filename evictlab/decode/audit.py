@@ -65,7 +65,7 @@ class Example:
 
 def task_examples(tokenizer: Any, tasks: Sequence[str], n: int, context_tokens: int, seed: int) -> list[Example]:
     """Seeded synthetic examples (query-agnostic split of context and question)."""
-    from evictlab.decode.tasks import encode_text, task_suite
+    from evictlab.tasks.examples import encode_text, task_suite
 
     out = []
     for p in task_suite(list(tasks), n, context_tokens, tokenizer, seed):

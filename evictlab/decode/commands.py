@@ -104,7 +104,7 @@ def _check_positive(**values: int) -> None:
 
 
 def _check_tasks(tasks: list[str]) -> None:
-    from evictlab.capture.prompts import TASKS
+    from evictlab.tasks.synthetic import TASKS
 
     if not tasks:
         raise InputError("--task", "no task given", f"use some of: {', '.join(TASKS)}")
@@ -276,9 +276,9 @@ def decode(
         import torch
         from tqdm import tqdm
 
-        from evictlab.capture.prompts import make_task
+        from evictlab.tasks.synthetic import make_task
         from evictlab.decode.loop import run_sequence
-        from evictlab.decode.tasks import build_prompt, decode_ids, score_exact_match
+        from evictlab.tasks.examples import build_prompt, decode_ids, score_exact_match
         from evictlab.models.loading import load_model
 
         if threads > 0:

@@ -701,7 +701,7 @@ def run_sequence(
     called with the number of tokens processed after each forward. ``tokenizer`` is used
     only by scorers with a ``reconstruction_ids(chunk, tokenizer)`` method (KVzip: its
     "repeat the context" prompt before the chunk); ``None`` means the byte vocabulary of the
-    tiny test models (ids = UTF-8 bytes), as in :func:`evictlab.decode.tasks.encode_text`.
+    tiny test models (ids = UTF-8 bytes), as in :func:`evictlab.tasks.examples.encode_text`.
     ``compression_trace``: a :class:`~evictlab.decode.trace.CompressionTrace` that records every
     compression, per layer, before the store evicts (off by default: nothing is computed).
     """
@@ -806,7 +806,7 @@ class _PromptEncoder:
         self.tokenizer = tokenizer
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        from evictlab.decode.tasks import encode_text
+        from evictlab.tasks.examples import encode_text
 
         return encode_text(self.tokenizer, text, special=add_special_tokens)
 

@@ -5,7 +5,7 @@
 * :mod:`evictlab.dilution.reference` -- the same quantities for one row, written out (tests compare).
 * :mod:`evictlab.dilution.keptsets` -- kept sets: top-mass, the row-evaluable scorers, the pool optimum.
 * :mod:`evictlab.dilution.check` -- ``evictlab dilution check`` (tables, bound checks, report).
-* :mod:`evictlab.dilution.tasks` -- needle tasks with k near-miss distractors, labelled.
+* :mod:`evictlab.tasks.distractors` -- needle tasks with k near-miss distractors, labelled.
 * :mod:`evictlab.dilution.sweep` -- ``evictlab dilution sweep`` (decode loop at matched bytes).
 * :mod:`evictlab.dilution.parts` -- resumable part files shared by both commands.
 

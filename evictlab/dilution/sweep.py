@@ -1,7 +1,7 @@
 """``evictlab dilution sweep``: needle retrieval with a growing number of distractors, every
 method at matched bytes through the decode loop (docs/dilution.md).
 
-For each distractor count k and example i (:func:`evictlab.dilution.tasks.make_example`),
+For each distractor count k and example i (:func:`evictlab.tasks.distractors.make_example`),
 :func:`reference` runs the full cache once (the answer's logits, teacher-forced) and one
 hooked forward over context + question that records the last question token's attention
 rows in every layer (the useful-mass rows). Then :func:`run_unit`, the unit of work, runs
@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from evictlab.dilution.tasks import KINDS, MAX_DISTRACTORS, DilutionExample
+from evictlab.tasks.distractors import KINDS, MAX_DISTRACTORS, DilutionExample
 from evictlab.errors import InputError
 
 __all__ = ["RESULT_COLUMNS", "Reference", "SweepConfig", "reference", "run_sweep", "run_unit", "summarize", "verdicts"]
@@ -356,7 +356,7 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True, m
 
     from evictlab.capture.runner import parse_layers
     from evictlab.dilution.parts import PartStore
-    from evictlab.dilution.tasks import make_example
+    from evictlab.tasks.distractors import make_example
     from evictlab.io import atomic_path, check_output_path, exclusive_lock
     from evictlab.models.geometry import model_geometry
     from evictlab.record import RunRecord, record_path

@@ -174,7 +174,7 @@ def query_aware_margin(results: pl.DataFrame, tasks: tuple[str, ...] | None = No
                        n_boot: int = 2000) -> tuple[list[ClaimRow], pl.DataFrame]:
     """Claim rows (one per model and method) and the detail table (one row per (model,
     method, task, context, budget)) of the query-aware margin on the retrieval tasks."""
-    from evictlab.decode.tasks import RETRIEVAL_TASKS
+    from evictlab.tasks.examples import RETRIEVAL_TASKS
 
     tasks = tasks or RETRIEVAL_TASKS
     on = ["model", "task", "context", "budget", "method", "mode"]
@@ -332,7 +332,7 @@ def contourkv_versus(results: pl.DataFrame, *, tolerance: float = 0.1, seed: int
     per (model, task) the share of examples each side wins), and ties with Compactor
     (``compactor+contourkv`` vs ``compactor``).
     """
-    from evictlab.decode.tasks import RETRIEVAL_TASKS
+    from evictlab.tasks.examples import RETRIEVAL_TASKS
 
     o = contour_outcomes(results, tolerance)
     if o.height == 0:

@@ -105,7 +105,7 @@ def clear_caches() -> None:
 
 def cell_examples(cell: CellSpec, tokenizer: Any) -> list[Any]:
     """The seeded examples of ``cell`` (cached per process)."""
-    from evictlab.decode.tasks import eval_examples
+    from evictlab.tasks.examples import eval_examples
 
     key = (cell.model, cell.task, cell.context, cell.n, cell.seed, cell.target_tokens)
     return _EXAMPLES.get(key, lambda: eval_examples(cell.task, cell.n, cell.context, tokenizer, cell.seed,
@@ -231,7 +231,7 @@ def _run_cell(cell: CellSpec, progress: Callable[[int], None] | None, tracer: An
     import torch
 
     from evictlab.decode.loop import run_sequence
-    from evictlab.decode.tasks import HELDOUT_PPL
+    from evictlab.tasks.examples import HELDOUT_PPL
     from evictlab.kv.budget import Budget, kv_bytes
     from evictlab.models.geometry import model_geometry
 

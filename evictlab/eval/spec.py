@@ -242,7 +242,7 @@ class GridSpec:
                    target_tokens=int(target_tokens), device=device, trace=bool(trace))
 
     def __post_init__(self) -> None:
-        from evictlab.decode.tasks import EVAL_TASKS
+        from evictlab.tasks.examples import EVAL_TASKS
 
         _nonempty(self.models, "models", "name at least one model, e.g. smollm2-135m")
         refuse_duplicates(self.models, "models", "model")
@@ -359,7 +359,7 @@ class GridSpec:
 
     @staticmethod
     def _skip_reason(task: str, method: str, mode: str, protocol: str) -> str | None:
-        from evictlab.decode.tasks import HELDOUT_PPL
+        from evictlab.tasks.examples import HELDOUT_PPL
 
         if task == HELDOUT_PPL and protocol == "query-aware":
             return "a perplexity window has no question to be aware of"

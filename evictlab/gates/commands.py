@@ -103,7 +103,7 @@ def train(
                                   tasks=tuple(t.strip() for t in tasks.split(",") if t.strip())))
     out = _prepare_out(out, overwrite)
     if recipe.data.text_fraction > 0:
-        from evictlab.capture.texts import load_text_source
+        from evictlab.tasks.texts import load_text_source
 
         load_text_source(recipe.data.text)  # a missing or unreadable source is refused now (--source)
     with exclusive_lock(out, "--out"):

