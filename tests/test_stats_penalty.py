@@ -14,7 +14,8 @@ from evictlab.pipeline import AnalysisConfig, compute
 from evictlab.pipeline.report import write_report
 from evictlab.rows import RowStore, SynthConfig, synthesize
 from evictlab.solve import SolveConfig, solve_rows
-from evictlab.stats.penalty import DEFINITIONS, ablation_rows, explain, penalty_table
+from evictlab.solve.ablation import ablation_rows
+from evictlab.stats.penalty import DEFINITIONS, explain, penalty_table
 from evictlab.stats.results import load_results
 
 

@@ -349,7 +349,8 @@ def compute(results: Any, out_dir: str | os.PathLike[str], cfg: AnalysisConfig, 
     head_dims: dict[str, int] = {}
     if rows:
         from evictlab.rows import RowStore
-        from evictlab.stats.penalty import ablation_rows, explain, penalty_table
+        from evictlab.solve.ablation import ablation_rows
+        from evictlab.stats.penalty import explain, penalty_table
 
         parts = []
         for m, path in sorted(rows.items()):
