@@ -74,12 +74,14 @@ def _child(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     from evictlab.decode.loop import DecodeConfig, run_sequence
     from evictlab.kv.budget import Budget
+    from evictlab.kv.cache import register_ragged_attention
     from evictlab.models.loading import load_model
 
     prompt = json.loads(Path(args.prompt).read_text())
     dev = torch.device(args.device)
     t = time.perf_counter()
-    model, _ = load_model(args.model, device=args.device, attention="sdpa" if args.child == "hf_generate" else "decode")
+    model, _ = load_model(args.model, device=args.device,
+                          attn_implementation="sdpa" if args.child == "hf_generate" else register_ragged_attention())
     load_s = time.perf_counter() - t
     ctx = torch.tensor([prompt["context_ids"]], device=dev)
     question = torch.tensor([prompt["question_ids"]], device=dev)

@@ -184,13 +184,14 @@ def audit(
 
         import torch
 
+        from evictlab.kv.cache import register_ragged_attention
         from evictlab.models.loading import load_model
 
         if threads > 0:
             torch.set_num_threads(threads)
         return_freed_memory()
         console = Console(stderr=True)
-        lm, tok = load_model(model, device=device, attention="decode")
+        lm, tok = load_model(model, device=device, attn_implementation=register_ragged_attention())
         examples = task_examples(tok, tasks, n, context, seed)
         total = 1 + len(method_list) * len(budgets) * 2
         done = [0]
@@ -279,12 +280,13 @@ def decode(
         from evictlab.tasks.synthetic import make_task
         from evictlab.decode.loop import run_sequence
         from evictlab.tasks.examples import build_prompt, decode_ids, score_exact_match
+        from evictlab.kv.cache import register_ragged_attention
         from evictlab.models.loading import load_model
 
         if threads > 0:
             torch.set_num_threads(threads)
         return_freed_memory()
-        lm, tok = load_model(model, device=device, attention="decode")
+        lm, tok = load_model(model, device=device, attn_implementation=register_ragged_attention())
         prompt = build_prompt(make_task(task, context, tok, seed), tok)
         dev = next(lm.parameters()).device
         ctx = torch.tensor([prompt.context_ids], device=dev)

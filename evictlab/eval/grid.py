@@ -195,11 +195,12 @@ def preflight(spec: GridSpec, cells: list[CellSpec]) -> None:
     :class:`InputError` (fields ``budgets``, ``contexts``) before any cell runs."""
     from evictlab.eval.runner import cell_examples
     from evictlab.kv.budget import Budget
+    from evictlab.kv.cache import register_ragged_attention
     from evictlab.models.geometry import model_geometry
 
     checked: set[tuple[Any, ...]] = set()
     for cell in cells:
-        lm, tok = load_cached(cell.model, cell.device, attention="decode")
+        lm, tok = load_cached(cell.model, cell.device, attn_implementation=register_ragged_attention())
         ex_key = (cell.model, cell.task, cell.context)
         if ex_key not in checked:
             checked.add(ex_key)
