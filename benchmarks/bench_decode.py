@@ -213,11 +213,11 @@ def ensure_peer(venv: Path, pip_args: list[str]) -> Path:
 
 def _prompt(model: str, context: int, path: Path) -> None:
     from evictlab.tasks.synthetic import make_task
-    from evictlab.tasks.examples import build_prompt
+    from evictlab.tasks.examples import tokenize_task
     from evictlab.models.loading import load_model
 
     _, tok = load_model(model)
-    p = build_prompt(make_task("needle", context, tok, 0), tok)  # fed query-agnostic (the loop's default)
+    p = tokenize_task(make_task("needle", context, tok, 0), tok)  # fed query-agnostic (the loop's default)
     path.write_text(json.dumps({"context_ids": list(p.context_ids), "question_ids": list(p.question_ids),
                                 "answer": p.answer}))
 

@@ -13,7 +13,7 @@ import polars as pl
 import pytest
 
 from evictlab.capture import runner
-from evictlab.tasks.sources import build_prompt
+from evictlab.tasks.sources import build_capture_prompt
 from evictlab.tasks.synthetic import TASKS, Fact, fact_token_spans, locate_facts, make_task
 from evictlab.capture.runner import CaptureConfig, run_capture
 from evictlab.capture.testing import ByteTokenizer, tiny_model
@@ -48,7 +48,7 @@ def test_spans_decode_to_the_fact_text(name: str, task: str) -> None:
     tok = ByteTokenizer() if name == "bytes" else _tokenizer(name)
     context = 700 if name == "bytes" else 300  # one byte per token
     for index in range(4):
-        prompt = build_prompt(task, context, tok, seed=2, index=index)
+        prompt = build_capture_prompt(task, context, tok, seed=2, index=index)
         ex = make_task(task, context, tok, 2 * 1_000_003 + index)
         assert prompt.facts is not None and len(prompt.facts) == len(ex.facts) >= 1
         assert all(f["end"] <= prompt.n_context for f in prompt.facts)  # inside the context
@@ -232,7 +232,7 @@ def test_labels_survive_a_resumed_capture(tmp_path: Path, llama, monkeypatch) ->
     a, b = RowStore.open(tmp_path / "full").prompts, RowStore.open(tmp_path / "part").prompts
     assert a.select("prompt_id", "tokens", "facts").equals(b.select("prompt_id", "tokens", "facts"))
     for toks, facts, pid in zip(b["tokens"].to_list(), b["facts"].to_list(), b["prompt_id"].to_list()):
-        prompt = runner.build_prompt(CFG.source, CFG.context, tok, CFG.seed, pid)
+        prompt = runner.build_capture_prompt(CFG.source, CFG.context, tok, CFG.seed, pid)
         assert facts == list(prompt.facts)
         asked = [f for f in facts if f["asked"]]
         assert len(asked) == 1 and tok.decode(toks[asked[0]["value_start"]:asked[0]["value_end"]]) == prompt.answer

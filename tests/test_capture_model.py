@@ -92,10 +92,10 @@ def test_shakespeare_prompts_are_plays_before_the_heldout_tail(smollm2) -> None:
     assert len(text) > 4_000_000 and "THE TEMPEST" in text and "ROMEO" in text
     calib, heldout = corpus.heldout_split()
     assert calib + heldout == text
-    ps = [sources.build_prompt("shakespeare", 300, tok, seed=3, index=i) for i in range(8)]
+    ps = [sources.build_capture_prompt("shakespeare", 300, tok, seed=3, index=i) for i in range(8)]
     assert all(len(p.tokens) == 300 and p.n_context == 300 for p in ps)
-    assert ps[0] == sources.build_prompt("shakespeare", 300, tok, seed=3, index=0)
-    assert ps[0].tokens != sources.build_prompt("shakespeare", 300, tok, seed=4, index=0).tokens
+    assert ps[0] == sources.build_capture_prompt("shakespeare", 300, tok, seed=3, index=0)
+    assert ps[0].tokens != sources.build_capture_prompt("shakespeare", 300, tok, seed=4, index=0).tokens
     plays = [p.origin["document"] for p in ps]
     assert len(set(plays)) == 8  # eight prompts, eight different plays
     assert not any(name.startswith(("sonnets", "rape_of_lucrece", "lovers_complaint")) for name in plays)

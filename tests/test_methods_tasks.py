@@ -6,7 +6,7 @@ import pytest
 
 from evictlab.tasks.synthetic import TASKS, make_task
 from evictlab.tasks.examples import (
-    build_prompt,
+    tokenize_task,
     decode_ids,
     encode_text,
     heldout_windows,
@@ -24,10 +24,10 @@ def test_byte_tokenizer_round_trip() -> None:
 
 
 @pytest.mark.parametrize("task", TASKS)
-def test_build_prompt_splits_context_and_question(task: str) -> None:
+def test_tokenize_task_splits_context_and_question(task: str) -> None:
     """One split for both protocols (the loop decides when to compress)."""
     ex = make_task(task, 200, None, seed=3)
-    p = build_prompt(ex, None)
+    p = tokenize_task(ex, None)
     assert p.context_ids == encode_text(None, ex.context)
     assert p.question_ids == encode_text(None, "\n\n" + ex.question, special=False)
     assert p.answer == ex.answer and p.answers == ex.answers

@@ -127,7 +127,7 @@ def test_main_job_solve_stage_passes_the_search(rows: Path, tmp_path: Path) -> N
     """The demo's solve stage (a subprocess `evictlab solve`) runs the all-key search when asked,
     and the results cache never hands pool-only results to a --search all job."""
     from evictlab.pipeline.stages import AnalysisConfig, solve_key
-    from evictlab.pipeline.stages import solve_rows as stage_solve
+    from evictlab.pipeline.stages import solve_stage as stage_solve
 
     cfg = AnalysisConfig(budgets=(2, 4), search="all")
     stage_solve(rows, tmp_path / "all.parquet", cfg, True, log=lambda m: None)

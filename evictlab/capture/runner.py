@@ -1,6 +1,6 @@
 """The capture run: prompts -> model forward under hooks -> verified rows in a RowWriter.
 
-One prompt at a time: build its tokens (:func:`evictlab.tasks.sources.build_prompt`),
+One prompt at a time: build its tokens (:func:`evictlab.tasks.sources.build_capture_prompt`),
 choose its query positions (:func:`query_positions`), run one forward pass with
 :class:`~evictlab.capture.hooks.AttentionCapture`, check every captured row against the
 attention module's own per-head output (:func:`~evictlab.capture.hooks.verify_layer`),
@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from evictlab.capture.hooks import AttentionCapture, CaptureMismatchError, verify_layer
-from evictlab.tasks.sources import PromptTokens, build_prompt, check_source
+from evictlab.tasks.sources import PromptTokens, build_capture_prompt, check_source
 from evictlab.errors import InputError
 from evictlab.models.sites import find_attention_sites
 
@@ -440,11 +440,11 @@ def _capture_local(cfg: CaptureConfig, out: Path, text: dict[str, str], model: A
     layers = parse_layers(cfg.layers, n_layers)
     # a prompt the settings cannot build (e.g. a text shorter than --context) is refused
     # before the dataset folder exists
-    built = {0: build_prompt(cfg.source, cfg.context, tokenizer, cfg.seed, 0)}
+    built = {0: build_capture_prompt(cfg.source, cfg.context, tokenizer, cfg.seed, 0)}
 
     def prompt(i: int) -> PromptTokens:
         if i not in built:
-            built[i] = build_prompt(cfg.source, cfg.context, tokenizer, cfg.seed, i)
+            built[i] = build_capture_prompt(cfg.source, cfg.context, tokenizer, cfg.seed, i)
         return built[i]
 
     written = rows_written = 0
@@ -544,7 +544,7 @@ def capture_probe(cfg: CaptureConfig) -> CapturePlan:
     model, tok, _ = _worker_model(cfg)
     source, head_dim, n_layers = _source_info(cfg, model, _text_provenance(cfg))
     parse_layers(cfg.layers, n_layers)
-    prompts = [build_prompt(cfg.source, cfg.context, tok, cfg.seed, i) for i in range(cfg.prompts)]
+    prompts = [build_capture_prompt(cfg.source, cfg.context, tok, cfg.seed, i) for i in range(cfg.prompts)]
     return CapturePlan(source, head_dim, tuple(_forward_len(p, cfg.mode) for p in prompts),
                        tuple(_token_digest(p) for p in prompts), weights_digest(model))
 
@@ -568,7 +568,7 @@ def capture_group(task: CaptureTask) -> list[PromptRows]:
                          "give every node the same model files (a shared EVICTLAB_CACHE, or the same "
                          "`evictlab models pull` on each)")
     ids = list(task.prompt_ids)
-    prompts = [build_prompt(cfg.source, cfg.context, tok, cfg.seed, i) for i in ids]
+    prompts = [build_capture_prompt(cfg.source, cfg.context, tok, cfg.seed, i) for i in ids]
     for i, p, want in zip(ids, prompts, task.token_digests):
         if _token_digest(p) != want:
             raise InputError("--source", f"node {socket.gethostname()} builds prompt {i} with other tokens than the "

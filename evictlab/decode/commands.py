@@ -279,7 +279,7 @@ def decode(
 
         from evictlab.tasks.synthetic import make_task
         from evictlab.decode.loop import run_sequence
-        from evictlab.tasks.examples import build_prompt, decode_ids, score_exact_match
+        from evictlab.tasks.examples import tokenize_task, decode_ids, score_exact_match
         from evictlab.kv.cache import register_ragged_attention
         from evictlab.models.loading import load_model
 
@@ -287,7 +287,7 @@ def decode(
             torch.set_num_threads(threads)
         return_freed_memory()
         lm, tok = load_model(model, device=device, attn_implementation=register_ragged_attention())
-        prompt = build_prompt(make_task(task, context, tok, seed), tok)
+        prompt = tokenize_task(make_task(task, context, tok, seed), tok)
         dev = next(lm.parameters()).device
         ctx = torch.tensor([prompt.context_ids], device=dev)
         q = torch.tensor([prompt.question_ids], device=dev)

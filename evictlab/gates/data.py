@@ -109,7 +109,7 @@ class TrainingData:
     def task_ids(self, rng: np.random.Generator, task_seed: int) -> list[int]:
         """A synthetic task (context + question + answer), at most ``seq_len`` tokens."""
         from evictlab.tasks.synthetic import make_task
-        from evictlab.tasks.examples import build_prompt, encode_text
+        from evictlab.tasks.examples import tokenize_task, encode_text
 
         task = self.spec.tasks[int(rng.integers(len(self.spec.tasks)))]
         probe = make_task(task, self.spec.seq_len, self.tokenizer, task_seed, field="--seq-len")  # question, answer
@@ -119,7 +119,7 @@ class TrainingData:
         if room < 64:
             raise InputError("--seq-len", f"{self.spec.seq_len} tokens leave {room} for a {task} context",
                              f"use --seq-len {self.spec.seq_len + 64 - room} or more, or --text-fraction 1")
-        p = build_prompt(make_task(task, room, self.tokenizer, task_seed, field="--seq-len"), self.tokenizer)
+        p = tokenize_task(make_task(task, room, self.tokenizer, task_seed, field="--seq-len"), self.tokenizer)
         ids = p.context_ids + qa
         return ids[: self.spec.seq_len]
 

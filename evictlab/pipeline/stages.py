@@ -164,7 +164,7 @@ def _copy(src: Path, dest: Path) -> None:
         shutil.copyfile(src, tmp)
 
 
-def solve_rows(rows: Path, out: Path, cfg: AnalysisConfig, certify: bool, log: Any) -> float:
+def solve_stage(rows: Path, out: Path, cfg: AnalysisConfig, certify: bool, log: Any) -> float:
     """``evictlab solve ROWS --budgets ... --pool r_m r_e --search pool|all [--certify] --out RESULTS``."""
     args = ["solve", str(rows), "--budgets", *map(str, cfg.budgets), "--pool", *map(str, cfg.pool),
             "--search", cfg.search, "--out", str(out)]
@@ -189,7 +189,7 @@ def rows_and_results(spec: CaptureSpec, cfg: AnalysisConfig, certify: bool, res:
         timings[f"{tag}solve {spec.label()}"] = 0.0
     else:
         cached_res.parent.mkdir(parents=True, exist_ok=True)
-        timings[f"{tag}solve {spec.label()}"] = solve_rows(rows, cached_res, cfg, certify, log)
+        timings[f"{tag}solve {spec.label()}"] = solve_stage(rows, cached_res, cfg, certify, log)
         _label_model(cached_res, spec.label())
     _copy(cached_res, res)
     facts[f"{tag}rows {spec.label()}"] = (

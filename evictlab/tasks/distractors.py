@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 
 from evictlab.errors import InputError
+from evictlab.tasks.examples import encode_text
+from evictlab.tasks.synthetic import fact_token_spans, haystack, locate_facts
 
 KINDS = ("near_miss", "filler")
 #: Key words of the dilution needles (distinct from the filler's words).
@@ -66,8 +68,6 @@ def _needle(key: str, value: str) -> str:
 
 
 def _count(tokenizer: Any, text: str) -> int:
-    from evictlab.tasks.examples import encode_text
-
     return len(encode_text(tokenizer, text, special=False))
 
 
@@ -75,9 +75,6 @@ def make_example(tokenizer: Any, index: int, distractors: int, *, filler: int = 
                  seed: int = 0) -> DilutionExample:
     """Example ``index`` with ``distractors`` distractors (module docstring); ``tokenizer``
     None means the byte vocabulary of the tiny test models."""
-    from evictlab.tasks.synthetic import fact_token_spans, haystack, locate_facts
-    from evictlab.tasks.examples import encode_text
-
     if kind not in KINDS:
         raise InputError("--kind", f"unknown distractor kind {kind!r}", f"use one of: {', '.join(KINDS)}")
     if not 0 <= distractors <= MAX_DISTRACTORS:

@@ -29,7 +29,7 @@ from evictlab.errors import InputError
 __all__ = [
     "PerplexityWindow",
     "TaskPrompt",
-    "build_prompt",
+    "tokenize_task",
     "EVAL_TASKS",
     "EvalExample",
     "HELDOUT_PPL",
@@ -75,7 +75,7 @@ class TaskPrompt:
     answers: tuple[str, ...]
 
 
-def build_prompt(example: TaskExample, tokenizer: Any) -> TaskPrompt:
+def tokenize_task(example: TaskExample, tokenizer: Any) -> TaskPrompt:
     """Tokenise ``example`` into separate context and question ids (see :class:`TaskPrompt`).
 
     The context gets the tokenizer's special prefix (BOS), the question none; the question
@@ -126,7 +126,7 @@ def task_suite(
         raise InputError("tasks", f"unknown task(s) {unknown}", f"use some of: {', '.join(TASKS)}")
     if n < 1:
         raise InputError("n", f"{n} examples", "use n >= 1")
-    return [build_prompt(make_task(t, context_tokens, tokenizer, seed * 1_000_003 + i), tokenizer)
+    return [tokenize_task(make_task(t, context_tokens, tokenizer, seed * 1_000_003 + i), tokenizer)
             for t in names for i in range(n)]
 
 

