@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from evictlab.core.kernels import row_free_weight
+from evictlab.core.freeweight import row_free_weight
 from evictlab.solve.revolving import rd_init, rd_next
 
 #: Steps between exact recomputations of the running sums during enumeration (drift guard).
@@ -464,7 +464,7 @@ def batch_solve(
         kept_bal ``(N, B, smax)``, pool_size ``(N, B)``, n_subsets ``(N, B)``,
         n_swaps ``(N, B)``, entropy ``(N,)`` in nats, e_free_top ``(N, B)`` and
         e_free_opt ``(N, B)`` (free-weight errors of T_s and of the argmin, min-norm point
-        with a certified duality gap, ``evictlab.core.kernels.row_free_weight``; reused when the
+        with a certified duality gap, ``evictlab.core.freeweight.row_free_weight``; reused when the
         sets coincide),
         scale ``(N,)`` = ``max(max_i ||v_i - mu||, ||mu||)`` (the row's error scale, for zero tests).
 

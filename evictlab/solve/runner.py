@@ -177,7 +177,7 @@ def solve_batch(batch: Any, cfg: SolveConfig, model: str | None = None) -> pl.Da
     ``(row_id, s)``. Columns: :data:`RESULT_COLUMNS` (+ :data:`LS_COLUMNS` with
     ``search == "all"``, + :data:`CERT_COLUMNS` with certify).
     """
-    from evictlab.core.kernels import single_blas_thread
+    from evictlab.core.threads import single_blas_thread
     from evictlab.solve.certify import STATUS_NAMES, batch_certify
     from evictlab.solve.kernels import batch_solve
     from evictlab.solve.localsearch import batch_localsearch
