@@ -103,6 +103,19 @@ def test_dense_single_key_and_entropy_match_reference(b):
         assert abs(h[i] - R.entropy(p)) <= 1e-12
 
 
+@given(batches)
+def test_row_helpers_are_the_dense_output_the_solvers_use(b):
+    # the solvers normalise (row_normalized) then sum (row_weighted_sum); the core's
+    # row_dense_output must give those exact bits, and both the reference's values
+    for i in range(b.n.shape[0]):
+        p, v = b.row(i)
+        pn = K.row_normalized(p)
+        np.testing.assert_allclose(pn, p / p.sum(), rtol=1e-15, atol=0)
+        mu = K.row_weighted_sum(pn, v)
+        assert np.array_equal(mu, _mu(p, v))
+        np.testing.assert_allclose(mu, R.dense_output(p, v), rtol=0, atol=tol(v))
+
+
 @given(batches, st.integers(1, 20))
 def test_top_mass_matches_reference_tie_rule(b, s):
     s = min(s, int(b.n.min()))

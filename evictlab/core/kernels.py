@@ -13,8 +13,10 @@ Two layers:
   e.g. inside a solver loop), then call a jitted kernel parallel over rows (``prange``);
   batches below ``PARALLEL_MIN_WORK`` multiply-adds run on one thread, because forking
   the thread pool costs more than it saves there.
-* ``row_*`` / ``rank_desc``: small jitted building blocks on one row, with **no
-  validation**, for use inside other Numba code (e.g. ``evictlab.solve``).
+* ``row_*``: small jitted building blocks on one row, with **no validation**, for use
+  inside other Numba code (e.g. ``evictlab.solve``, which has no copies of its own); the
+  ranking blocks are :mod:`evictlab.core.ranking`, the free-weight solver
+  :mod:`evictlab.core.freeweight`, the thread rules :mod:`evictlab.core.threads`.
 
 Conventions match :mod:`evictlab.core.reference` exactly: masses are divided by their sum
 (validation guarantees it is within 1e-6 of 1); ranking uses the raw masses with ties to the
@@ -54,6 +56,9 @@ __all__ = [
     "batch_entropy",
     "row_dense_output",
     "row_forced_error",
+    "row_normalized",
+    "row_weighted_sum",
+    "row_candidate_pool",
 ]
 
 
@@ -63,22 +68,72 @@ __all__ = [
 
 
 @njit(cache=True)
-def row_dense_output(p_row: np.ndarray, v_row: np.ndarray, mu: np.ndarray) -> float:
-    """Fill ``mu`` ``(d,)`` with ``sum_i (p_i / S) v_i`` for one row; return ``S = sum p``.
-
-    ``p_row`` ``(n,)``, ``v_row`` ``(n, d)``.
-    """
-    n, d = v_row.shape
+def row_normalized(p_row: np.ndarray) -> np.ndarray:
+    """``p_row / S`` ``(n,)`` with ``S = sum p`` summed in key order (the one normalisation of
+    the kernels: every dense output and solver starts from these masses)."""
+    n = p_row.shape[0]
     total = 0.0
     for i in range(n):
         total += p_row[i]
-    for j in range(d):
-        mu[j] = 0.0
+    out = np.empty(n)
     for i in range(n):
-        wi = p_row[i] / total
+        out[i] = p_row[i] / total
+    return out
+
+
+@njit(cache=True)
+def row_weighted_sum(w: np.ndarray, v_row: np.ndarray) -> np.ndarray:
+    """``sum_i w_i v_i`` ``(d,)`` in key order; ``w`` ``(n,)``, ``v_row`` ``(n, d)``. With the
+    normalised masses (:func:`row_normalized`) it is the dense output ``mu``."""
+    n, d = v_row.shape
+    mu = np.zeros(d)
+    for i in range(n):
+        wi = w[i]
         for j in range(d):
             mu[j] += wi * v_row[i, j]
+    return mu
+
+
+@njit(cache=True)
+def row_dense_output(p_row: np.ndarray, v_row: np.ndarray, mu: np.ndarray) -> float:
+    """Fill ``mu`` ``(d,)`` with ``sum_i (p_i / S) v_i`` for one row; return ``S = sum p``.
+
+    ``p_row`` ``(n,)``, ``v_row`` ``(n, d)``; the same bits as
+    ``row_weighted_sum(row_normalized(p_row), v_row)``.
+    """
+    n = p_row.shape[0]
+    total = 0.0
+    for i in range(n):
+        total += p_row[i]
+    mu[:] = row_weighted_sum(row_normalized(p_row), v_row)
     return total
+
+
+@njit(cache=True)
+def row_candidate_pool(order_p: np.ndarray, order_err: np.ndarray, n: int, s: int, r_m: int, r_e: int) -> np.ndarray:
+    """Pool ``C_s(r_m, r_e)`` from the two rankings, int64 ``(c,)``; ``pool[:s]`` is ``T_s``.
+
+    ``order_p``: keys by mass descending (ties: larger index first); ``order_err``: keys by
+    single-key error ``||mu - v_i||`` descending (same tie rule); both may be truncated to
+    their first ``s + r_m`` and ``s + r_m + r_e`` entries (enough to build the pool). ``n``:
+    number of keys of the row. Same order as ``evictlab.core.reference.candidate_pool``.
+    """
+    n_top = min(n, s + r_m)
+    n_extra = min(n - n_top, r_e)
+    pool = np.empty(n_top + n_extra, dtype=np.int64)
+    in_top = np.zeros(n, dtype=np.bool_)
+    for a in range(n_top):
+        pool[a] = order_p[a]
+        in_top[order_p[a]] = True
+    c = n_top
+    for a in range(order_err.shape[0]):
+        if c == n_top + n_extra:
+            break
+        j = order_err[a]
+        if not in_top[j]:
+            pool[c] = j
+            c += 1
+    return pool
 
 
 @njit(cache=True)
@@ -194,14 +249,10 @@ def _k_candidate_pool(p, p_off, values, v_start, s, r_m, r_e, c_max):
         row_dense_output(p_row, v_row, mu)
         for i in range(n):
             err[i] = _dist(mu, v_row, i)
-        for t in range(n_top):
-            pool[r, t] = order[t]
-            err[order[t]] = -np.inf  # already in the pool: rank last
-        n_extra = min(n - n_top, r_e)
-        eorder = top_k_desc(err, n_extra)
-        for t in range(n_extra):
-            pool[r, n_top + t] = eorder[t]
-        size[r] = n_top + n_extra
+        # at most n_top of the first n_top + r_e keys by error are in the top: enough extras
+        row = row_candidate_pool(order, top_k_desc(err, min(n, n_top + r_e)), n, s, r_m, r_e)
+        pool[r, :row.shape[0]] = row
+        size[r] = row.shape[0]
     return pool, size
 
 
