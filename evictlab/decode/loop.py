@@ -621,7 +621,7 @@ def _oracle_queries(model: torch.nn.Module, ids: torch.Tensor, n_future: int) ->
                           initial_capacity=ids.shape[1])
     cache = EvictionCache(store)
     cache.query_window = n_future
-    with attach_model(model, cache, g.windows):
+    with attach(model, cache, g.windows):
         model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
     return {l: cache.queries[l][0] for l in range(g.n_layers)}
 
