@@ -72,7 +72,8 @@ def _child(args: argparse.Namespace) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
-    from evictlab.decode.loop import DecodeConfig, run_sequence
+    from evictlab.decode.config import DecodeConfig
+    from evictlab.decode.loop import run_sequence
     from evictlab.kv.budget import Budget
     from evictlab.kv.cache import register_ragged_attention
     from evictlab.models.loading import load_model

@@ -510,7 +510,7 @@ def tiny():
 
 
 def _tiny_cfg(**kw):
-    from evictlab.decode.loop import DecodeConfig
+    from evictlab.decode.config import DecodeConfig
     from evictlab.kv.budget import Budget
 
     base = dict(mode="physical", budget=Budget("tokens_per_cell", 24), scorer="snapkv", allocator="contourkv",

@@ -11,7 +11,7 @@ import torch
 
 from evictlab.capture.testing import tiny_model
 from evictlab.decode.audit import Example, run_audit
-from evictlab.decode.loop import DecodeConfig
+from evictlab.decode.config import DecodeConfig
 from evictlab.errors import InputError
 from evictlab.kv.budget import Budget
 from evictlab.methods import parse_method

@@ -12,7 +12,10 @@ import pytest
 import torch
 
 from evictlab.capture.testing import ByteTokenizer, tiny_config, tiny_model
-from evictlab.decode.loop import DecodeConfig, EvictionRunner, _recon_ids, run_sequence
+from evictlab.decode.compress import EvictionRunner
+from evictlab.decode.config import DecodeConfig
+from evictlab.decode.extras import _recon_ids
+from evictlab.decode.loop import run_sequence
 from evictlab.errors import InputError
 from evictlab.kv.budget import Budget
 from evictlab.methods import ALLOCATORS, REGISTRY

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from evictlab.decode.audit import task_examples
-from evictlab.decode.loop import DecodeConfig, run_sequence
+from evictlab.decode.config import DecodeConfig
+from evictlab.decode.loop import run_sequence
 from evictlab.kv.budget import Budget, kv_bytes
 from evictlab.methods import ALLOCATORS, REGISTRY
 from evictlab.methods.testing import example_predictor

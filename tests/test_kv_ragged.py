@@ -125,7 +125,7 @@ def test_model_through_ragged_attention_equals_eager_without_cache(family: str) 
     ragged, _ = tiny_model(family, attn_implementation=register_ragged_attention())
     assert is_ragged(ragged) and not is_ragged(eager) and ragged.config._attn_implementation == RAGGED_ATTENTION
     ids = torch.randint(3, 256, (2, 41), generator=torch.Generator().manual_seed(3))
-    from evictlab.decode.loop import attach_model
+    from evictlab.decode.compress import attach_model
 
     with torch.no_grad():
         dense = eager(input_ids=ids).logits
@@ -178,7 +178,8 @@ SCORERS = ["streaming_llm", "h2o", "snapkv", "expected_attention", "kvzip", "com
 def test_every_scorer_keeps_the_same_entries_with_ragged_attention(monkeypatch, family: str, scorer: str) -> None:
     """The switch from eager to ragged sdpa attention changes no kept set at any compression
     (prefill chunks and decode) and the logits by float rounding only."""
-    from evictlab.decode.loop import DecodeConfig, run_sequence
+    from evictlab.decode.config import DecodeConfig
+    from evictlab.decode.loop import run_sequence
     from evictlab.kv.budget import Budget
 
     g = torch.Generator().manual_seed(0)
@@ -197,7 +198,8 @@ def test_every_scorer_keeps_the_same_entries_with_ragged_attention(monkeypatch, 
 
 
 def test_nothing_evicted_equals_the_full_cache_to_1e5() -> None:
-    from evictlab.decode.loop import DecodeConfig, run_sequence
+    from evictlab.decode.config import DecodeConfig
+    from evictlab.decode.loop import run_sequence
     from evictlab.kv.budget import Budget
 
     model, _ = tiny_model("qwen2", attn_implementation=register_ragged_attention())
@@ -271,7 +273,8 @@ def test_ragged_attention_on_cuda_matches_cpu(dtype: torch.dtype) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_decode_loop_on_cuda_keeps_the_cpu_entries(monkeypatch) -> None:
-    from evictlab.decode.loop import DecodeConfig, run_sequence
+    from evictlab.decode.config import DecodeConfig
+    from evictlab.decode.loop import run_sequence
     from evictlab.kv.budget import Budget
 
     g = torch.Generator().manual_seed(0)

@@ -45,7 +45,8 @@ from typing import Any
 import polars as pl
 import torch
 
-from evictlab.decode.loop import DecodeConfig, DecodeOutput, run_sequence
+from evictlab.decode.config import DecodeConfig
+from evictlab.decode.loop import DecodeOutput, run_sequence
 from evictlab.errors import InputError, refuse_duplicates
 from evictlab.kv.budget import Budget, kv_bytes
 from evictlab.methods import parse_method

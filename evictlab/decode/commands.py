@@ -131,7 +131,7 @@ def _trace_for(trace: Path | None, out: Path, max_subsets: int, overwrite: bool)
 
 def _base_config(sinks: int, recent: int, chunk: int, compress_every: int, window: int, block_size: int,
                  query_aware: bool, **kw: Any):  # noqa: ANN202 - returns DecodeConfig (lazy import)
-    from evictlab.decode.loop import DecodeConfig
+    from evictlab.decode.config import DecodeConfig
 
     return DecodeConfig(sinks=sinks, recent=recent, chunk_size=chunk, compress_every=compress_every,
                         window=window, block_size=block_size, query_aware=query_aware, **kw)

@@ -119,7 +119,7 @@ class SweepConfig:
 
     def decode_config(self, method: str, example: DilutionExample | None = None) -> Any:
         """The loop's ``DecodeConfig`` for ``method`` (``oracle_labels`` gets the example's labels)."""
-        from evictlab.decode.loop import DecodeConfig
+        from evictlab.decode.config import DecodeConfig
         from evictlab.kv.budget import Budget
         from evictlab.methods import parse_method
 

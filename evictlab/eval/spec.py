@@ -18,7 +18,7 @@ Modes (docs/evaluation.md): ``physical`` = the allocator's ragged per-cell sizes
 paged store that frees evicted entries; ``uniform`` = the same scorer with equal per-cell
 sizes (``+uniform``: a fixed selection under a real budget); ``masked`` = the allocator's
 ragged sizes held in the masked store (the full cache stays in memory: the audit of
-others). Protocols: :data:`evictlab.decode.loop.PROTOCOLS`.
+others). Protocols: :data:`evictlab.decode.config.PROTOCOLS`.
 
 A :class:`CellSpec` carries everything its run needs (model name, task, sizes, seeds, the
 loop settings, the method's parameters), is frozen, hashable and picklable, so a local loop
@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from evictlab.decode.loop import DecodeConfig
+from evictlab.decode.config import DecodeConfig
 from evictlab.errors import InputError, refuse_duplicates
 from evictlab.kv.budget import Budget
 

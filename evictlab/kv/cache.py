@@ -217,7 +217,7 @@ def attach(model: torch.nn.Module, cache: EvictionCache,
 
     ``windows``: per layer, the sliding window (a query at ``t`` attends keys with
     ``t - pos < window``) or None; None = no windows (see
-    :func:`evictlab.decode.loop.attach_model`, which passes the model's). Hooks go on the
+    :func:`evictlab.decode.compress.attach_model`, which passes the model's). Hooks go on the
     attention sites of :func:`evictlab.models.sites.find_attention_sites` (the module, and
     its ``q_norm`` or ``q_proj``).
     """
