@@ -47,7 +47,7 @@ def main() -> None:
 
     from evictlab.tasks.sources import build_capture_prompt
     from evictlab.models.loading import check_device, load_model
-    from evictlab.capture.runner import capture_batch, capture_prompt, query_positions, write_prompt
+    from evictlab.capture.forward import capture_batch, capture_prompt, query_positions, write_prompt
     from evictlab.rows.writer import RowWriter
 
     if args.threads:

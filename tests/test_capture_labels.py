@@ -12,10 +12,11 @@ import numpy as np
 import polars as pl
 import pytest
 
-from evictlab.capture import runner
+from evictlab.capture import forward
 from evictlab.tasks.sources import build_capture_prompt
 from evictlab.tasks.synthetic import TASKS, Fact, fact_token_spans, locate_facts, make_task
-from evictlab.capture.runner import CaptureConfig, run_capture
+from evictlab.capture.config import CaptureConfig
+from evictlab.capture.runner import run_capture
 from evictlab.capture.testing import ByteTokenizer, tiny_model
 from evictlab.errors import InputError
 from evictlab.io import sha256_file
@@ -215,7 +216,7 @@ def llama():
 def test_labels_survive_a_resumed_capture(tmp_path: Path, llama, monkeypatch) -> None:
     tok = ByteTokenizer()
     run_capture(CFG, tmp_path / "full", model=llama, tokenizer=tok, progress=False)
-    real, calls = runner.capture_batch, {"n": 0}
+    real, calls = forward.capture_batch, {"n": 0}
 
     def flaky(*a, **k):
         calls["n"] += 1
@@ -223,16 +224,16 @@ def test_labels_survive_a_resumed_capture(tmp_path: Path, llama, monkeypatch) ->
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    monkeypatch.setattr(runner, "capture_batch", flaky)
+    monkeypatch.setattr(forward, "capture_batch", flaky)
     with pytest.raises(KeyboardInterrupt):
         run_capture(CFG, tmp_path / "part", model=llama, tokenizer=tok, progress=False)
-    monkeypatch.setattr(runner, "capture_batch", real)
+    monkeypatch.setattr(forward, "capture_batch", real)
     s = run_capture(CFG, tmp_path / "part", model=llama, tokenizer=tok, progress=False)
     assert s.prompts_skipped == 1 and s.prompts_written == 2
     a, b = RowStore.open(tmp_path / "full").prompts, RowStore.open(tmp_path / "part").prompts
     assert a.select("prompt_id", "tokens", "facts").equals(b.select("prompt_id", "tokens", "facts"))
     for toks, facts, pid in zip(b["tokens"].to_list(), b["facts"].to_list(), b["prompt_id"].to_list()):
-        prompt = runner.build_capture_prompt(CFG.source, CFG.context, tok, CFG.seed, pid)
+        prompt = build_capture_prompt(CFG.source, CFG.context, tok, CFG.seed, pid)
         assert facts == list(prompt.facts)
         asked = [f for f in facts if f["asked"]]
         assert len(asked) == 1 and tok.decode(toks[asked[0]["value_start"]:asked[0]["value_end"]]) == prompt.answer

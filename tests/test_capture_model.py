@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from evictlab.tasks import corpus, sources
-from evictlab.capture.runner import CaptureConfig, run_capture
+from evictlab.capture.config import CaptureConfig
+from evictlab.capture.runner import run_capture
 from evictlab.capture.testing import check_against_eager
 from evictlab.models import loading, registry
 from evictlab.models import pull as pulling

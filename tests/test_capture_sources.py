@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from evictlab.tasks.sources import build_capture_prompt
-from evictlab.capture.runner import CaptureConfig, run_capture
+from evictlab.capture.config import CaptureConfig
+from evictlab.capture.runner import run_capture
 from evictlab.capture.testing import ByteTokenizer, tiny_model
 from evictlab.tasks.texts import load_text_source, tokens_sha256
 from evictlab.errors import InputError

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from evictlab.capture.runner import CaptureConfig, run_capture
+from evictlab.capture.config import CaptureConfig
+from evictlab.capture.runner import run_capture
 from evictlab.contour.fit import fit_profile
 from evictlab.decode.audit import task_examples
 from evictlab.decode.config import DecodeConfig

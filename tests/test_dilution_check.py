@@ -13,7 +13,8 @@ import polars as pl
 import pytest
 
 from cli_helpers import run_cli
-from evictlab.capture.runner import CaptureConfig, run_capture
+from evictlab.capture.config import CaptureConfig
+from evictlab.capture.runner import run_capture
 from evictlab.capture.testing import ByteTokenizer, tiny_model
 from evictlab.dilution import check as check_mod
 from evictlab.dilution.check import CHECKS, CheckConfig, run_check

@@ -77,7 +77,7 @@ class SweepConfig:
     layers: str = "all"
 
     def check(self) -> None:
-        from evictlab.capture.runner import parse_layers
+        from evictlab.capture.config import parse_layers
         from evictlab.kv.budget import Budget
         from evictlab.methods import parse_method
         from evictlab.models.loading import check_device
@@ -159,7 +159,7 @@ def reference(lm: Any, tok: Any, ex: DilutionExample, cfg: SweepConfig, layers: 
     attention rows are recorded, None = all)."""
     import torch
 
-    from evictlab.capture.runner import capture_prompt
+    from evictlab.capture.forward import capture_prompt
     from evictlab.decode.loop import run_sequence
 
     dev = next(lm.parameters()).device
@@ -354,7 +354,7 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True, m
     import torch
     from tqdm.auto import tqdm
 
-    from evictlab.capture.runner import parse_layers
+    from evictlab.capture.config import parse_layers
     from evictlab.dilution.parts import PartStore
     from evictlab.tasks.distractors import make_example
     from evictlab.io import atomic_path, check_output_path, exclusive_lock
