@@ -9,7 +9,10 @@ from typing import List, Optional
 import typer
 
 from evictlab.errors import InputError
-from evictlab.pipeline.stages import AnalysisConfig, CaptureSpec, analyse, contour_finish, contour_start, parse_budgets, rows_and_results
+from evictlab.pipeline.analysis import analyse
+from evictlab.pipeline.config import AnalysisConfig, CaptureSpec, parse_budgets
+from evictlab.pipeline.contour import contour_finish, contour_start
+from evictlab.pipeline.stages import rows_and_results
 
 #: Default (demo) sizes per model, measured to fit the time bars on the 2-core machine
 #: (docs/reproduction.md): 8 prompts from 8 different plays per model; Gemma 3 has fewer
