@@ -9,7 +9,9 @@ import polars as pl
 import pytest
 
 from evictlab.errors import InputError
-from evictlab.eval.claims import enforcement_cost, query_aware_margin, versus
+from evictlab.eval.claims.common import versus
+from evictlab.eval.claims.enforcement import enforcement_cost
+from evictlab.eval.claims.margin import query_aware_margin
 from evictlab.eval.compare import TieRule, cluster_bootstrap_mean, compare, example_outcomes, wtl_table
 from evictlab.eval.runner import RESULT_COLUMNS
 

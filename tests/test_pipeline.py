@@ -101,7 +101,7 @@ def test_search_pool_skips_the_beyond_pool_section(tmp_path: Path) -> None:
 
 def _contour_result(tmp: Path) -> Any:
     """A ContourResult from a hand-made grid: ContourKV wins 2 of 3 examples at 64/cell, ties at 128."""
-    from evictlab.eval.claims import contourkv_versus
+    from evictlab.eval.claims.contour import contourkv_versus
     from evictlab.eval.runner import RESULT_COLUMNS
     from evictlab.pipeline.contour import ContourResult
 

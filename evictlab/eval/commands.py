@@ -196,7 +196,9 @@ def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any
     import polars as pl
 
     from evictlab.errors import InputError
-    from evictlab.eval.claims import contourkv_versus, enforcement_cost, query_aware_margin
+    from evictlab.eval.claims.contour import contourkv_versus
+    from evictlab.eval.claims.enforcement import enforcement_cost
+    from evictlab.eval.claims.margin import query_aware_margin
     from evictlab.eval.compare import compare as compare_pairs
     from evictlab.io import atomic_path, atomic_write_text
     from evictlab.plots.evaluation import accuracy_vs_bytes, wtl_bars

@@ -38,7 +38,7 @@ CERT_MAX_S = 8
 
 #: The ContourKV section of the default job: one model, one task, two budgets, SnapKV
 #: windows with ContourKV (online) and with each baseline, physical (docs/reproduction.md);
-#: ``--full`` runs :data:`evictlab.eval.claims.CONTOUR_FULL_GRID`.
+#: ``--full`` runs :data:`evictlab.eval.claims.contour.CONTOUR_FULL_GRID`.
 DEMO_CONTOUR = {
     "tasks": ["needle_word"], "contexts": [512], "budgets": ["64", "128"],
     "methods": ["snapkv+contourkv", "snapkv", "snapkv+pyramidkv", "snapkv+adakv"],
@@ -139,7 +139,7 @@ def demo(
     inputs: dict[str, dict[str, str]] = {"results": {}, "rows": {}, "certified": {}, "certified_rows": {}}
     contour_job = None
     if contour and not synthetic and not results:
-        from evictlab.eval.claims import CONTOUR_FULL_GRID
+        from evictlab.eval.claims.contour import CONTOUR_FULL_GRID
 
         # the grid needs only the model: it runs on a second core beside capture and solve
         grid = dict(CONTOUR_FULL_GRID) if full else {**DEMO_CONTOUR, "models": [model]}

@@ -18,7 +18,7 @@ from evictlab.pipeline.config import AnalysisConfig, StageError
 @dataclass
 class ContourResult:
     """The ContourKV section's inputs to the report: the grid as run, its results, the
-    claim rows and the per-comparison table of :func:`evictlab.eval.claims.contourkv_versus`."""
+    claim rows and the per-comparison table of :func:`evictlab.eval.claims.contour.contourkv_versus`."""
 
     grid: dict[str, Any]
     folder: Path
@@ -50,7 +50,7 @@ class ContourJob:
 
 def contour_start(grid: dict[str, Any], work: Path, cfg: AnalysisConfig, log: Any) -> ContourJob:
     """Start ``evictlab eval run`` over ``grid`` (keys of
-    :data:`evictlab.eval.claims.CONTOUR_FULL_GRID`) into ``work`` (a rerun resumes it) as a
+    :data:`evictlab.eval.claims.contour.CONTOUR_FULL_GRID`) into ``work`` (a rerun resumes it) as a
     subprocess, and return at once: the grid needs only the model, so it runs on a second
     core while the single-threaded capture and solve stages run (docs/reproduction.md).
     :func:`contour_finish` waits for it. A subprocess like stages 1-2, so its input errors
@@ -71,7 +71,7 @@ def contour_finish(job: ContourJob, cfg: AnalysisConfig, log: Any) -> ContourRes
     matched bytes; raise StageError when the grid failed."""
     import polars as pl
 
-    from evictlab.eval.claims import contourkv_versus
+    from evictlab.eval.claims.contour import contourkv_versus
 
     if job.proc.poll() is None:
         log("waiting for the ContourKV grid")
