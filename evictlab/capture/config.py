@@ -79,5 +79,6 @@ def parse_layers(spec: str, n_layers: int | None) -> list[int] | None:
     return sorted(out)
 
 
-def _auto_batch(cfg: CaptureConfig, device_type: str) -> int:
+def auto_batch(cfg: CaptureConfig, device_type: str) -> int:
+    """Prompts per forward: ``--batch``, or with 0 (auto) 8 on CUDA and 1 on CPU."""
     return cfg.batch or (8 if device_type == "cuda" else 1)

@@ -201,5 +201,6 @@ def capture_prompts(model: Any, prompts: list[PromptTokens], ids: list[int], cfg
     return [prompt_rows(i, p, cfg.mode, caps) for i, p, caps in zip(ids, prompts, items)]
 
 
-def _forward_len(prompt: PromptTokens, mode: str) -> int:
+def forward_len(prompt: PromptTokens, mode: str) -> int:
+    """Tokens of ``prompt``'s forward under ``mode`` (prompts of equal length share one forward)."""
     return len(_tokens_for_forward(prompt, mode))

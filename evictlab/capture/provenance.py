@@ -20,7 +20,7 @@ _FIXED = ("model", "source", "context", "positions", "mode", "layers", "seed")
 
 
 
-def _text_provenance(cfg: CaptureConfig) -> dict[str, str]:
+def text_provenance(cfg: CaptureConfig) -> dict[str, str]:
     """For text sources: the prompt rule and a hash of the source's text (read now, so a
     missing file or a bad JSON line is reported before the model loads)."""
     from evictlab.tasks.texts import PROMPT_RULE, is_text_source, load_text_source
@@ -37,7 +37,7 @@ def _text_provenance(cfg: CaptureConfig) -> dict[str, str]:
     return {"prompt_rule": PROMPT_RULE, "text_sha256": src.sha256()}
 
 
-def _check_resume(out: Path, cfg: CaptureConfig, text: dict[str, str]) -> None:
+def check_resume(out: Path, cfg: CaptureConfig, text: dict[str, str]) -> None:
     man_path = out / "manifest.json"
     if not man_path.is_file():
         return
@@ -59,7 +59,7 @@ def _check_resume(out: Path, cfg: CaptureConfig, text: dict[str, str]) -> None:
                              "use a new --out (its prompts could not be rebuilt)")
 
 
-def _source_info(cfg: CaptureConfig, model: Any, text: dict[str, str]) -> tuple[dict[str, Any], int, int]:
+def source_info(cfg: CaptureConfig, model: Any, text: dict[str, str]) -> tuple[dict[str, Any], int, int]:
     """The manifest's ``source`` entry, the head dim and the layer count of a loaded model."""
     sites = find_attention_sites(model)
     head_dim = sites[0].head_dim

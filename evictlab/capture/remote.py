@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from evictlab.capture.config import CaptureConfig, _auto_batch, parse_layers
-from evictlab.capture.forward import PromptRows, _forward_len, capture_prompts, plan_groups, write_rows
-from evictlab.capture.provenance import _source_info, _text_provenance
+from evictlab.capture.config import CaptureConfig, auto_batch, parse_layers
+from evictlab.capture.forward import PromptRows, forward_len, capture_prompts, plan_groups, write_rows
+from evictlab.capture.provenance import source_info, text_provenance
 from evictlab.errors import InputError
 from evictlab.tasks.sources import PromptTokens, build_capture_prompt
 
@@ -74,10 +74,10 @@ def capture_probe(cfg: CaptureConfig) -> CapturePlan:
     from evictlab.models.loading import weights_digest
 
     model, tok, _ = _worker_model(cfg)
-    source, head_dim, n_layers = _source_info(cfg, model, _text_provenance(cfg))
+    source, head_dim, n_layers = source_info(cfg, model, text_provenance(cfg))
     parse_layers(cfg.layers, n_layers)
     prompts = [build_capture_prompt(cfg.source, cfg.context, tok, cfg.seed, i) for i in range(cfg.prompts)]
-    return CapturePlan(source, head_dim, tuple(_forward_len(p, cfg.mode) for p in prompts),
+    return CapturePlan(source, head_dim, tuple(forward_len(p, cfg.mode) for p in prompts),
                        tuple(_token_digest(p) for p in prompts), weights_digest(model))
 
 
@@ -106,7 +106,7 @@ def capture_group(task: CaptureTask) -> list[PromptRows]:
             raise InputError("--source", f"node {socket.gethostname()} builds prompt {i} with other tokens than the "
                              "first task (another source text or tokenizer): rows of two datasets would be mixed",
                              "give every node the same source files and model (shared storage)")
-    _, _, n_layers = _source_info(cfg, model, {})
+    _, _, n_layers = source_info(cfg, model, {})
     return capture_prompts(model, prompts, ids, cfg, parse_layers(cfg.layers, n_layers), device)
 
 
@@ -118,7 +118,7 @@ def _device_type(device: str) -> str:
     return kind
 
 
-def _capture_remote(cfg: CaptureConfig, out: Path, text: dict[str, str], executor: Any, progress: bool,
+def capture_remote(cfg: CaptureConfig, out: Path, text: dict[str, str], executor: Any, progress: bool,
                     model_label: str | None) -> tuple[int, int, int, float]:
     """A remote executor: a probe task, then one task per forward group; rows are written
     here, in prompt order."""
@@ -139,7 +139,7 @@ def _capture_remote(cfg: CaptureConfig, out: Path, text: dict[str, str], executo
         done = writer.completed_prompts
         todo = [i for i in range(cfg.prompts) if i not in done]
         skipped = cfg.prompts - len(todo)
-        groups = plan_groups(todo, lambda i: plan.lengths[i], _auto_batch(cfg, kind))
+        groups = plan_groups(todo, lambda i: plan.lengths[i], auto_batch(cfg, kind))
         tasks = [CaptureTask(cfg, tuple(g), plan.weights, tuple(plan.token_digests[i] for i in g)) for g in groups]
         bar = task_bar(f"capture {cfg.model}", disable=not progress)
         # closing(): an error or Ctrl-C here cancels the tasks still out at once

@@ -34,10 +34,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from evictlab.capture.config import CaptureConfig, _auto_batch, parse_layers
-from evictlab.capture.forward import _forward_len, capture_prompts, write_rows
-from evictlab.capture.provenance import _check_resume, _source_info, _text_provenance
-from evictlab.capture.remote import _capture_remote
+from evictlab.capture.config import CaptureConfig, auto_batch, parse_layers
+from evictlab.capture.forward import forward_len, capture_prompts, write_rows
+from evictlab.capture.provenance import check_resume, source_info, text_provenance
+from evictlab.capture.remote import capture_remote
 from evictlab.errors import InputError
 from evictlab.tasks.sources import PromptTokens, build_capture_prompt
 
@@ -73,8 +73,8 @@ def run_capture(cfg: CaptureConfig, out: str | Path, *, model: Any = None, token
 
     cfg.check()
     out = check_output_path(out, "--out", directory=True)  # before the model is loaded
-    text = _text_provenance(cfg)
-    _check_resume(out, cfg, text)
+    text = text_provenance(cfg)
+    check_resume(out, cfg, text)
     if cfg.threads < 0:
         raise InputError("--threads", f"must be >= 0, got {cfg.threads}", "pass 0 (torch default) or a thread count")
     remote = executor is not None and executor.name != "local"
@@ -85,7 +85,7 @@ def run_capture(cfg: CaptureConfig, out: str | Path, *, model: Any = None, token
         if model is not None:
             raise InputError("model", "a pre-loaded model cannot be sent to remote workers",
                              "pass the model by name (cfg.model), or use the local executor")
-        written, skipped, rows_written, worst = _capture_remote(cfg, out, text, executor, progress, model_label)
+        written, skipped, rows_written, worst = capture_remote(cfg, out, text, executor, progress, model_label)
     else:
         written, skipped, rows_written, worst = _capture_local(cfg, out, text, model, tokenizer, progress,
                                                                model_label)
@@ -118,7 +118,7 @@ def _capture_local(cfg: CaptureConfig, out: Path, text: dict[str, str], model: A
         model, tokenizer = load_model(cfg.model, device=cfg.device)
     else:
         model.to(device)
-    source, head_dim, n_layers = _source_info(cfg, model, text)
+    source, head_dim, n_layers = source_info(cfg, model, text)
     layers = parse_layers(cfg.layers, n_layers)
     # a prompt the settings cannot build (e.g. a text shorter than --context) is refused
     # before the dataset folder exists
@@ -142,7 +142,7 @@ def _capture_local(cfg: CaptureConfig, out: Path, text: dict[str, str], model: A
         skipped = cfg.prompts - len(todo)
         if 0 in done:
             built.clear()
-        per = _auto_batch(cfg, device.type)
+        per = auto_batch(cfg, device.type)
         bar = tqdm(total=cfg.prompts, initial=skipped, desc=f"capture {cfg.model}", unit="prompt",
                    disable=not progress)
         # groups are planned lazily, so each prompt is built once, just before its forward
@@ -151,7 +151,7 @@ def _capture_local(cfg: CaptureConfig, out: Path, text: dict[str, str], model: A
             group.append(i)
             nxt = todo[pos + 1] if pos + 1 < len(todo) else None
             if (nxt is not None and len(group) < per
-                    and _forward_len(prompt(nxt), cfg.mode) == _forward_len(prompt(group[0]), cfg.mode)):
+                    and forward_len(prompt(nxt), cfg.mode) == forward_len(prompt(group[0]), cfg.mode)):
                 continue
             batch = [prompt(j) for j in group]
             for j in group:

@@ -34,7 +34,7 @@ from numba import njit, prange
 
 from evictlab.core.freeweight import row_free_weight
 from evictlab.core.ranking import top_k_desc
-from evictlab.core.threads import _call
+from evictlab.core.threads import run_kernel
 from evictlab.core.validate import (
     check_budget,
     check_count,
@@ -378,7 +378,7 @@ def batch_dense_output(
 ) -> np.ndarray:
     """Dense outputs ``mu_i = sum_j p_j v_j`` of every row: float64 ``(N, d)``."""
     b = _batch(p, p_off, values, v_start, validate)
-    return _call(_k_dense_output, b[0].shape[0] * b[2].shape[1], *b)
+    return run_kernel(_k_dense_output, b[0].shape[0] * b[2].shape[1], *b)
 
 
 def batch_top_mass(p: np.ndarray, p_off: np.ndarray, s: int, *, validate: bool = True) -> np.ndarray:
@@ -389,7 +389,7 @@ def batch_top_mass(p: np.ndarray, p_off: np.ndarray, s: int, *, validate: bool =
     """
     p_arr, off = _masses(p, p_off, validate)
     s = _check_budget_rows(s, off)
-    return _call(_k_top_mass, 20.0 * p_arr.shape[0], p_arr, off, s)
+    return run_kernel(_k_top_mass, 20.0 * p_arr.shape[0], p_arr, off, s)
 
 
 def batch_candidate_pool(
@@ -418,7 +418,7 @@ def batch_candidate_pool(
     r_m = check_count(r_m, "r_m")
     r_e = check_count(r_e, "r_e")
     c_max = int(min(int(np.diff(b[1]).max()), s + r_m + r_e))
-    return _call(_k_candidate_pool, b[0].shape[0] * (b[2].shape[1] + 40.0), *b, s, r_m, r_e, c_max)
+    return run_kernel(_k_candidate_pool, b[0].shape[0] * (b[2].shape[1] + 40.0), *b, s, r_m, r_e, c_max)
 
 
 def batch_forced_error(
@@ -430,14 +430,14 @@ def batch_forced_error(
     """
     b = _batch(p, p_off, values, v_start, validate)
     k = _kept(kept, b[1], validate)
-    return _call(_k_forced_error, b[0].shape[0] * b[2].shape[1], *b, k)
+    return run_kernel(_k_forced_error, b[0].shape[0] * b[2].shape[1], *b, k)
 
 
 def batch_dropped_mass(p: np.ndarray, p_off: np.ndarray, kept: np.ndarray, *, validate: bool = True) -> np.ndarray:
     """Dropped masses ``D(A_i)`` (of the normalised rows) of every row: float64 ``(N,)`` in ``[0, 1]``."""
     p_arr, off = _masses(p, p_off, validate)
     k = _kept(kept, off, validate)
-    return _call(_k_dropped_mass, 2.0 * p_arr.shape[0], p_arr, off, k)
+    return run_kernel(_k_dropped_mass, 2.0 * p_arr.shape[0], p_arr, off, k)
 
 
 def batch_free_weight_error(
@@ -454,7 +454,7 @@ def batch_free_weight_error(
     # Wolfe: Gram matrix k^2 d per row plus a few least-squares solves of similar cost; the
     # exact phase's LAPACK calls run inside the parallel loop (one BLAS thread).
     work = 4.0 * k.shape[0] * k.shape[1] ** 2 * b[2].shape[1]
-    return _call(_k_free_weight_error, work, *b, k, lapack=True)
+    return run_kernel(_k_free_weight_error, work, *b, k, lapack=True)
 
 
 def batch_single_key_errors(
@@ -462,10 +462,10 @@ def batch_single_key_errors(
 ) -> np.ndarray:
     """Single-key errors ``||mu_i - v_j||`` of every key of every row: float64 ``[sum n_i]`` (laid out like ``p``)."""
     b = _batch(p, p_off, values, v_start, validate)
-    return _call(_k_single_key_errors, 2.0 * b[0].shape[0] * b[2].shape[1], *b)
+    return run_kernel(_k_single_key_errors, 2.0 * b[0].shape[0] * b[2].shape[1], *b)
 
 
 def batch_entropy(p: np.ndarray, p_off: np.ndarray, *, validate: bool = True) -> np.ndarray:
     """Shannon entropies (nats) of the normalised rows: float64 ``(N,)``."""
     p_arr, off = _masses(p, p_off, validate)
-    return _call(_k_entropy, 20.0 * p_arr.shape[0], p_arr, off)
+    return run_kernel(_k_entropy, 20.0 * p_arr.shape[0], p_arr, off)

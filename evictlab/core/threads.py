@@ -24,7 +24,7 @@ def single_blas_thread():
     return threadpool_limits(limits=1)
 
 
-def _call(kernel, work: float, *args, lapack: bool = False):
+def run_kernel(kernel, work: float, *args, lapack: bool = False):
     """Run a parallel kernel, on one thread when ``work`` (multiply-adds) is small.
 
     ``lapack=True``: the kernel calls LAPACK inside its parallel loop, so BLAS is limited to

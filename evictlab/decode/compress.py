@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from evictlab.decode.config import DecodeConfig
-from evictlab.decode.extras import _check_recon_tokenizer, _recon_ids, tokens_out_tensor
+from evictlab.decode.extras import check_recon_tokenizer, recon_ids, tokens_out_tensor
 from evictlab.errors import BudgetExceededError, InputError
 from evictlab.kv.base import KVStore
 from evictlab.kv.budget import ByteReport
@@ -109,7 +109,7 @@ class EvictionRunner:
         self.recon = "reconstruction" in needs
         self.tokenizer = tokenizer
         if self.recon:
-            _check_recon_tokenizer(g, self.scorer, tokenizer)
+            check_recon_tokenizer(g, self.scorer, tokenizer)
         self._pending: list[torch.Tensor] = []  # chunks fed since the last reconstruction
         self.decode_headroom = decode_headroom_tokens_per_cell
         #: per layer, the kept positions right after the context (see DecodeOutput)
@@ -159,7 +159,7 @@ class EvictionRunner:
             if self.live_per_sequence() > self.budget_tokens:
                 # A compression follows: reconstruct every chunk fed since the last one,
                 # one pass (prompt + chunk) per chunk, as KVzip chunks long contexts.
-                passes = [self.reconstruction_queries(_recon_ids(self.scorer, c, self.tokenizer))
+                passes = [self.reconstruction_queries(recon_ids(self.scorer, c, self.tokenizer))
                           for c in self._pending]
                 self.extra_queries = {l: torch.cat([p[l] for p in passes], 2) for l in range(self.n_layers)}
                 self._pending = []
@@ -183,7 +183,7 @@ class EvictionRunner:
             return None
         if self.recon:
             recent_ids = tokens_out_tensor(tokens, self.cfg.window)
-            self.extra_queries = self.reconstruction_queries(_recon_ids(self.scorer, recent_ids, self.tokenizer))
+            self.extra_queries = self.reconstruction_queries(recon_ids(self.scorer, recent_ids, self.tokenizer))
         self.compress("decode")
         return "compress"
 
@@ -309,7 +309,7 @@ class EvictionRunner:
         """KVzip-style: feed ``ids`` after the cache, record its queries, then drop its entries.
 
         ``ids`` is a reconstruction pass (KVzip: its "repeat" prompt, then context tokens
-        again; see :func:`_recon_ids`), appended at positions after every held key; its
+        again; see :func:`recon_ids`), appended at positions after every held key; its
         post-RoPE queries are returned per layer ``(batch, q_heads, q_len, d)``, and the
         appended entries are discarded again (:meth:`KVStore.discard_recent`: freed in the
         paged store, and not part of the audited cache in the masked one), so the pass leaves

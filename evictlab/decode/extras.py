@@ -2,9 +2,9 @@
 the labelled oracle's true future queries.
 
 A scorer whose ``needs`` include ``"reconstruction"`` gets, before each compression, the
-queries of a pass that re-feeds the context after its own prompt (:func:`_recon_ids`); one
+queries of a pass that re-feeds the context after its own prompt (:func:`recon_ids`); one
 whose ``needs`` include ``"future"`` gets the queries the model will really issue
-(:func:`_oracle_queries`, teacher-forced runs only).
+(:func:`oracle_queries`, teacher-forced runs only).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from evictlab.kv.masked import MaskedKVStore
 from evictlab.models.geometry import ModelGeometry, model_geometry
 
 
-def _oracle_queries(model: torch.nn.Module, ids: torch.Tensor, n_future: int) -> dict[int, torch.Tensor]:
+def oracle_queries(model: torch.nn.Module, ids: torch.Tensor, n_future: int) -> dict[int, torch.Tensor]:
     """True future queries (labelled oracle): the last ``n_future`` positions of a dense pass."""
     g = model_geometry(model)
     store = MaskedKVStore(g.n_layers, ids.shape[0], g.kv_heads, g.head_dim, dtype=g.dtype, device=ids.device,
@@ -36,7 +36,7 @@ def tokens_out_tensor(tokens: list[torch.Tensor], window: int) -> torch.Tensor:
     return torch.stack(tokens[-window:], 1)
 
 
-class _PromptEncoder:
+class PromptEncoder:
     """``encode(text, add_special_tokens=...)`` over any tokenizer the loop accepts: a Hugging
     Face tokenizer, a callable stand-in (``ByteTokenizer``), or ``None`` (byte vocabulary)."""
 
@@ -49,7 +49,7 @@ class _PromptEncoder:
         return encode_text(self.tokenizer, text, special=add_special_tokens)
 
 
-def _check_recon_tokenizer(geometry: ModelGeometry, scorer: Any, tokenizer: Any) -> None:
+def check_recon_tokenizer(geometry: ModelGeometry, scorer: Any, tokenizer: Any) -> None:
     """Without a tokenizer the reconstruction prompt is UTF-8 bytes: only right for a byte vocab."""
     if tokenizer is not None or getattr(scorer, "reconstruction_ids", None) is None:
         return
@@ -60,7 +60,7 @@ def _check_recon_tokenizer(geometry: ModelGeometry, scorer: Any, tokenizer: Any)
                          "pass tokenizer=... to run_sequence / run_audit")
 
 
-def _recon_ids(scorer: Any, chunk: torch.Tensor, tokenizer: Any) -> torch.Tensor:
+def recon_ids(scorer: Any, chunk: torch.Tensor, tokenizer: Any) -> torch.Tensor:
     """Token ids ``(batch, p + n)`` of a reconstruction pass over ``chunk`` ``(batch, n)``.
 
     A scorer with ``reconstruction_ids(chunk, tokenizer)`` (KVzip: its "repeat the previous
@@ -70,4 +70,4 @@ def _recon_ids(scorer: Any, chunk: torch.Tensor, tokenizer: Any) -> torch.Tensor
     build = getattr(scorer, "reconstruction_ids", None)
     if build is None:
         return chunk
-    return build(chunk, _PromptEncoder(tokenizer))
+    return build(chunk, PromptEncoder(tokenizer))

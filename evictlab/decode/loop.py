@@ -79,7 +79,7 @@ import torch
 
 from evictlab.decode.compress import EvictionRunner
 from evictlab.decode.config import DecodeConfig
-from evictlab.decode.extras import _check_recon_tokenizer, _oracle_queries, _recon_ids
+from evictlab.decode.extras import check_recon_tokenizer, oracle_queries, recon_ids
 from evictlab.errors import InputError
 from evictlab.kv.budget import ByteReport, kv_bytes
 from evictlab.methods.base import Phase
@@ -337,8 +337,8 @@ def _evicting_engine(model: torch.nn.Module, cfg: DecodeConfig, context_ids: tor
     recon = "reconstruction" in needs
     prompt_len = 0
     if recon:
-        _check_recon_tokenizer(g, scorers[0], tokenizer)
-        prompt_len = _recon_ids(scorers[0], context_ids[:, :0], tokenizer).shape[1]
+        check_recon_tokenizer(g, scorers[0], tokenizer)
+        prompt_len = recon_ids(scorers[0], context_ids[:, :0], tokenizer).shape[1]
     prefill_fed = n + (m - 1 if cfg.query_aware else 0)
     chunk = min(cfg.chunk_size, prefill_fed)
     recon_head = chunk + prompt_len if recon else 0
@@ -357,5 +357,5 @@ def _evicting_engine(model: torch.nn.Module, cfg: DecodeConfig, context_ids: tor
         if answer_ids is None:
             raise InputError("method", "the oracle needs the true future tokens", "run it teacher-forced (with an answer)")
         with torch.no_grad():
-            runner.extra_queries = _oracle_queries(model, torch.cat([context_ids, question_ids, answer_ids], 1), m + T)
+            runner.extra_queries = oracle_queries(model, torch.cat([context_ids, question_ids, answer_ids], 1), m + T)
     return runner

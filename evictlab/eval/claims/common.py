@@ -36,22 +36,25 @@ def versus(lo: float, hi: float, p_lo: float, p_hi: float) -> str:
     return "paper overlaps our CI"
 
 
-def _paired(results: pl.DataFrame, on: list[str], a: pl.Expr, b: pl.Expr) -> pl.DataFrame:
+def paired(results: pl.DataFrame, on: list[str], a: pl.Expr, b: pl.Expr) -> pl.DataFrame:
     """Rows of arm ``a`` joined with arm ``b`` on ``on`` + example (suffix ``_b``)."""
     return results.filter(a).join(results.filter(b), on=[*on, "example"], suffix="_b", how="inner")
 
 
-def _full_em(results: pl.DataFrame) -> pl.DataFrame:
+def full_em(results: pl.DataFrame) -> pl.DataFrame:
+    """The full cache's exact match per (model, task, context), column ``full_em``."""
     return (results.filter(pl.col("method") == "full").group_by(["model", "task", "context"])
             .agg(full_em=pl.col("exact_match").mean()))
 
 
-def _pool(rows: pl.DataFrame, diff: str, key: str, seed: int, n_boot: int) -> tuple[float, float, float]:
+def pooled_mean(rows: pl.DataFrame, diff: str, key: str, seed: int, n_boot: int) -> tuple[float, float, float]:
+    """Mean of ``diff`` in points with its bootstrap interval, resampling examples (one task,
+    context and index) across every comparison of ``rows``."""
     clusters = rows.select(pl.format("{}|{}|{}", "task", "context", "example")).to_series().to_list()
     return cluster_bootstrap_mean(rows[diff].to_numpy() * 100.0, clusters, seed=seed, key=key, n_boot=n_boot)
 
 
-def _detail(j: pl.DataFrame, on: list[str], name: str, stats: Any, results: pl.DataFrame, seed: int,
+def detail_table(j: pl.DataFrame, on: list[str], name: str, stats: Any, results: pl.DataFrame, seed: int,
             n_boot: int) -> pl.DataFrame:
     """One row per comparison (``on``): the mean of ``d`` in points as ``name`` with its
     bootstrap interval over examples, ``stats(group)``, and the full cache's exact match."""
@@ -60,10 +63,10 @@ def _detail(j: pl.DataFrame, on: list[str], name: str, stats: Any, results: pl.D
         v, lo, hi = cluster_bootstrap_mean(g["d"].to_numpy() * 100.0, None, seed=seed, key="|".join(map(str, k)),
                                            n_boot=n_boot)
         rows.append({**dict(zip(on, k)), "n": g.height, name: v, f"{name}_lo": lo, f"{name}_hi": hi, **stats(g)})
-    return pl.DataFrame(rows).join(_full_em(results), on=["model", "task", "context"], how="left")
+    return pl.DataFrame(rows).join(full_em(results), on=["model", "task", "context"], how="left")
 
 
-def _where(model: str, g: pl.DataFrame, detail: pl.DataFrame) -> dict[str, str]:
+def claim_fields(model: str, g: pl.DataFrame, detail: pl.DataFrame) -> dict[str, str]:
     """The model, rows and budgets fields of a claim row."""
     return {"model": f"{model} ({weights_for(model, 'weights as loaded')})",
             "rows": f"{g.height} paired examples, {detail.height} comparison{'s' if detail.height != 1 else ''} "
@@ -71,7 +74,7 @@ def _where(model: str, g: pl.DataFrame, detail: pl.DataFrame) -> dict[str, str]:
             "budgets": ", ".join(dict.fromkeys(detail["budget"].to_list()))}
 
 
-def _full_note(detail: pl.DataFrame) -> str:
+def full_note(detail: pl.DataFrame) -> str:
     """The full cache's exact match over the comparisons' (task, context): a floor is said."""
     em = detail["full_em"].drop_nulls()
     if em.len() == 0:
@@ -81,5 +84,6 @@ def _full_note(detail: pl.DataFrame) -> str:
     return note + (" (at the floor: not readable as a method effect)" if hi <= 0.1 else "")
 
 
-def _fmt(v: float, lo: float, hi: float) -> str:
+def points_text(v: float, lo: float, hi: float) -> str:
+    """``+v [+lo, +hi] points`` (``n/a`` without data)."""
     return "n/a" if not np.isfinite(v) else f"{v:+.1f} [{lo:+.1f}, {hi:+.1f}] points"

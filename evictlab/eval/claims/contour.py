@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from evictlab.eval.claims.common import _full_em, _full_note, versus
+from evictlab.eval.claims.common import full_em, full_note, versus
 from evictlab.eval.compare import cluster_bootstrap_mean
 from evictlab.stats.claims import ClaimRow, weights_for
 
@@ -144,7 +144,7 @@ def contourkv_versus(results: pl.DataFrame, *, tolerance: float = 0.1, seed: int
                    (pl.col("baseline_masked_bytes").mean() / 2**20).alias("MiB_baseline_masked"))
               .with_columns(verdict=pl.when(pl.col("wins") > pl.col("losses")).then(pl.lit("win"))
                             .when(pl.col("wins") < pl.col("losses")).then(pl.lit("loss")).otherwise(pl.lit("tie")))
-              .join(_full_em(results), on=["model", "task", "context"], how="left"))
+              .join(full_em(results), on=["model", "task", "context"], how="left"))
     models = sorted(set(o["model"]))
     where = {"model": "; ".join(f"{m} ({weights_for(m, 'weights as loaded')})" for m in models)}
     defs = ("physical mode, same budget (bytes held equal: see MiB columns of the detail), same scorer on both sides; "
@@ -158,8 +158,8 @@ def contourkv_versus(results: pl.DataFrame, *, tolerance: float = 0.1, seed: int
                         f"scorers {', '.join(sorted(set(g['scorer'])))})",
                 "budgets": ", ".join(dict.fromkeys(g["budget"].to_list()))}  # the grid's order
 
-    def full_note(g: pl.DataFrame) -> str:
-        return _full_note(detail.join(g.select(_COMPARISON).unique(), on=_COMPARISON, how="semi"))
+    def full_note_of(g: pl.DataFrame) -> str:
+        return full_note(detail.join(g.select(_COMPARISON).unique(), on=_COMPARISON, how="semi"))
 
     for (method_alloc, base_alloc), g in o.group_by(["allocator", "baseline_allocator"], maintain_order=True):
         c = _counts(g)
@@ -168,7 +168,7 @@ def contourkv_versus(results: pl.DataFrame, *, tolerance: float = 0.1, seed: int
             claim_id=f"contourkv:{method_alloc}_vs_{base_alloc}",
             claim=f"{method_alloc} beats {base_alloc} at matched bytes (same scorer)",
             paper_value="n/a (the paper compares against methods; see the rows below)",
-            our_value=f"{_wtl_text(c)}; share won {v:.2f} [{lo:.2f}, {hi:.2f}]; {full_note(g)}",
+            our_value=f"{_wtl_text(c)}; share won {v:.2f} [{lo:.2f}, {hi:.2f}]; {full_note_of(g)}",
             verdict="no paper value", **where, **rows_text(g), interval=CONTOUR_INTERVAL, definitions=defs))
 
     def share_row(sub: pl.DataFrame, which: int, claim_id: str, claim: str, paper: tuple[Any, ...],
@@ -184,7 +184,7 @@ def contourkv_versus(results: pl.DataFrame, *, tolerance: float = 0.1, seed: int
         return ClaimRow(
             claim_id=claim_id, claim=claim, paper_value=f"{paper_text} (share {word} {count / total:.2f})",
             our_value=f"{label}: {_wtl_text(_counts(sub))}; share {word} {v:.2f} [{lo:.2f}, {hi:.2f}]; "
-                      f"{full_note(sub)}",
+                      f"{full_note_of(sub)}",
             verdict=versus(lo, hi, count / total, count / total), **where, **rows_text(sub),
             interval=CONTOUR_INTERVAL, definitions=defs + extra)
 
@@ -216,7 +216,7 @@ def contourkv_versus(results: pl.DataFrame, *, tolerance: float = 0.1, seed: int
             our_value=(f"snapkv+contourkv vs snapkv: per (model, task) win rate {per['ours'].min():.2f}-"
                        f"{per['ours'].max():.2f} vs {per['theirs'].min():.2f}-{per['theirs'].max():.2f}; pooled "
                        f"{w[0]:.2f} [{w[1]:.2f}, {w[2]:.2f}] vs {lz[0]:.2f} [{lz[1]:.2f}, {lz[2]:.2f}]; "
-                       f"{full_note(sk)}"),
+                       f"{full_note_of(sk)}"),
             verdict=f"ContourKV's: {versus(w[1], w[2], c_lo, c_hi)}; SnapKV's: {versus(lz[1], lz[2], s_lo, s_hi)}",
             **where, **rows_text(sk),
             interval="95% percentile bootstrap resampling prompts (model, task, context, example index)",
