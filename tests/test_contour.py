@@ -248,7 +248,8 @@ def test_offline_profile_is_read_at_the_tokens_seen(tmp_path: Path) -> None:
                             windows=[None, 8], next_position=300)
     assert alloc.reference_lengths(inp).tolist() == [[300, 300], [8, 8]]
     x, y, nk = alloc.knots(inp)
-    np.testing.assert_allclose(x[0], GRID * 300) and np.testing.assert_allclose(x[3], GRID * 8)
+    np.testing.assert_allclose(x[0], GRID * 300)  # full-attention cell: the tokens seen
+    np.testing.assert_allclose(x[3], GRID * 8)  # sliding cell: its window
     sizes = check_sizes(inp, alloc.allocate(inp))
     assert (sizes[1] <= 7).all()
 
