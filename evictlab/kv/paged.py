@@ -7,7 +7,7 @@ One block pool for the whole model (all layers, batch items and KV heads):
 this module holds the cells' layout over its blocks.
 
 - ``kv_pool`` (= ``pool.kv``): ``(2, capacity_blocks + 1, block_size, head_dim)`` in the
-  model dtype; ``k_pool = kv_pool[0]`` and ``v_pool = kv_pool[1]`` (one buffer, so one
+  model dtype; ``pool.k = kv_pool[0]`` and ``pool.v = kv_pool[1]`` (one buffer, so one
   gather reads both). The extra last block is the *null block*: always empty, it stands in
   for unused block-table columns so a gather needs no branch;
 - ``pos_pool`` (= ``pool.pos``): int64 ``(capacity_blocks + 1, block_size)``, the absolute
@@ -164,14 +164,6 @@ class PagedKVStore(KVStore):
     def kv_pool(self) -> torch.Tensor:
         """``(2, capacity_blocks + 1, block_size, head_dim)``: keys ``[0]`` and values ``[1]``."""
         return self.pool.kv
-
-    @property
-    def k_pool(self) -> torch.Tensor:
-        return self.pool.k
-
-    @property
-    def v_pool(self) -> torch.Tensor:
-        return self.pool.v
 
     @property
     def pos_pool(self) -> torch.Tensor:

@@ -15,16 +15,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from evictlab.eval.claims.common import (
-    INTERVAL,
-    claim_fields,
-    detail_table,
-    full_note,
-    paired,
-    points_text,
-    pooled_mean,
-    versus,
-)
+from evictlab.eval.claims import common as C
 from evictlab.stats.claims import ClaimRow
 
 ENFORCEMENT_PAPER = (14.1, 62.2)
@@ -50,7 +41,7 @@ def enforcement_cost(results: pl.DataFrame, *, seed: int = 0, n_boot: int = 2000
     row per (model, method, protocol, task, context, budget)) of the enforcement cost."""
     on = ["model", "task", "context", "protocol", "budget", "method"]
     ragged = pl.col("allocator") != "uniform"
-    j = paired(results.filter(pl.col("method") != "full"), on,
+    j = C.paired(results.filter(pl.col("method") != "full"), on,
                 (pl.col("mode") == "masked") & ragged, pl.col("mode") == "uniform")
     if j.height == 0:
         return [], pl.DataFrame()
@@ -72,10 +63,10 @@ def enforcement_cost(results: pl.DataFrame, *, seed: int = 0, n_boot: int = 2000
             "d_logprob": float((g["answer_logprob"] - g["answer_logprob_b"]).mean()),
         }
 
-    detail = detail_table(j, on, "points_lost", stats, results, seed, n_boot)
+    detail = C.detail_table(j, on, "points_lost", stats, results, seed, n_boot)
     claims: list[ClaimRow] = []
     for (model, method, protocol), g in j.group_by(["model", "method", "protocol"], maintain_order=True):
-        v, lo, hi = pooled_mean(g, "d", f"enforcement|{model}|{method}|{protocol}", seed, n_boot)
+        v, lo, hi = C.pooled_mean(g, "d", f"enforcement|{model}|{method}|{protocol}", seed, n_boot)
         d = detail.filter((pl.col("model") == model) & (pl.col("method") == method) & (pl.col("protocol") == protocol))
         rng = f"{d['points_lost'].min():+.1f} to {d['points_lost'].max():+.1f}"
         bytes_note = (f"held: masked {d['MiB_masked'].mean():.2f} MiB, uniform {d['MiB_uniform'].mean():.2f} MiB, "
@@ -85,11 +76,11 @@ def enforcement_cost(results: pl.DataFrame, *, seed: int = 0, n_boot: int = 2000
             claim=f"forcing a real (uniform) budget on {method}'s per-head selection costs points "
                   f"(masked vs uniform at the same nominal budget; {protocol})",
             paper_value=f"{ENFORCEMENT_PAPER[0]}-{ENFORCEMENT_PAPER[1]} points (LongBench/RULER)",
-            our_value=f"{points_text(v, lo, hi)}; per comparison {rng}; physical - masked {_pm_text(d)}; "
-                      f"{bytes_note}; {full_note(d)}",
-            verdict=versus(lo, hi, *ENFORCEMENT_PAPER),
-            **claim_fields(model, g, d),
-            interval=INTERVAL,
+            our_value=f"{C.points_text(v, lo, hi)}; per comparison {rng}; physical - masked {_pm_text(d)}; "
+                      f"{bytes_note}; {C.full_note(d)}",
+            verdict=C.versus(lo, hi, *ENFORCEMENT_PAPER),
+            **C.claim_fields(model, g, d),
+            interval=C.INTERVAL,
             definitions="exact match = greedy reproduces the answer (teacher-forced argmax); points = 100 x mean "
                         "difference; 95% bootstrap CI over examples (ours)",
         ))

@@ -10,16 +10,7 @@ from typing import Any
 
 import polars as pl
 
-from evictlab.eval.claims.common import (
-    INTERVAL,
-    claim_fields,
-    detail_table,
-    full_note,
-    paired,
-    points_text,
-    pooled_mean,
-    versus,
-)
+from evictlab.eval.claims import common as C
 from evictlab.stats.claims import ClaimRow
 
 MARGIN_PAPER = 87.6
@@ -37,7 +28,7 @@ def query_aware_margin(results: pl.DataFrame, tasks: tuple[str, ...] | None = No
     on = ["model", "task", "context", "budget", "method", "mode"]
     base = results.filter(pl.col("scorer").is_in(list(MARGIN_SCORERS)) & pl.col("task").is_in(list(tasks))
                           & (pl.col("mode") == "physical"))
-    j = paired(base, on, pl.col("protocol") == "query-aware", pl.col("protocol") == "query-agnostic")
+    j = C.paired(base, on, pl.col("protocol") == "query-aware", pl.col("protocol") == "query-agnostic")
     if j.height == 0:
         return [], pl.DataFrame()
     j = j.with_columns(d=pl.col("exact_match") - pl.col("exact_match_b"))
@@ -49,21 +40,21 @@ def query_aware_margin(results: pl.DataFrame, tasks: tuple[str, ...] | None = No
             "MiB_peak_agnostic": g["bytes_live_peak_b"].mean() / 2**20, "MiB_held": g["bytes_live"].mean() / 2**20,
         }
 
-    detail = detail_table(j, on, "margin", stats, results, seed, n_boot)
+    detail = C.detail_table(j, on, "margin", stats, results, seed, n_boot)
     claims = []
     for (model, method), g in j.group_by(["model", "method"], maintain_order=True):
-        v, lo, hi = pooled_mean(g, "d", f"margin|{model}|{method}", seed, n_boot)
+        v, lo, hi = C.pooled_mean(g, "d", f"margin|{model}|{method}", seed, n_boot)
         d = detail.filter((pl.col("model") == model) & (pl.col("method") == method))
         claims.append(ClaimRow(
             claim_id=f"query_aware_margin:{method}",
             claim=f"{method}: rankings that see the question beat query-agnostic ones on retrieval",
             paper_value=f"{MARGIN_PAPER} points",
-            our_value=f"{points_text(v, lo, hi)}; per comparison {d['margin'].min():+.1f} to {d['margin'].max():+.1f}; "
+            our_value=f"{C.points_text(v, lo, hi)}; per comparison {d['margin'].min():+.1f} to {d['margin'].max():+.1f}; "
                       f"peak held {d['MiB_peak_aware'].mean():.2f} MiB (aware) vs "
-                      f"{d['MiB_peak_agnostic'].mean():.2f} MiB (agnostic); {full_note(d)}",
-            verdict=versus(lo, hi, MARGIN_PAPER, MARGIN_PAPER),
-            **claim_fields(model, g, d),
-            interval=INTERVAL,
+                      f"{d['MiB_peak_agnostic'].mean():.2f} MiB (agnostic); {C.full_note(d)}",
+            verdict=C.versus(lo, hi, MARGIN_PAPER, MARGIN_PAPER),
+            **C.claim_fields(model, g, d),
+            interval=C.INTERVAL,
             definitions="query-aware = the only compression runs after the question (all but its last token) is "
                         "fed; physical mode; 95% bootstrap CI over examples (ours)",
         ))
