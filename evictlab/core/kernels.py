@@ -64,6 +64,12 @@ __all__ = [
 
 # ---------------------------------------------------------------------------------------
 # Jitted single-row building blocks (no validation)
+#
+# Call these from compiled code (the batch kernels and the solvers do). Called from Python
+# after a cached caller compiled the same signature in this process, an array-returning
+# cached helper trips numba's "'descr' is NULL" error (the helper's environment is missing
+# after the cache load): from Python use the batch wrappers below, or wrap the helper in
+# an njit function as the tests do.
 # ---------------------------------------------------------------------------------------
 
 
