@@ -125,9 +125,9 @@ def _child(args: argparse.Namespace) -> dict:
         name, _, chunk_arg = args.child.partition(":")  # "snapkv:512" = snapkv with that chunk
         chunk = 1 << 30 if name in ("full", "snapkv_onepass") else int(chunk_arg or args.chunk)
         if name == "full":
-            cfg = DecodeConfig(mode="full", chunk_size=chunk)
+            cfg = DecodeConfig.of(mode="full", chunk_size=chunk)
         else:
-            cfg = DecodeConfig(mode="physical", budget=Budget("tokens_per_cell", args.kept or n // 8),
+            cfg = DecodeConfig.of(mode="physical", budget=Budget("tokens_per_cell", args.kept or n // 8),
                                scorer="snapkv", chunk_size=chunk, compress_every=16)
         fed, dec_start = [0], []
 

@@ -517,7 +517,7 @@ def _tiny_cfg(**kw):
     base = dict(mode="physical", budget=Budget("tokens_per_cell", 24), scorer="snapkv", allocator="contourkv",
                 chunk_size=48, compress_every=4, block_size=8, sinks=2, recent=6, window=8)
     base.update(kw)
-    return DecodeConfig(**base)
+    return DecodeConfig.of(**base)
 
 
 def _tiny_profile(model, path: Path, seed: int = 0, **geometry) -> Path:

@@ -59,7 +59,7 @@ def test_snapkv_contourkv_holds_the_budget_physically(real, profile: bool) -> No
     outs = {}
     trace = CompressionTrace(max_subsets=1)  # ES_hat off here: the tiny-model tests check it
     for mode in ("physical", "masked"):
-        cfg = DecodeConfig(mode=mode, budget=Budget("tokens_per_cell", PER_CELL), scorer="snapkv",
+        cfg = DecodeConfig.of(mode=mode, budget=Budget("tokens_per_cell", PER_CELL), scorer="snapkv",
                            allocator="contourkv", allocator_params=params, chunk_size=64, compress_every=2,
                            window=16, sinks=4, recent=8)
         outs[mode] = run_sequence(model, ctx, q, cfg, answer_ids=a, tokenizer=tok,

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from evictlab.capture.testing import tiny_model
-from evictlab.decode.audit import Example, run_audit
-from evictlab.decode.config import DecodeConfig
+from evictlab.decode.audit import Example, audit_configs, run_audit
+from evictlab.decode.config import LoopSettings
 from evictlab.errors import InputError
 from evictlab.kv.budget import Budget
 from evictlab.methods import parse_method
@@ -28,9 +28,9 @@ def test_audit_table_masked_never_counted_as_freed(tmp_path) -> None:
     g = torch.Generator().manual_seed(0)
     ex = [Example("synthetic", torch.randint(3, 256, (150,), generator=g).tolist(),
                   torch.randint(3, 256, (5,), generator=g).tolist(), torch.randint(3, 256, (4,), generator=g).tolist())]
-    base = DecodeConfig(chunk_size=50, compress_every=4, block_size=8, sinks=2, recent=6, window=8)
-    df = run_audit(model, ex, ["snapkv", "h2o+adakv"], [Budget("tokens_per_cell", 24), Budget("tokens_per_cell", 48)],
-                   base=base)
+    loop = LoopSettings(chunk_size=50, compress_every=4, block_size=8, sinks=2, recent=6, window=8)
+    df = run_audit(model, ex, audit_configs(["snapkv", "h2o+adakv"],
+                                            [Budget("tokens_per_cell", 24), Budget("tokens_per_cell", 48)], loop=loop))
     assert set(REQUIRED) <= set(df.columns)
     assert df.height == 1 + 2 * 2 * 2
     assert set(df["mode"]) == {"full", "masked", "physical"}
@@ -101,4 +101,4 @@ def test_run_audit_validates_everything_before_running(monkeypatch) -> None:
     ]
     for kw, msg in cases:
         with pytest.raises(InputError, match=msg):
-            run_audit(model, ex, **kw)
+            run_audit(model, ex, audit_configs(**kw))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from evictlab.capture.testing import TINY_SLIDING_WINDOW, tiny_config, tiny_model
-from evictlab.decode.audit import Example, run_audit
+from evictlab.decode.audit import Example, audit_configs, run_audit
 from evictlab.decode.compress import EvictionRunner, attach_model
 from evictlab.decode.config import DecodeConfig
 from evictlab.decode.loop import run_sequence
@@ -44,7 +44,7 @@ def _cfg(**kw) -> DecodeConfig:
     base = dict(mode="physical", budget=Budget("tokens_per_cell", 1000), scorer="snapkv", allocator="uniform",
                 chunk_size=16, compress_every=4, block_size=4, sinks=2, recent=4, window=8)
     base.update(kw)
-    return DecodeConfig(**base)
+    return DecodeConfig.of(**base)
 
 
 def _cell_sizes(kept: torch.Tensor) -> torch.Tensor:
@@ -182,7 +182,7 @@ def test_budget_floor_counts_the_window(setup) -> None:
 def test_audit_on_gemma(setup) -> None:
     model, ctx, q, a, _ = setup
     ex = [Example("synthetic", ctx[0].tolist(), q[0].tolist(), a[0, :4].tolist())]
-    df = run_audit(model, ex, ["snapkv+adakv"], [Budget("tokens_per_cell", 12)], base=_cfg())
+    df = run_audit(model, ex, audit_configs(["snapkv+adakv"], [Budget("tokens_per_cell", 12)], loop=_cfg().loop))
     phys = df.filter(pl.col("mode") == "physical").row(0, named=True)
     mask = df.filter(pl.col("mode") == "masked").row(0, named=True)
     assert phys["kl"] == pytest.approx(mask["kl"], abs=1e-6)

@@ -38,7 +38,7 @@ def _cfg(**kw: Any) -> DecodeConfig:
     base = dict(mode="physical", budget=Budget("tokens_per_cell", 40), scorer="h2o", allocator="uniform",
                 chunk_size=48, compress_every=4, block_size=8, sinks=2, recent=8, window=8)
     base.update(kw)
-    return DecodeConfig(**base)
+    return DecodeConfig.of(**base)
 
 
 def _model_with(**config_changes: Any) -> torch.nn.Module:

@@ -21,7 +21,7 @@ def setup():
     ctx = torch.randint(3, 256, (2, 200), generator=g)
     q = torch.randint(3, 256, (2, 6), generator=g)
     a = torch.randint(3, 256, (2, 20), generator=g)
-    full = run_sequence(model, ctx, q, DecodeConfig(mode="full", chunk_size=64), answer_ids=a)
+    full = run_sequence(model, ctx, q, DecodeConfig.of(mode="full", chunk_size=64), answer_ids=a)
     return model, ctx, q, a, full
 
 
@@ -29,7 +29,7 @@ def _cfg(**kw) -> DecodeConfig:
     base = dict(mode="physical", budget=Budget("tokens_per_cell", 40), scorer="streaming_llm", allocator="uniform",
                 chunk_size=48, compress_every=8, block_size=8, sinks=2, recent=8)
     base.update(kw)
-    return DecodeConfig(**base)
+    return DecodeConfig.of(**base)
 
 
 def test_large_budget_equals_full_cache(setup) -> None:

@@ -33,7 +33,7 @@ def real():
     ex = task_examples(tok, ["needle"], 1, 128, seed=0)[0]
     t = lambda x: torch.tensor([x])  # noqa: E731
     ctx, q, a = t(ex.context_ids), t(ex.question_ids), t(ex.answer_ids[:3])
-    full = run_sequence(model, ctx, q, DecodeConfig(mode="full", chunk_size=64), answer_ids=a)
+    full = run_sequence(model, ctx, q, DecodeConfig.of(mode="full", chunk_size=64), answer_ids=a)
     return model, tok, ctx, q, a, full
 
 
@@ -54,7 +54,7 @@ def test_method_runs_physically_within_budget(real, untrained_gates, scorer: str
     model, tok, ctx, q, a, full = real
     params = {"predictor": str(example_predictor())} if allocator == "contourkv_pred" else {}
     sparams = {"gates": str(untrained_gates)} if scorer == "trimkv" else {}
-    cfg = DecodeConfig(mode="physical", budget=Budget("tokens_per_cell", PER_CELL), scorer=scorer,
+    cfg = DecodeConfig.of(mode="physical", budget=Budget("tokens_per_cell", PER_CELL), scorer=scorer,
                        allocator=allocator, allocator_params=params, chunk_size=64, compress_every=2, window=16,
                        sinks=4, recent=8, scorer_params=sparams)
     out = run_sequence(model, ctx, q, cfg, answer_ids=a, tokenizer=tok)
@@ -67,7 +67,7 @@ def test_method_runs_physically_within_budget(real, untrained_gates, scorer: str
     assert out.after_compression("bytes_live") == kv_bytes(PER_CELL * n_layers * hk, d, dtype)
     # ...and its pages add at most one partly filled block per cell (page slack).
     cells = n_layers * hk
-    assert out.after_compression("bytes_in_use") <= kv_bytes(PER_CELL * cells + cells * (cfg.block_size - 1), d, dtype)
+    assert out.after_compression("bytes_in_use") <= kv_bytes(PER_CELL * cells + cells * (cfg.loop.block_size - 1), d, dtype)
     # Eviction at 24 of ~160 entries per cell changes the predictions a little, not wildly.
     assert out.logits.shape == full.logits.shape
 
@@ -102,7 +102,7 @@ def test_ragged_attention_keeps_what_eager_attention_keeps(real, eager_model, un
     """Switching the loop from eager attention to ragged sdpa changes no kept set, at any
     compression (prefill chunks, decode), and the logits only by float rounding."""
     model, tok, ctx, q, a, _ = real
-    cfg = DecodeConfig(mode="physical", budget=Budget("tokens_per_cell", PER_CELL), scorer=scorer,
+    cfg = DecodeConfig.of(mode="physical", budget=Budget("tokens_per_cell", PER_CELL), scorer=scorer,
                        chunk_size=64, compress_every=2, window=16, sinks=4, recent=8,
                        scorer_params={"gates": str(untrained_gates)} if scorer == "trimkv" else {})
     ragged, ragged_keep = _kept(monkeypatch, lambda: run_sequence(model, ctx, q, cfg, answer_ids=a, tokenizer=tok))
@@ -116,7 +116,7 @@ def test_nothing_evicted_equals_the_full_cache(real, chunk: int) -> None:
     """A budget above the context: the ragged store's logits equal the stock full cache's
     (transformers' sdpa over a DynamicCache) to 1e-5, chunked or in one pass."""
     model, tok, ctx, q, a, full = real
-    out = run_sequence(model, ctx, q, DecodeConfig(mode="physical", budget=Budget("tokens_per_cell", 4096),
+    out = run_sequence(model, ctx, q, DecodeConfig.of(mode="physical", budget=Budget("tokens_per_cell", 4096),
                                                    chunk_size=chunk), answer_ids=a, tokenizer=tok)
     assert out.compressions == 0
     torch.testing.assert_close(out.logits, full.logits, rtol=0, atol=1e-5)

@@ -30,7 +30,7 @@ CALLS: list[dict[str, int]] = []
 class SpySnapKV(scorers.SnapKV):
     """SnapKV (the last ``window`` queries) that records the query positions of every call."""
 
-    name: str = "spy_snapkv"
+    name: ClassVar[str] = "spy_snapkv"
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         CALLS.append({"layer": inputs.layer, "q_min": int(inputs.q_positions.min()),
@@ -43,7 +43,7 @@ class SpySnapKV(scorers.SnapKV):
 class SpyH2O(scorers.H2O):
     """H2O (every query since its previous call) that records the query positions."""
 
-    name: str = "spy_h2o"
+    name: ClassVar[str] = "spy_h2o"
     uses_all_queries: ClassVar[bool] = True
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
@@ -78,7 +78,7 @@ def _cfg(**kw) -> DecodeConfig:
     base = dict(mode="physical", budget=Budget("tokens_per_cell", 40), scorer="spy_snapkv", allocator="adakv",
                 chunk_size=48, compress_every=8, block_size=8, sinks=2, recent=8, window=8)
     base.update(kw)
-    return DecodeConfig(**base)
+    return DecodeConfig.of(**base)
 
 
 def _phases(out) -> list[str]:  # noqa: ANN001

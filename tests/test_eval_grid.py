@@ -80,7 +80,7 @@ def test_cells_full_once_per_task_and_context_and_skips_with_reasons(tiny: Path)
     assert any("already uniform" in r for r in reasons) and any("no question" in r for r in reasons)
     assert len({c.key for c in cells}) == len(cells)
     cfg = [c for c in cells if c.mode == "uniform"][0].decode_config()
-    assert (cfg.mode, cfg.allocator, cfg.scorer) == ("physical", "uniform", "snapkv")
+    assert (cfg.mode, cfg.method.allocator_name, cfg.method.scorer_name) == ("physical", "uniform", "snapkv")
     assert GridSpec.from_dict(spec.to_dict()) == spec
 
 

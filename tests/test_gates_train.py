@@ -296,7 +296,7 @@ def test_training_and_trimkv_on_cuda(text_file: Path, tmp_path: Path) -> None:
     assert cfg["training"]["device"].startswith("cuda") and cfg["recipe"]["dtype"] == dtype
     g = torch.Generator().manual_seed(0)
     ctx, q, a = (torch.randint(3, 256, (1, n), generator=g).to("cuda") for n in (120, 4, 6))
-    out = run_sequence(model, ctx, q, DecodeConfig(mode="physical", budget=Budget("tokens_per_cell", 24),
+    out = run_sequence(model, ctx, q, DecodeConfig.of(mode="physical", budget=Budget("tokens_per_cell", 24),
                                                    scorer="trimkv", allocator="global", chunk_size=40,
                                                    scorer_params={"gates": str(tmp_path / "g")}), answer_ids=a)
     assert torch.isfinite(out.logits.float()).all() and out.compressions >= 2

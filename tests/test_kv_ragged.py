@@ -186,7 +186,7 @@ def test_every_scorer_keeps_the_same_entries_with_ragged_attention(monkeypatch, 
     ctx, q, a = (torch.randint(3, 256, (2, n), generator=g) for n in (150, 6, 12))
     modes = ["physical", "masked"] if scorer in ("snapkv", "h2o") else ["physical"]
     for mode in modes:
-        cfg = DecodeConfig(mode=mode, budget=Budget("tokens_per_cell", 30), scorer=scorer, allocator="adakv",
+        cfg = DecodeConfig.of(mode=mode, budget=Budget("tokens_per_cell", 30), scorer=scorer, allocator="adakv",
                            chunk_size=40, compress_every=5, block_size=8, sinks=2, recent=6)
         runs = {}
         for attention in ("eager", "decode"):
@@ -205,9 +205,9 @@ def test_nothing_evicted_equals_the_full_cache_to_1e5() -> None:
     model, _ = tiny_model("qwen2", attn_implementation=register_ragged_attention())
     g = torch.Generator().manual_seed(1)
     ctx, q, a = (torch.randint(3, 256, (2, n), generator=g) for n in (120, 5, 10))
-    full = run_sequence(model, ctx, q, DecodeConfig(mode="full", chunk_size=32), answer_ids=a)
+    full = run_sequence(model, ctx, q, DecodeConfig.of(mode="full", chunk_size=32), answer_ids=a)
     for chunk in (32, 1000):  # chunked and one-pass prefill
-        out = run_sequence(model, ctx, q, DecodeConfig(mode="physical", budget=Budget("tokens_per_cell", 1000),
+        out = run_sequence(model, ctx, q, DecodeConfig.of(mode="physical", budget=Budget("tokens_per_cell", 1000),
                                                        chunk_size=chunk), answer_ids=a)
         assert out.compressions == 0
         torch.testing.assert_close(out.logits, full.logits, rtol=0, atol=1e-5)
@@ -279,7 +279,7 @@ def test_decode_loop_on_cuda_keeps_the_cpu_entries(monkeypatch) -> None:
 
     g = torch.Generator().manual_seed(0)
     ctx, q, a = (torch.randint(3, 256, (1, n), generator=g) for n in (150, 6, 12))
-    cfg = DecodeConfig(mode="physical", budget=Budget("tokens_per_cell", 30), scorer="snapkv", chunk_size=40,
+    cfg = DecodeConfig.of(mode="physical", budget=Budget("tokens_per_cell", 30), scorer="snapkv", chunk_size=40,
                        compress_every=5, block_size=8, sinks=2, recent=6)
     res = {}
     for dev in ("cpu", "cuda"):

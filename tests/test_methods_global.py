@@ -156,7 +156,7 @@ def _run(model, ctx, q, a, **kw):
     base = dict(mode="physical", budget=Budget("tokens_per_cell", 30), scorer="trimkv", allocator="global",
                 chunk_size=40, compress_every=6, block_size=8, sinks=2, recent=6)
     base.update(kw)
-    return run_sequence(model, ctx, q, DecodeConfig(**base), answer_ids=a)
+    return run_sequence(model, ctx, q, DecodeConfig.of(**base), answer_ids=a)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
@@ -256,12 +256,12 @@ def test_trimkv_refuses_missing_or_unfinished_gates(tmp_path) -> None:
     from evictlab.kv.budget import Budget
 
     with pytest.raises(InputError, match="scorer_param: trimkv needs trained gates"):
-        DecodeConfig(scorer="trimkv", allocator="global", budget=Budget("tokens_per_cell", 8))
+        DecodeConfig.of(scorer="trimkv", allocator="global", budget=Budget("tokens_per_cell", 8))
     with pytest.raises(InputError, match="gates=.*is not a folder"):
-        DecodeConfig(scorer="trimkv", scorer_params={"gates": str(tmp_path / "nope")})
+        DecodeConfig.of(scorer="trimkv", scorer_params={"gates": str(tmp_path / "nope")})
     (tmp_path / "checkpoint.pt").write_bytes(b"x")
     with pytest.raises(InputError, match="no finished gates.*did not finish"):
-        DecodeConfig(scorer="trimkv", scorer_params={"gates": str(tmp_path)})
+        DecodeConfig.of(scorer="trimkv", scorer_params={"gates": str(tmp_path)})
 
 
 def test_trimkv_gates_of_another_model_are_refused_at_run_start(tiny_gates) -> None:

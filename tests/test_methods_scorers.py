@@ -231,7 +231,7 @@ def test_kvzip_reconstruction_ids() -> None:
             return [ord(c) % 50 for c in text]
 
     ctx = torch.tensor([[7, 8, 9], [1, 2, 3]])
-    ids = KVzip.reconstruction_ids(ctx, Tok())
+    ids = KVzip().reconstruction_ids(ctx, Tok())
     assert ids.shape == (2, len(Tok().encode("\n\nRepeat the previous context exactly.")) + 3)
     assert torch.equal(ids[:, -3:], ctx)
 

@@ -39,17 +39,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import polars as pl
 import torch
 
-from evictlab.decode.config import DecodeConfig
+from evictlab.decode.config import DecodeConfig, LoopSettings
 from evictlab.decode.loop import DecodeOutput, run_sequence
 from evictlab.errors import InputError, refuse_duplicates
 from evictlab.kv.budget import Budget, kv_bytes
-from evictlab.methods import parse_method
+from evictlab.methods import build_method, parse_method
 from evictlab.methods.registry import route_params
 from evictlab.models.geometry import model_geometry
 
@@ -79,12 +79,15 @@ def audit_configs(
     methods: Sequence[str],
     budgets: Sequence[Budget],
     *,
-    base: DecodeConfig | None = None,
+    loop: LoopSettings | None = None,
+    query_aware: bool = False,
     modes: Sequence[str] = ("masked", "physical"),
     scorer_params: Mapping[str, Any] | None = None,
     allocator_params: Mapping[str, Any] | None = None,
 ) -> list[tuple[str, DecodeConfig]]:
-    """Every ``(method spec, config)`` of an audit, validated before anything runs.
+    """Every ``(method spec, config)`` of an audit, validated before anything runs; each
+    method is built once (:func:`~evictlab.methods.build_method`) and shared by its
+    budgets and modes.
 
     Refuses (:class:`InputError`, neutral fields ``method``, ``budget``, ``mode``,
     ``scorer_param``, ``allocator_param``): no method, no budget, an unknown or repeated
@@ -92,7 +95,7 @@ def audit_configs(
     (``k=v`` goes to every chosen scorer/allocator with a parameter ``k``, ``name.k=v`` to
     that one; see :func:`evictlab.methods.registry.route_params`).
     """
-    base = base or DecodeConfig()
+    loop = loop or LoopSettings()
     if not methods:
         raise InputError("method", "no method given", "name at least one scorer or scorer+allocator")
     if not budgets:
@@ -110,10 +113,11 @@ def audit_configs(
     ap = route_params(allocator_params or {}, [a for _, _, a in parsed], "allocator")
     out = []
     for spec, scorer, alloc in parsed:
+        method = build_method(spec, sp[scorer], ap[alloc])
         for budget in budgets:
             for mode in modes:
-                out.append((spec, replace(base, mode=mode, budget=budget, scorer=scorer, allocator=alloc,
-                                          scorer_params=dict(sp[scorer]), allocator_params=dict(ap[alloc]))))
+                out.append((spec, DecodeConfig(mode=mode, budget=budget, method=method, loop=loop,  # type: ignore[arg-type]
+                                               query_aware=query_aware)))
     return out
 
 
@@ -136,37 +140,35 @@ def _params_json(params: Mapping[str, Any]) -> str:
 def run_audit(
     model: torch.nn.Module,
     examples: Sequence[Example],
-    methods: Sequence[str],
-    budgets: Sequence[Budget],
+    configs: Sequence[tuple[str, DecodeConfig]],
     *,
-    base: DecodeConfig | None = None,
-    modes: Sequence[str] = ("masked", "physical"),
+    loop: LoopSettings | None = None,
     tokenizer: Any = None,
     progress: Callable[[str], None] | None = None,
-    scorer_params: Mapping[str, Any] | None = None,
-    allocator_params: Mapping[str, Any] | None = None,
     compression_trace: Any = None,
 ) -> pl.DataFrame:
-    """Run every (method, budget, mode) on ``examples``; return one row per combination
-    (plus one ``mode="full"`` reference row). See the module docstring for the columns.
-    ``compression_trace``: a :class:`~evictlab.decode.trace.CompressionTrace` that records
-    every compression of every run, labelled by method, mode, budget, task and example.
+    """Run every ``(method spec, config)`` of :func:`audit_configs` on ``examples``; return
+    one row per combination (plus one ``mode="full"`` reference row with ``loop``). See the
+    module docstring for the columns. ``compression_trace``: a
+    :class:`~evictlab.decode.trace.CompressionTrace` that records every compression of every
+    run, labelled by method, mode, budget, task and example.
 
-    Everything is validated (:func:`audit_configs`, and each budget against the model's
-    always-kept floor) before the first run.
+    Every budget is checked against the model's always-kept floor, and every method against
+    the model (e.g. a ContourKV profile of another model), before the first run.
     """
     if not examples:
         raise InputError("n", "no examples", "use at least one example")
-    base = base or DecodeConfig()
-    configs = audit_configs(methods, budgets, base=base, modes=modes, scorer_params=scorer_params,
-                            allocator_params=allocator_params)
+    if not configs:
+        raise InputError("method", "no method given", "name at least one scorer or scorer+allocator")
+    loop = loop or configs[0][1].loop
     device = next(model.parameters()).device
     g = model_geometry(model)
     cells = g.n_layers * g.kv_heads
     shortest = min(len(ex.context_ids) + len(ex.question_ids) + len(ex.answer_ids) for ex in examples)
     for _, cfg in configs:
         cfg.budget_tokens(g, shortest)  # below the floor: refused before anything runs
-        cfg.build_allocator().check(g)  # e.g. a ContourKV profile of another model
+        assert cfg.method is not None
+        cfg.method.for_model(g)  # e.g. a ContourKV profile of another model (bound once, reused by the runs)
     say = progress or (lambda _m: None)
 
     def tensors(ex: Example) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -174,11 +176,11 @@ def run_audit(
             return torch.tensor([x], dtype=torch.long, device=device)
         return t(ex.context_ids), t(ex.question_ids), t(ex.answer_ids)
 
-    protocol = base.protocol
-    common = {"protocol": protocol, "chunk_size": base.chunk_size}
+    protocol = configs[0][1].protocol
+    common = {"protocol": protocol, "chunk_size": loop.chunk_size}
     say("full cache reference")
-    fulls = [run_sequence(model, *tensors(ex)[:2], replace(base, mode="full"), answer_ids=tensors(ex)[2])
-             for ex in examples]
+    full_cfg = DecodeConfig(mode="full", loop=loop)
+    fulls = [run_sequence(model, *tensors(ex)[:2], full_cfg, answer_ids=tensors(ex)[2]) for ex in examples]
     full_bytes = max(f.bytes_full_cache for f in fulls)
     full_mets = [_metrics(f, f, tensors(ex)[2]) for f, ex in zip(fulls, examples)]
     rows: list[dict[str, Any]] = [{
@@ -211,8 +213,9 @@ def run_audit(
         btok = outs[0][0].budget_tokens
         live = max(o.after_compression("bytes_live") or o.peak("bytes_live") for o, _ in outs)
         rows.append({
-            "method": spec, "scorer": cfg.scorer, "allocator": cfg.allocator, "mode": cfg.mode,
-            "scorer_params": _params_json(cfg.scorer_params), "allocator_params": _params_json(cfg.allocator_params),
+            "method": spec, "scorer": cfg.method.scorer_name, "allocator": cfg.method.allocator_name, "mode": cfg.mode,
+            "scorer_params": _params_json(cfg.method.scorer_params),
+            "allocator_params": _params_json(cfg.method.allocator_params),
             **common, "budget_unit": budget.unit, "budget_value": budget.value,
             "budget_tokens": btok, "budget_per_cell": btok / cells,
             "budget_effective_tokens": max(o.budget_effective_tokens for o, _ in outs),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
@@ -129,12 +130,12 @@ def _trace_for(trace: Path | None, out: Path, max_subsets: int, overwrite: bool)
     return CompressionTrace(max_subsets=max_subsets)
 
 
-def _base_config(sinks: int, recent: int, chunk: int, compress_every: int, window: int, block_size: int,
-                 query_aware: bool, **kw: Any):  # noqa: ANN202 - returns DecodeConfig (lazy import)
-    from evictlab.decode.config import DecodeConfig
+def _loop_settings(sinks: int, recent: int, chunk: int, compress_every: int, window: int,
+                   block_size: int):  # noqa: ANN202 - returns LoopSettings (lazy import)
+    from evictlab.decode.config import LoopSettings
 
-    return DecodeConfig(sinks=sinks, recent=recent, chunk_size=chunk, compress_every=compress_every,
-                        window=window, block_size=block_size, query_aware=query_aware, **kw)
+    return LoopSettings(sinks=sinks, recent=recent, chunk_size=chunk, compress_every=compress_every,
+                        window=window, block_size=block_size)
 
 
 def audit(
@@ -176,11 +177,12 @@ def audit(
         ap = parse_assignments(allocator_param, "--allocator-param")
         from evictlab.decode.audit import audit_configs, run_audit, task_examples
 
-        base = _base_config(sinks, recent, chunk, compress_every, window, block_size, query_aware)
-        audit_configs(method_list, budgets, base=base, scorer_params=sp, allocator_params=ap)
+        loop = _loop_settings(sinks, recent, chunk, compress_every, window, block_size)
+        configs = audit_configs(method_list, budgets, loop=loop, query_aware=query_aware, scorer_params=sp,
+                                allocator_params=ap)  # every method built once, here
         record = RunRecord(kind="decode.audit", model=model, seed=seed, config={
             "budgets": budget, "methods": method_list, "tasks": tasks, "n": n, "context": context,
-            "device": device, "scorer_param": sp, "allocator_param": ap, **base.to_dict()})
+            "device": device, "scorer_param": sp, "allocator_param": ap, **asdict(loop), "query_aware": query_aware})
 
         import torch
 
@@ -200,8 +202,8 @@ def audit(
             done[0] += 1
             console.print(f"[{done[0]}/{total}] {msg}")
 
-        df = run_audit(lm, examples, method_list, budgets, base=base, tokenizer=tok, progress=progress,
-                       scorer_params=sp, allocator_params=ap, compression_trace=tracer)
+        df = run_audit(lm, examples, configs, loop=loop, tokenizer=tok, progress=progress,
+                       compression_trace=tracer)
     if tracer is not None:
         tracer.write(trace)
     _write_audit(df, out, model, record, trace)
@@ -248,7 +250,8 @@ def decode(
     """Run one method on one task example (greedy), with a progress bar and a run record."""
     from evictlab.io import check_output_file
     from evictlab.kv.budget import Budget
-    from evictlab.methods import parse_assignments, parse_method
+    from evictlab.decode.config import DecodeConfig
+    from evictlab.methods import build_method, parse_assignments
     from evictlab.record import RunRecord, record_path
 
     with _as_options(DECODE_OPTIONS):
@@ -262,14 +265,15 @@ def decode(
         if threads < 0:
             raise InputError("--threads", f"must be >= 0, got {threads}", "pass 0 (torch default) or a thread count")
         _check_tasks([task])
-        scorer, alloc = parse_method(method)
-        cfg = _base_config(sinks, recent, chunk, compress_every, window, block_size, query_aware, mode=mode,
-                           scorer=scorer, allocator=alloc, budget=None if mode == "full" else Budget.parse(budget),
-                           scorer_params=parse_assignments(scorer_param, "--scorer-param"),
-                           allocator_params=parse_assignments(allocator_param, "--allocator-param"))
-        if mode != "full" and "future" in getattr(cfg.build_scorers(None)[0], "needs", ()):
-            raise InputError("--method", f"{scorer} needs the true future tokens, which greedy decoding does not have",
-                             "use it in `evictlab audit` (teacher-forced), or pick another scorer")
+        loop = _loop_settings(sinks, recent, chunk, compress_every, window, block_size)
+        built = None if mode == "full" else build_method(
+            method, parse_assignments(scorer_param, "--scorer-param"),
+            parse_assignments(allocator_param, "--allocator-param"))  # built once, passed to the loop
+        cfg = DecodeConfig(mode=mode, budget=None if mode == "full" else Budget.parse(budget), method=built,
+                           loop=loop, query_aware=query_aware)
+        if built is not None and built.future:
+            raise InputError("--method", f"{built.scorer_name} needs the true future tokens, which greedy decoding "
+                             "does not have", "use it in `evictlab audit` (teacher-forced), or pick another scorer")
         record = RunRecord(kind="decode.decode", model=model, seed=seed,
                            config={"task": task, "context": context, "max_new_tokens": max_new_tokens,
                                    "device": device, **cfg.to_dict()})
@@ -296,7 +300,7 @@ def decode(
 
             geometry = model_geometry(lm)
             cfg.budget_tokens(geometry, ctx.shape[1] + q.shape[1] + max_new_tokens)
-            cfg.build_allocator().check(geometry)
+            built.for_model(geometry)  # the allocator checks the model (bound once; the loop reuses it)
         t0 = time.perf_counter()
         with tqdm(total=ctx.shape[1] + q.shape[1] + max_new_tokens, unit="tok", desc=f"{method} {mode}") as bar:
             if tracer is not None:

@@ -10,6 +10,7 @@ entries and evict the rest. The driver that calls its hooks is :mod:`evictlab.de
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,7 +25,7 @@ from evictlab.kv.budget import ByteReport
 from evictlab.kv.cache import EvictionCache, attach
 from evictlab.kv.masked import MaskedKVStore
 from evictlab.kv.paged import PagedKVStore
-from evictlab.methods.base import AllocInputs, Phase, Scorer, WindowProfile, check_sizes
+from evictlab.methods.base import AllocInputs, Phase, WindowProfile, check_sizes
 from evictlab.models.geometry import model_geometry
 
 
@@ -49,6 +50,21 @@ def attach_model(model: torch.nn.Module, cache: EvictionCache,
         yield cache
 
 
+@dataclass(frozen=True)
+class _Scored:
+    """One compression's scoring of every cell (what the allocator and ``select_keep`` read):
+    per layer the scores ``(batch, kv_heads, S_l)`` (float32 minimum past a cell's length)
+    and the held positions ``(batch, kv_heads, S_l)``; the held lengths ``(n_layers,
+    kv_heads)``; the observation window's profile (ContourKV online) or None; per layer the
+    window's queries and positions (for the trace; empty when it is off)."""
+
+    scores: tuple[torch.Tensor, ...]
+    lengths: np.ndarray
+    positions: tuple[torch.Tensor, ...]
+    window: WindowProfile | None
+    windows_q: list[tuple[torch.Tensor, torch.Tensor]]
+
+
 class EvictionRunner:
     """The evicting engine: one store + cache for one batch of sequences, compressed to the
     budget by the scorer and the allocator.
@@ -61,11 +77,11 @@ class EvictionRunner:
     """
 
     def __init__(self, model: torch.nn.Module, cfg: DecodeConfig, batch: int, *, headroom_tokens_per_cell: int,
-                 total_tokens: int, max_cell_tokens: list[int] | None = None,
-                 layer_scorers: list[Scorer] | None = None, tokenizer: Any = None,
+                 total_tokens: int, max_cell_tokens: list[int] | None = None, tokenizer: Any = None,
                  decode_headroom_tokens_per_cell: int | None = None) -> None:
         self.model = model
         self.cfg = cfg
+        self.loop = cfg.loop
         self.batch = batch
         self.geometry = g = model_geometry(model)
         self.n_layers, self.q_heads, self.kv_heads, self.head_dim, self.dtype = (
@@ -80,7 +96,7 @@ class EvictionRunner:
         if cfg.mode == "physical":
             store = PagedKVStore.for_budget(g, batch, kept_tokens=self.budget_tokens,
                                             headroom_tokens_per_cell=headroom_tokens_per_cell,
-                                            max_cell_tokens=max_cell_tokens, block_size=cfg.block_size,
+                                            max_cell_tokens=max_cell_tokens, block_size=cfg.loop.block_size,
                                             device=self.device)
         elif cfg.mode == "masked":
             cap = max(max_cell_tokens) if max_cell_tokens else min(total_tokens, 1024)
@@ -89,24 +105,26 @@ class EvictionRunner:
         else:
             raise InputError("mode", f"mode {cfg.mode!r} does not evict", "use physical or masked")
         self.store = store
+        assert cfg.method is not None  # DecodeConfig refuses an evicting mode without one
+        #: the method bound to this model (built once per config, bound once per geometry;
+        #: the allocator has checked the model, e.g. refused a profile of another geometry)
+        self.method = cfg.method.for_model(g)
         #: the scorer of each layer (one object for all layers unless RoPE differs by layer type)
-        self.layer_scorers = list(layer_scorers) if layer_scorers is not None else cfg.build_scorers(g)
+        self.layer_scorers = list(self.method.layer_scorers)
         self.scorer = self.layer_scorers[0]
-        self.allocator = cfg.build_allocator()
-        self.allocator.check(g)  # e.g. a fitted profile of another model: refused before the run
+        self.allocator = self.method.allocator
         #: per-compression diagnostics (:class:`evictlab.decode.trace.CompressionTrace`), or None
         self.compression_trace: Any = None
         #: True: the scorer gets every query since its previous call (consumed by each
         #: compression); False: the last ``cfg.window`` queries (a sliding window).
-        self.all_queries = bool(getattr(self.scorer, "uses_all_queries", False))
+        self.all_queries = self.method.all_queries
         self.cache = EvictionCache(store)
-        self.cache.query_window = None if self.all_queries else cfg.window
+        self.cache.query_window = None if self.all_queries else cfg.loop.window
         self.states: dict[tuple[int, int, int], dict[str, Any]] = {}
         self.extra_queries: dict[int, torch.Tensor] | None = None
         self.compressions = 0
-        needs = getattr(self.scorer, "needs", frozenset())
         #: KVzip-style: reconstruction passes before each compression
-        self.recon = "reconstruction" in needs
+        self.recon = self.method.reconstruction
         self.tokenizer = tokenizer
         if self.recon:
             check_recon_tokenizer(g, self.scorer, tokenizer)
@@ -114,20 +132,22 @@ class EvictionRunner:
         self.decode_headroom = decode_headroom_tokens_per_cell
         #: per layer, the kept positions right after the context (see DecodeOutput)
         self.context_kept: list[torch.Tensor] = []
+        #: the first compression's scoring, shared by the arms of one prefilled context
+        #: (:meth:`inject_context`; a dict owned by :class:`evictlab.decode.shared.SharedContext`)
+        self.shared_scores: dict[Any, Any] | None = None
 
     # -- engine hooks (see _drive) ------------------------------------------------------
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
         """The cache's hooks, then each scorer's own (``Scorer.attach``: TrimKV's gates)."""
         with attach_model(self.model, self.cache, self.windows), contextlib.ExitStack() as stack:
-            for scorer in {id(s): s for s in self.layer_scorers}.values():
-                if hasattr(scorer, "attach"):
-                    stack.enter_context(scorer.attach(self.model, self.cache))
+            for scorer in self.method.distinct_scorers():
+                stack.enter_context(scorer.attach(self.model, self.cache))
             yield
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, keep: int = 1) -> torch.Tensor:
         """Feed ``ids`` ``(batch, q_len)`` through the model with the cache; returns the last
-        position's logits ``(batch, 1, vocab)``.
+        ``keep`` positions' logits ``(batch, keep, vocab)`` (of the last piece).
 
         Inputs longer than :data:`FORWARD_TOKENS` go through the model in consecutive pieces
         of that many tokens with nothing evicted in between: the same attention (every piece
@@ -137,8 +157,9 @@ class EvictionRunner:
         only where the protocol says (after ``chunk_size`` tokens)."""
         out = None
         for start in range(0, ids.shape[1], FORWARD_TOKENS):
-            out = self.model(input_ids=ids[:, start:start + FORWARD_TOKENS], cache=self.cache, use_cache=True,
-                             logits_to_keep=1)
+            piece = ids[:, start:start + FORWARD_TOKENS]
+            out = self.model(input_ids=piece, cache=self.cache, use_cache=True,
+                             logits_to_keep=min(keep, piece.shape[1]))
         assert out is not None
         return out.logits
 
@@ -156,7 +177,16 @@ class EvictionRunner:
         if not compress:
             return "window" if self.drop_out_of_window() else None
         if self.recon:
-            if self.live_per_sequence() > self.budget_tokens:
+            shared = self._share_key()
+            if shared is not None and shared in self.shared_scores:
+                # Another arm's scoring already saw this context's reconstruction: skip the
+                # pass, but account for the index it would have grown (its entries are
+                # discarded after the pass; the block table keeps its width).
+                prompt = recon_ids(self.scorer, self._pending[0][:, :0], self.tokenizer).shape[1]
+                held = max(int(self.store.lengths(l).max()) for l in range(self.n_layers))
+                self.store.reserve_index(held + max(prompt + c.shape[1] for c in self._pending))
+                self._pending = []
+            elif self.live_per_sequence() > self.budget_tokens:
                 # A compression follows: reconstruct every chunk fed since the last one,
                 # one pass (prompt + chunk) per chunk, as KVzip chunks long contexts.
                 passes = [self.reconstruction_queries(recon_ids(self.scorer, c, self.tokenizer))
@@ -176,13 +206,60 @@ class EvictionRunner:
         self.context_kept = [self.store.gather(l)[2].cpu() for l in range(self.n_layers)]
         return resized
 
+    def inject_context(self, context: Any) -> None:
+        """Hold a prefilled context (:class:`evictlab.decode.shared.SharedContext`) as if its
+        tokens had just been fed in one chunk: every cell gets the context's keys and values
+        (sliding layers too: their out-of-window entries are dropped by the compression that
+        follows, as after a one-pass prefill), the layers' positions move past it, the
+        queries are recorded as the forward would have recorded them (all of them, or the
+        last ``window``), and scorers that read every forward (TrimKV's gates) get the
+        context's hidden states. Then the driver calls
+        :meth:`after_chunk` as after a one-pass prefill; its scoring is shared with the other
+        arms of the same context (:attr:`shared_scores`)."""
+        n = context.length
+        for l in range(self.n_layers):
+            k, v, pos = context.kv(l)
+            self.store.append(l, k, v, pos)
+            self.cache.layers[l].seen = n
+            if self.cache.recording:
+                q, qpos = context.queries(l, None if self.all_queries else self.loop.window)
+                self.cache.record_queries(l, q, qpos)
+        for scorer in self.method.distinct_scorers():
+            scorer.record_context(self.model, self.cache, context.hidden_states())
+        self.shared_scores = context.scores
+
+    def snapshot(self) -> Any:
+        """The run's state after the context (store, positions, recorded queries, scorer
+        states): :meth:`restore` returns to it, so several questions can each be answered
+        from their own copy of one compressed cache."""
+        import copy
+
+        return (self.store.clone(), [layer.seen for layer in self.cache.layers], dict(self.cache.queries),
+                copy.deepcopy(self.states), self.compressions, self.extra_queries)
+
+    def restore(self, snap: Any) -> None:
+        """Return to a :meth:`snapshot` (the snapshot stays reusable)."""
+        import copy
+
+        store, seen, queries, states, compressions, extra = snap
+        self.store = store.clone()
+        self.cache.store = self.store
+        for layer, s in zip(self.cache.layers, seen):
+            layer.store = self.store
+            layer.seen = s
+        self.cache.queries.clear()
+        self.cache.queries.update(queries)
+        self.states = copy.deepcopy(states)
+        self.compressions = compressions
+        self.extra_queries = extra
+
     def after_decode_step(self, step: int, tokens: list[torch.Tensor]) -> str | None:
         """Every ``compress_every`` decode steps: (a reconstruction pass over the last
         ``window`` tokens, for KVzip) then compress."""
-        if step % self.cfg.compress_every:
+        if step % self.loop.compress_every:
             return None
         if self.recon:
-            recent_ids = tokens_out_tensor(tokens, self.cfg.window)
+            recent_ids = tokens_out_tensor(tokens, self.loop.window)
             self.extra_queries = self.reconstruction_queries(recon_ids(self.scorer, recent_ids, self.tokenizer))
         self.compress("decode")
         return "compress"
@@ -222,7 +299,70 @@ class EvictionRunner:
         self.drop_out_of_window()
         if self.live_per_sequence() <= self.budget_tokens:
             return
-        from evictlab.methods.base import ScoreInputs, select_keep_ordered
+        from evictlab.methods.base import select_keep_ordered
+
+        sc = self._scored()
+        lengths = sc.lengths
+        g = self.geometry
+        alloc_inputs = AllocInputs(
+            sc.scores, lengths, np.minimum(self.floors, lengths), tuple(self.windows), self.budget_tokens,
+            phase=phase, positions=sc.positions, next_position=self.cache.seen, head_dim=g.head_dim,
+            dtype_bytes=g.dtype_bytes, geometry=g, sinks=self.loop.sinks, recent=self.loop.recent,
+            window=sc.window)
+        sizes = check_sizes(alloc_inputs, self.allocator.allocate(alloc_inputs), f"allocator {self.method.allocator_name!r}")
+        sinks, recent = self.loop.sinks, self.loop.recent
+        for l in range(self.n_layers):
+            layer_scores = sc.scores[l]
+            # Cells hold their entries in position order (a store invariant), so the kept
+            # entries follow from scores alone; cells of equal length go in one call.
+            if (lengths[l] == lengths[l, 0]).all():
+                keep = select_keep_ordered(layer_scores[:, :, :int(lengths[l, 0])], sizes[l], sinks=sinks,
+                                           recent=recent)
+            else:
+                keep = [[select_keep_ordered(layer_scores[b:b + 1, h:h + 1, :int(lengths[l, h])], [int(sizes[l, h])],
+                                             sinks=sinks, recent=recent)[0][0] for h in range(self.kv_heads)]
+                        for b in range(self.batch)]
+            if self.compression_trace is not None:
+                k, v, pos = self.store.gather(l)
+                self.compression_trace.record(self.compressions, phase, self.cache.seen, l, k, v, pos, lengths[l], keep,
+                                              *sc.windows_q[l], self.scaling)
+            self.store.keep(l, keep)
+        self.compressions += 1
+        if self.live_per_sequence() > self.budget_tokens:
+            raise BudgetExceededError(f"after compression {self.live_per_sequence()} entries are held per sequence, "
+                                      f"above the budget of {self.budget_tokens}")
+
+    def _share_key(self) -> tuple[Any, ...] | None:
+        """The key under which this compression's scoring is shared with other arms of the
+        same prefilled context (:attr:`shared_scores`), or None when it is not shareable:
+        only the first compression of a run that was handed a prefilled context, whose
+        inputs (held entries, recorded queries, reconstruction pass) depend only on that
+        context and the scorer, not on the allocator, the budget or the store."""
+        if self.shared_scores is None or self.compressions or self.method.question_specific:
+            return None  # (the ORACLEs' inputs are each question's own)
+        return (tuple(repr(s) for s in self.layer_scorers), self.all_queries, self.loop.window,
+                self.method.window_profile, self.compression_trace is not None, self.batch)
+
+    def _scored(self) -> _Scored:
+        """Every cell's scores at this compression (shared between arms when
+        :meth:`_share_key` allows: the scorers' states are copied, never shared)."""
+        import copy
+
+        key = self._share_key()
+        if key is not None and key in self.shared_scores:
+            sc, states = self.shared_scores[key]
+            self.states = copy.deepcopy(states)
+            for l in range(self.n_layers):  # consume the queries as scoring them would have
+                self.cache.take_queries(l, consume=self.all_queries)
+            return sc
+        sc = self._score_cells()
+        if key is not None:
+            self.shared_scores[key] = (sc, copy.deepcopy(self.states))
+        return sc
+
+    def _score_cells(self) -> _Scored:
+        """Score every held entry of every cell with the layer's scorer (module docstring)."""
+        from evictlab.methods.base import ScoreInputs
 
         rep = self.q_heads // self.kv_heads
         layer_scores: list[torch.Tensor] = []
@@ -231,7 +371,7 @@ class EvictionRunner:
         fill = -torch.finfo(torch.float32).max
         # The observation window (the scorers' last `window` queries), for an allocator that
         # measures it (ContourKV online) and for the trace; nothing is computed otherwise.
-        profile = "window_profile" in self.allocator.needs
+        profile = self.method.window_profile
         if profile:
             from evictlab.contour.profile import window_stats
         tails: list[np.ndarray] = []
@@ -247,7 +387,7 @@ class EvictionRunner:
             if rec is None:
                 raise RuntimeError(f"no queries recorded for layer {l}; run a forward inside attach() first")
             q, qpos = rec
-            obs_q, obs_pos = q[:, :, -self.cfg.window:], qpos[-self.cfg.window:]
+            obs_q, obs_pos = q[:, :, -self.loop.window:], qpos[-self.loop.window:]
             if self.compression_trace is not None:
                 windows_q.append((obs_q, obs_pos))
             if profile:
@@ -270,40 +410,14 @@ class EvictionRunner:
                         tails[l][b, h, :int(lens[b, h]) + 1], entropy[b, l, h] = window_stats(
                             obs_q[b, h * rep:(h + 1) * rep], cell.k, self.scaling, obs_pos, cell.pos)
             scorer = self.layer_scorers[l]
-            many = getattr(scorer, "score_cells", None)  # the same scores in fewer calls, when offered
-            outs = many(inputs) if many is not None else [scorer.score(x) for x in inputs]
+            outs = scorer.score_cells(inputs)  # the same scores as score() per cell, maybe in fewer calls
             for i, out in enumerate(outs):
                 b, h = divmod(i, self.kv_heads)
                 sc[b, h, :int(lens[b, h])] = out.reshape(-1).float()
             layer_scores.append(sc)
             cell_pos.append(pos)
-        g = self.geometry
-        alloc_inputs = AllocInputs(
-            tuple(layer_scores), lengths, np.minimum(self.floors, lengths), tuple(self.windows), self.budget_tokens,
-            phase=phase, positions=tuple(cell_pos), next_position=self.cache.seen, head_dim=g.head_dim,
-            dtype_bytes=g.dtype_bytes, geometry=g, sinks=self.cfg.sinks, recent=self.cfg.recent,
-            window=WindowProfile(tuple(tails), entropy) if profile else None)
-        sizes = check_sizes(alloc_inputs, self.allocator.allocate(alloc_inputs), f"allocator {self.cfg.allocator!r}")
-        sinks, recent = self.cfg.sinks, self.cfg.recent
-        for l in range(self.n_layers):
-            # Cells hold their entries in position order (a store invariant), so the kept
-            # entries follow from scores alone; cells of equal length go in one call.
-            if (lengths[l] == lengths[l, 0]).all():
-                keep = select_keep_ordered(layer_scores[l][:, :, :int(lengths[l, 0])], sizes[l], sinks=sinks,
-                                           recent=recent)
-            else:
-                keep = [[select_keep_ordered(layer_scores[l][b:b + 1, h:h + 1, :int(lengths[l, h])], [int(sizes[l, h])],
-                                             sinks=sinks, recent=recent)[0][0] for h in range(self.kv_heads)]
-                        for b in range(self.batch)]
-            if self.compression_trace is not None:
-                k, v, pos = self.store.gather(l)
-                self.compression_trace.record(self.compressions, phase, self.cache.seen, l, k, v, pos, lengths[l], keep,
-                                              *windows_q[l], self.scaling)
-            self.store.keep(l, keep)
-        self.compressions += 1
-        if self.live_per_sequence() > self.budget_tokens:
-            raise BudgetExceededError(f"after compression {self.live_per_sequence()} entries are held per sequence, "
-                                      f"above the budget of {self.budget_tokens}")
+        return _Scored(tuple(layer_scores), lengths, tuple(cell_pos),
+                       WindowProfile(tuple(tails), entropy) if profile else None, windows_q)
 
     def reconstruction_queries(self, ids: torch.Tensor) -> dict[int, torch.Tensor]:
         """KVzip-style: feed ``ids`` after the cache, record its queries, then drop its entries.

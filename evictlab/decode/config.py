@@ -1,20 +1,24 @@
-"""How one method runs through the decode loop: :class:`DecodeConfig` (mode, budget, method and
-its parameters, chunking, the protocol), validated on construction, and the names of the modes
-and protocols (docs/kv.md; the protocol: :mod:`evictlab.decode.loop`, point 2).
+"""How one method runs through the decode loop: :class:`LoopSettings` (the loop's sizes:
+sinks, recency window, chunk, compression interval, observation window, page size; the one
+settings type of ``decode``, ``audit``, the evaluation grid and the dilution sweep) and
+:class:`DecodeConfig` (mode, budget, the built :class:`~evictlab.methods.method.Method`,
+the settings, the protocol), validated on construction, and the names of the modes and
+protocols (docs/kv.md; the protocol: :mod:`evictlab.decode.loop`, point 2).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 import numpy as np
 
 from evictlab.errors import InputError
 from evictlab.kv.budget import Budget
-from evictlab.methods.base import Allocator, Scorer
+from evictlab.methods.method import Method
 from evictlab.models.geometry import ModelGeometry
+
+__all__ = ["MODES", "PROTOCOLS", "DecodeConfig", "LoopSettings", "Mode", "ProtocolName"]
 
 Mode = Literal["physical", "masked", "full"]
 MODES: tuple[str, ...] = ("physical", "masked", "full")
@@ -23,80 +27,35 @@ PROTOCOLS: tuple[str, ...] = ("query-agnostic", "query-aware")
 """The two protocols (:mod:`evictlab.decode.loop`, point 2); ``DecodeConfig.protocol`` names a run's."""
 
 
-@dataclass
-class DecodeConfig:
-    """How one method runs through the loop.
+@dataclass(frozen=True)
+class LoopSettings:
+    """The decode loop's sizes, in tokens (validated: :class:`InputError` naming the field).
 
-    ``mode``: ``"physical"`` (paged store, evicted entries freed), ``"masked"`` (full tensors +
-    keep mask: the audit of others), or ``"full"`` (no eviction, stock ``DynamicCache``; the
-    reference). ``budget`` is required unless ``mode == "full"``. ``scorer_params`` and
-    ``allocator_params`` are the method's parameters (strings from the command line are
-    typed by the method's dataclass fields, see :mod:`evictlab.methods.params`).
-
-    Validated on construction (:class:`InputError` with the field's name): the mode, the
-    sizes, and the method (names and parameters, by building it once).
+    ``sinks`` and ``recent``: entries every cell always keeps (the oldest and the newest);
+    ``chunk_size``: context tokens fed between two prefill compressions (a chunk as long
+    as the context is the one-pass prefill); ``compress_every``: decode steps between two
+    compressions; ``window``: the observation window (the last queries the scorers read);
+    ``block_size``: entries per page of the paged store.
     """
 
-    mode: Mode = "physical"
-    budget: Budget | None = None
-    scorer: str = "snapkv"
-    scorer_params: dict[str, Any] = field(default_factory=dict)
-    allocator: str = "uniform"
-    allocator_params: dict[str, Any] = field(default_factory=dict)
     sinks: int = 4
     recent: int = 16
     chunk_size: int = 256
     compress_every: int = 16
     window: int = 32
     block_size: int = 16
-    query_aware: bool = False
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise InputError("mode", f"unknown mode {self.mode!r}", "use physical, masked or full")
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
+                raise InputError(f.name, f"{v!r} is not a whole number", "pass an integer")
         for name in ("chunk_size", "compress_every", "window", "block_size"):
-            if int(getattr(self, name)) <= 0:
+            if getattr(self, name) <= 0:
                 raise InputError(name, f"must be positive, got {getattr(self, name)}", "pass a positive integer")
         for name in ("sinks", "recent"):
-            if int(getattr(self, name)) < 0:
+            if getattr(self, name) < 0:
                 raise InputError(name, f"must be >= 0, got {getattr(self, name)}", "pass 0 or more")
-        if self.budget is not None and not isinstance(self.budget, Budget):
-            raise InputError("budget", f"{self.budget!r} is not a Budget", "pass Budget.parse('64') or similar")
-        # Build the method once: unknown names/parameters and bad values fail here, and the
-        # parameters are kept typed (what the run record shows).
-        scorer = self.build_scorers(None)[0]
-        self.scorer_params = {k: getattr(scorer, k) for k in self.scorer_params}
-        allocator = self.build_allocator()
-        self.allocator_params = {k: getattr(allocator, k) for k in self.allocator_params}
-
-    @property
-    def protocol(self) -> str:
-        """``"query-aware"`` or ``"query-agnostic"`` (see :data:`PROTOCOLS`)."""
-        return PROTOCOLS[1] if self.query_aware else PROTOCOLS[0]
-
-    @property
-    def method(self) -> str:
-        """The method spec: ``scorer+allocator`` (``scorer`` alone for uniform)."""
-        return self.scorer if self.allocator == "uniform" else f"{self.scorer}+{self.allocator}"
-
-    def build_scorers(self, geometry: ModelGeometry | None) -> list[Scorer]:
-        """One scorer per layer (one object for all layers, or, for scorers that undo RoPE,
-        one per distinct RoPE base; with ``geometry=None`` one scorer with the dataclass
-        defaults). An explicit ``rope_theta`` wins."""
-        from evictlab.methods import make_scorer
-
-        if geometry is None:
-            return [make_scorer(self.scorer, **self.scorer_params)]
-        from evictlab.methods.params import settable_params
-        from evictlab.methods.registry import REGISTRY
-
-        if "rope_theta" not in settable_params(REGISTRY[self.scorer]):  # one object for every layer
-            return [make_scorer(self.scorer, **self.scorer_params)] * geometry.n_layers
-        by_rope: dict[Any, Scorer] = {}
-        for r in geometry.rope:
-            if r not in by_rope:
-                by_rope[r] = make_scorer(self.scorer, rope=r, **self.scorer_params)
-        return [by_rope[r] for r in geometry.rope]
 
     def floors(self, geometry: ModelGeometry, total_tokens: int) -> np.ndarray:
         """int64 ``(n_layers, kv_heads)``: the entries ``select_keep`` always keeps per cell
@@ -105,6 +64,64 @@ class DecodeConfig:
         keep = self.sinks + self.recent
         return np.array([[min(keep, total_tokens, w - 1 if w else total_tokens)] * geometry.kv_heads
                          for w in geometry.windows], dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """How one method runs through the loop.
+
+    ``mode``: ``"physical"`` (paged store, evicted entries freed), ``"masked"`` (full tensors +
+    keep mask: the audit of others), or ``"full"`` (no eviction, stock ``DynamicCache``; the
+    reference). ``budget`` and ``method`` (built once by
+    :func:`evictlab.methods.build_method`) are required unless ``mode == "full"``.
+    :meth:`of` builds one from a method's names and parameters.
+    """
+
+    mode: Mode = "physical"
+    budget: Budget | None = None
+    method: Method | None = None
+    loop: LoopSettings = field(default_factory=LoopSettings)
+    query_aware: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise InputError("mode", f"unknown mode {self.mode!r}", "use physical, masked or full")
+        if self.budget is not None and not isinstance(self.budget, Budget):
+            raise InputError("budget", f"{self.budget!r} is not a Budget", "pass Budget.parse('64') or similar")
+        if not isinstance(self.loop, LoopSettings):
+            raise InputError("loop", f"{self.loop!r} is not LoopSettings", "pass LoopSettings(...)")
+        if self.mode != "full" and self.method is None:
+            raise InputError("method", "an evicting mode needs a method", "pass method=build_method('snapkv')")
+
+    @classmethod
+    def of(cls, *, mode: Mode = "physical", budget: Budget | None = None, scorer: str = "snapkv",
+           allocator: str = "uniform", scorer_params: dict[str, Any] | None = None,
+           allocator_params: dict[str, Any] | None = None, query_aware: bool = False,
+           **loop: Any) -> DecodeConfig:
+        """A config from the method's names and parameters (the method is built here, once;
+        ``loop`` are :class:`LoopSettings` fields). A full-cache config builds no method."""
+        from evictlab.methods import build_method
+
+        unknown = sorted(set(loop) - {f.name for f in fields(LoopSettings)})
+        if unknown:
+            raise TypeError(f"unknown loop settings {unknown}")
+        spec = scorer if allocator == "uniform" else f"{scorer}+{allocator}"
+        method = None if mode == "full" else build_method(spec, scorer_params, allocator_params)
+        return cls(mode=mode, budget=budget, method=method, loop=LoopSettings(**loop), query_aware=query_aware)
+
+    @property
+    def protocol(self) -> str:
+        """``"query-aware"`` or ``"query-agnostic"`` (see :data:`PROTOCOLS`)."""
+        return PROTOCOLS[1] if self.query_aware else PROTOCOLS[0]
+
+    @property
+    def spec(self) -> str:
+        """The method text: ``scorer+allocator`` (``scorer`` alone for uniform), ``full``."""
+        return "full" if self.method is None else self.method.spec
+
+    def floors(self, geometry: ModelGeometry, total_tokens: int) -> np.ndarray:
+        """See :meth:`LoopSettings.floors`."""
+        return self.loop.floors(geometry, total_tokens)
 
     def budget_tokens(self, geometry: ModelGeometry, total_tokens: int) -> int:
         """Kept entries per sequence for ``geometry``; :class:`InputError` (field ``budget``)
@@ -118,14 +135,12 @@ class DecodeConfig:
                              f"sinks + recent entries ({geometry.cells} cells)", "raise the budget or lower sinks/recent")
         return tokens
 
-    def build_allocator(self) -> Allocator:
-        from evictlab.methods import make_allocator
-
-        return make_allocator(self.allocator, **self.allocator_params)
-
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["budget"] = None if self.budget is None else {"unit": self.budget.unit, "value": self.budget.value}
-        for key in ("scorer_params", "allocator_params"):
-            d[key] = {k: str(v) if isinstance(v, Path) else v for k, v in d[key].items()}
+        """The config as a run record shows it."""
+        d: dict[str, Any] = {"mode": self.mode,
+                             "budget": None if self.budget is None else {"unit": self.budget.unit,
+                                                                         "value": self.budget.value}}
+        d.update(self.method.record() if self.method is not None else {"method": "full"})
+        d.update(asdict(self.loop))
+        d["query_aware"] = self.query_aware
         return d

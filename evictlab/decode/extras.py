@@ -15,6 +15,7 @@ import torch
 
 from evictlab.errors import InputError
 from evictlab.kv.cache import EvictionCache, attach
+from evictlab.methods.base import Scorer
 from evictlab.kv.masked import MaskedKVStore
 from evictlab.models.geometry import ModelGeometry, model_geometry
 
@@ -49,25 +50,20 @@ class PromptEncoder:
         return encode_text(self.tokenizer, text, special=add_special_tokens)
 
 
-def check_recon_tokenizer(geometry: ModelGeometry, scorer: Any, tokenizer: Any) -> None:
+def check_recon_tokenizer(geometry: ModelGeometry, scorer: Scorer, tokenizer: Any) -> None:
     """Without a tokenizer the reconstruction prompt is UTF-8 bytes: only right for a byte vocab."""
-    if tokenizer is not None or getattr(scorer, "reconstruction_ids", None) is None:
+    if tokenizer is not None:
         return
     if geometry.vocab_size != 256:
-        raise InputError("tokenizer", f"{getattr(scorer, 'name', 'the scorer')}'s reconstruction prompt needs the "
+        raise InputError("tokenizer", f"{scorer.name}'s reconstruction prompt needs the "
                          f"model's tokenizer (None means the 256-token byte vocabulary of the tiny test models, "
                          f"this model has {geometry.vocab_size or '?'} tokens)",
                          "pass tokenizer=... to run_sequence / run_audit")
 
 
-def recon_ids(scorer: Any, chunk: torch.Tensor, tokenizer: Any) -> torch.Tensor:
-    """Token ids ``(batch, p + n)`` of a reconstruction pass over ``chunk`` ``(batch, n)``.
-
-    A scorer with ``reconstruction_ids(chunk, tokenizer)`` (KVzip: its "repeat the previous
-    context" prompt, then the chunk) builds them, with the prompt tokenised by ``tokenizer``
-    (``None``: UTF-8 bytes, the tiny models' vocabulary); otherwise the chunk alone is re-fed.
-    """
-    build = getattr(scorer, "reconstruction_ids", None)
-    if build is None:
-        return chunk
-    return build(chunk, PromptEncoder(tokenizer))
+def recon_ids(scorer: Scorer, chunk: torch.Tensor, tokenizer: Any) -> torch.Tensor:
+    """Token ids ``(batch, p + n)`` of a reconstruction pass over ``chunk`` ``(batch, n)``:
+    the scorer's :meth:`~evictlab.methods.base.Scorer.reconstruction_ids` (KVzip: its
+    "repeat the previous context" prompt, then the chunk), with the prompt tokenised by
+    ``tokenizer`` (``None``: UTF-8 bytes, the tiny models' vocabulary)."""
+    return scorer.reconstruction_ids(chunk, PromptEncoder(tokenizer))

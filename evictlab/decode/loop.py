@@ -154,7 +154,7 @@ class Engine(Protocol):
     context_kept: list[torch.Tensor]  # see DecodeOutput.context_kept
 
     def session(self) -> contextlib.AbstractContextManager[None]: ...
-    def forward(self, ids: torch.Tensor) -> torch.Tensor: ...
+    def forward(self, ids: torch.Tensor, keep: int = 1) -> torch.Tensor: ...
     def report(self) -> ByteReport | None: ...
     def after_chunk(self, chunk: torch.Tensor, phase: Phase, compress: bool = True) -> str | None: ...
     def end_context(self) -> str | None: ...
@@ -178,8 +178,8 @@ class FullCache:
     def session(self) -> Iterator[None]:
         yield
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1).logits
+    def forward(self, ids: torch.Tensor, keep: int = 1) -> torch.Tensor:
+        return self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=keep).logits
 
     def report(self) -> ByteReport | None:
         return None
@@ -229,6 +229,29 @@ def _drive(engine: Engine, context_ids: torch.Tensor, question_ids: torch.Tensor
     phase = engine.end_context()
     if phase:
         note(phase)
+    return answer(engine, rest, answer_ids, steps, compress_every=None, tick=tick, note=note)
+
+
+def answer(engine: Engine, rest: torch.Tensor, answer_ids: torch.Tensor | None, steps: int, *,
+           compress_every: int | None, tick: Callable[[int], None],
+           note: Callable[[str], None]) -> tuple[list[torch.Tensor], list[torch.Tensor], float]:
+    """After the context: feed ``rest`` (the question, or its last token), then ``steps``
+    decode steps (teacher-forced on ``answer_ids`` or greedy), compressing where the engine
+    says. Returns per-step logits and tokens and the decode phase's start time.
+
+    ``compress_every``: when given and a teacher-forced answer ends before the first decode
+    compression (``steps - 1 < compress_every``), ``rest`` and the answer go through the
+    model in one forward, which reads the last ``steps`` positions' logits: the same
+    attention over the same cache, so the same logits up to float rounding, in one call
+    instead of ``steps`` (the evaluation engine's path, :mod:`evictlab.decode.shared`).
+    """
+    if compress_every is not None and answer_ids is not None and steps - 1 < compress_every:
+        ids = torch.cat([rest, answer_ids[:, :steps - 1]], 1)
+        t_dec = time.perf_counter()
+        logits = engine.forward(ids, keep=steps)
+        note("decode")
+        tick(ids.shape[1])
+        return ([logits[:, t].float() for t in range(steps)], [answer_ids[:, t] for t in range(steps)], t_dec)
     last = engine.forward(rest)[:, -1]
     note("question")
     tick(rest.shape[1])
@@ -307,7 +330,7 @@ def run_sequence(
             trace.append(StepTrace(phase, engine.cache.seen, report, r))
 
     with torch.no_grad(), engine.session():
-        logits_out, tokens_out, t_dec = _drive(engine, context_ids, question_ids, answer_ids, T, cfg.chunk_size,
+        logits_out, tokens_out, t_dec = _drive(engine, context_ids, question_ids, answer_ids, T, cfg.loop.chunk_size,
                                                query_aware, tick, note)
     budget = engine.budget_tokens
     return DecodeOutput(torch.stack(logits_out, 1), torch.stack(tokens_out, 1), trace, budget, bytes_full, peak,
@@ -317,7 +340,7 @@ def run_sequence(
 
 def _evicting_engine(model: torch.nn.Module, cfg: DecodeConfig, context_ids: torch.Tensor,
                      question_ids: torch.Tensor, answer_ids: torch.Tensor | None, T: int, g: ModelGeometry,
-                     tokenizer: Any) -> EvictionRunner:
+                     tokenizer: Any, future: Callable[[], dict[int, torch.Tensor]] | None = None) -> EvictionRunner:
     """An :class:`EvictionRunner` whose store is sized, in tokens, by what this run feeds.
 
     Headroom per cell between compressions: a prefill chunk, never more than the context
@@ -332,30 +355,31 @@ def _evicting_engine(model: torch.nn.Module, cfg: DecodeConfig, context_ids: tor
     """
     b, n = context_ids.shape
     m = question_ids.shape[1]
-    scorers = cfg.build_scorers(g)
-    needs = getattr(scorers[0], "needs", frozenset())
-    recon = "reconstruction" in needs
+    assert cfg.method is not None  # an evicting config carries its method
+    method = cfg.method.for_model(g)
+    loop = cfg.loop
+    recon = method.reconstruction
     prompt_len = 0
     if recon:
-        check_recon_tokenizer(g, scorers[0], tokenizer)
-        prompt_len = recon_ids(scorers[0], context_ids[:, :0], tokenizer).shape[1]
+        check_recon_tokenizer(g, method.scorer, tokenizer)
+        prompt_len = recon_ids(method.scorer, context_ids[:, :0], tokenizer).shape[1]
     prefill_fed = n + (m - 1 if cfg.query_aware else 0)
-    chunk = min(cfg.chunk_size, prefill_fed)
+    chunk = min(loop.chunk_size, prefill_fed)
     recon_head = chunk + prompt_len if recon else 0
     prefill_head = (prefill_fed if cfg.query_aware else chunk) + recon_head
-    decode_steps = min(cfg.compress_every, T - 1)
-    decode_recon = recon and T - 1 >= cfg.compress_every
-    decode_head = (1 if cfg.query_aware else m) + decode_steps + (cfg.window + prompt_len if decode_recon else 0)
+    decode_steps = min(loop.compress_every, T - 1)
+    decode_recon = recon and T - 1 >= loop.compress_every
+    decode_head = (1 if cfg.query_aware else m) + decode_steps + (loop.window + prompt_len if decode_recon else 0)
     fed = n + m + T - 1
-    recon_pass = prompt_len + max(chunk, min(cfg.window, T)) if recon else 0
+    recon_pass = prompt_len + max(chunk, min(loop.window, T)) if recon else 0
     slide_head = max(chunk + recon_head, decode_head)
     max_cell = [fed + recon_pass if w is None else min(fed + recon_pass, w - 1 + slide_head) for w in g.windows]
     runner = EvictionRunner(model, cfg, b, headroom_tokens_per_cell=prefill_head, total_tokens=n + m + T,
-                            max_cell_tokens=max_cell, layer_scorers=scorers, tokenizer=tokenizer,
-                            decode_headroom_tokens_per_cell=decode_head)
-    if "future" in needs:
+                            max_cell_tokens=max_cell, tokenizer=tokenizer, decode_headroom_tokens_per_cell=decode_head)
+    if method.future:
         if answer_ids is None:
             raise InputError("method", "the oracle needs the true future tokens", "run it teacher-forced (with an answer)")
         with torch.no_grad():
-            runner.extra_queries = oracle_queries(model, torch.cat([context_ids, question_ids, answer_ids], 1), m + T)
+            runner.extra_queries = (future() if future is not None else
+                                    oracle_queries(model, torch.cat([context_ids, question_ids, answer_ids], 1), m + T))
     return runner

@@ -21,6 +21,7 @@ stopped. At the end ``DIR/results.parquet``, ``DIR/summary.parquet``,
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from dataclasses import asdict, dataclass
@@ -117,20 +118,33 @@ class SweepConfig:
                 raise InputError(f"--{name.replace('_', '-')}", f"must be positive, got {getattr(self, name)}",
                                  "pass a positive integer")
 
+    def loop_settings(self) -> Any:
+        """The loop's :class:`~evictlab.decode.config.LoopSettings` of the sweep."""
+        from evictlab.decode.config import LoopSettings
+
+        return LoopSettings(sinks=self.sinks, recent=self.recent, chunk_size=self.chunk, window=self.window,
+                            compress_every=self.compress_every)
+
     def decode_config(self, method: str, example: DilutionExample | None = None) -> Any:
         """The loop's ``DecodeConfig`` for ``method`` (``oracle_labels`` gets the example's labels)."""
         from evictlab.decode.config import DecodeConfig
         from evictlab.kv.budget import Budget
         from evictlab.methods import parse_method
 
-        loop = dict(sinks=self.sinks, recent=self.recent, chunk_size=self.chunk, window=self.window,
-                    compress_every=self.compress_every)
         if method == FULL:
-            return DecodeConfig(mode="full", **loop)
-        scorer, alloc = parse_method(method)
-        params = {"useful": example.useful_spec() if example is not None else "0:1"} if scorer == ORACLE else {}
-        return DecodeConfig(mode="physical", budget=Budget.parse(self.budget), scorer=scorer, allocator=alloc,
-                            scorer_params=params, **loop)
+            return DecodeConfig(mode="full", loop=self.loop_settings())
+        scorer, _ = parse_method(method)
+        params = (("useful", example.useful_spec() if example is not None else "0:1"),) if scorer == ORACLE else ()
+        return DecodeConfig(mode="physical", budget=Budget.parse(self.budget), method=_method(method, params),
+                            loop=self.loop_settings())
+
+
+@functools.lru_cache(maxsize=64)
+def _method(spec: str, scorer_params: tuple[tuple[str, str], ...]) -> Any:
+    """A sweep method built once per process for each (method, labels)."""
+    from evictlab.methods import build_method
+
+    return build_method(spec, dict(scorer_params))
 
 
 def _key(*parts: object) -> str:

@@ -74,7 +74,8 @@ def run(
     writes the parts (docs/cluster.md)."""
     from evictlab.errors import InputError
     from evictlab.executor import check_executor
-    from evictlab.eval.spec import GridSpec, LoopSettings, parse_list
+    from evictlab.decode.config import LoopSettings
+    from evictlab.eval.spec import GridSpec, parse_list
     from evictlab.io import check_output_path
     from evictlab.methods import parse_assignments
     from evictlab.record import RunRecord

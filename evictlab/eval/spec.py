@@ -31,6 +31,7 @@ Errors are :class:`InputError` with neutral fields (``models``, ``tasks``, ``con
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -39,9 +40,10 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from evictlab.decode.config import DecodeConfig
+from evictlab.decode.config import DecodeConfig, LoopSettings
 from evictlab.errors import InputError, refuse_duplicates
 from evictlab.kv.budget import Budget
+from evictlab.methods.method import Method
 
 __all__ = [
     "FULL",
@@ -50,7 +52,6 @@ __all__ = [
     "PROTOCOLS",
     "CellSpec",
     "GridSpec",
-    "LoopSettings",
     "budget_text",
     "parse_list",
 ]
@@ -85,20 +86,15 @@ def _nonempty(items: Sequence[Any], name: str, fix: str) -> None:
         raise InputError(name, "the list is empty", fix)
 
 
-@dataclass(frozen=True)
-class LoopSettings:
-    """The decode loop's settings shared by every cell: these fields of ``DecodeConfig``,
-    with its defaults, checked by it."""
+@functools.lru_cache(maxsize=64)
+def cell_method(spec: str, scorer_params: tuple[tuple[str, str], ...],
+                allocator_params: tuple[tuple[str, str], ...]) -> Method:
+    """The built method of a cell (:func:`evictlab.methods.build_method`), once per process
+    for each (method, parameters): the grid's validation and every cell of the same
+    method share one object (a fitted profile is read once)."""
+    from evictlab.methods import build_method
 
-    sinks: int = DecodeConfig.sinks
-    recent: int = DecodeConfig.recent
-    chunk_size: int = DecodeConfig.chunk_size
-    compress_every: int = DecodeConfig.compress_every
-    window: int = DecodeConfig.window
-    block_size: int = DecodeConfig.block_size
-
-    def __post_init__(self) -> None:
-        DecodeConfig(mode="full", **asdict(self))  # the loop's own checks (positive sizes ...)
+    return build_method(spec, dict(scorer_params), dict(allocator_params))
 
 
 def _canonical_method(spec: str) -> tuple[str, str, str]:
@@ -163,19 +159,18 @@ class CellSpec:
         return replace(self, method=FULL, mode=FULL, protocol=NO_PROTOCOL, budget=None, scorer_params=(),
                        allocator_params=(), trace=False)
 
-    def decode_config(self) -> Any:
-        """The ``DecodeConfig`` of this cell (``mode="full"`` for the full cell). ``uniform``
-        mode runs the same scorer with the ``uniform`` allocator in the paged store."""
-        loop = asdict(self.loop)
+    def decode_config(self) -> DecodeConfig:
+        """The ``DecodeConfig`` of this cell (``mode="full"`` for the full cell), with the
+        method built once per process (:func:`cell_method`). ``uniform`` mode runs the same
+        scorer with the ``uniform`` allocator in the paged store."""
         if self.is_full:
-            return DecodeConfig(mode="full", **loop)
-        scorer, alloc = self.scorer, self.allocator
-        mode, aparams = self.mode, dict(self.allocator_params)
+            return DecodeConfig(mode="full", loop=self.loop)
+        mode, spec, aparams = self.mode, self.method, self.allocator_params
         if mode == "uniform":
-            mode, alloc, aparams = "physical", "uniform", {}
-        return DecodeConfig(mode=mode, budget=Budget.parse(self.budget or ""), scorer=scorer, allocator=alloc,
-                            scorer_params=dict(self.scorer_params), allocator_params=aparams,
-                            query_aware=self.protocol == "query-aware", **loop)
+            mode, spec, aparams = "physical", str(self.scorer), ()
+        return DecodeConfig(mode=mode, budget=Budget.parse(self.budget or ""),  # type: ignore[arg-type]
+                            method=cell_method(spec, self.scorer_params, aparams), loop=self.loop,
+                            query_aware=self.protocol == "query-aware")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -112,6 +112,19 @@ class KVStore(ABC):
         """Keep only ``keep[b][h]`` (sorted int64 indices into cell (layer, b, h)'s live
         entries, in their order); every other live entry of that cell is evicted."""
 
+    def reserve_index(self, tokens_per_cell: int) -> None:
+        """Size the store's index as if a cell had held ``tokens_per_cell`` entries (what a
+        skipped transient pass would have grown it to: the shared prefill's arms skip a
+        reconstruction pass whose scores another arm computed, and still account for its
+        index). Default: the store's index does not depend on past lengths."""
+
+    def clone(self) -> KVStore:
+        """An independent copy: the same entries, capacity and byte accounting (used to
+        answer several questions, each from its own copy of one compressed cache)."""
+        import copy
+
+        return copy.deepcopy(self)
+
     def discard_recent(self, layer: int, count: int) -> None:
         """Remove the last ``count`` appended entries of every cell of ``layer`` (entries of a
         scoring pass that are not part of the cache, e.g. KVzip's reconstruction pass).

@@ -35,7 +35,7 @@ padding): every sequence of a batch is at the same position.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -209,6 +209,53 @@ def is_ragged(model: torch.nn.Module) -> bool:
     return getattr(getattr(model, "config", None), "_attn_implementation", None) == RAGGED_ATTENTION
 
 
+def rotated_queries(site: AttentionSite, out: torch.Tensor, inp: Any,
+                    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """Post-RoPE queries ``(batch, q_heads, q_len, d)`` from the output of the site's query
+    source (``q_proj`` ``(b, q_len, heads * d)``, or a per-head ``q_norm`` in either 4-D
+    layout) and the layer's ``(cos, sin)``, rotated with the modeling module's own
+    ``apply_rotary_pos_emb``: the tensor the attention function receives."""
+    q = to_heads_layout(out, inp[0], site.n_q_heads, site.head_dim)
+    if position_embeddings is not None:
+        cos, sin = position_embeddings
+        q, _ = site.rope(q, q, cos, sin)
+    return q
+
+
+@contextlib.contextmanager
+def query_source_hooks(model: torch.nn.Module,
+                       on_query: Callable[[AttentionSite, torch.Tensor, Any, Any], None]) -> Iterator[None]:
+    """For every forward of ``model`` (any cache, any attention implementation): calls
+    ``on_query(site, out, inp, position_embeddings)`` with the output and input of each
+    layer's query source and that call's ``(cos, sin)`` (None for a model without RoPE
+    tables), for :func:`rotated_queries`. Records only: the forward is unchanged. Hooks are
+    removed on exit."""
+    sites = find_attention_sites(model)
+    pe: dict[int, Any] = {}
+    handles: list[Any] = []
+
+    def make_pre(site: AttentionSite):  # noqa: ANN202 - closure over the site
+        def pre_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            pe[site.layer] = kwargs.get("position_embeddings")
+
+        return pre_hook
+
+    def make_q(site: AttentionSite):  # noqa: ANN202 - closure over the site
+        def q_hook(_sub: torch.nn.Module, inp: Any, out: torch.Tensor) -> None:
+            on_query(site, out, inp, pe.get(site.layer))
+
+        return q_hook
+
+    try:
+        for site in sites:
+            handles.append(site.module.register_forward_pre_hook(make_pre(site), with_kwargs=True))
+            handles.append(site.q_src.register_forward_hook(make_q(site)))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 @contextlib.contextmanager
 def attach(model: torch.nn.Module, cache: EvictionCache,
            windows: Sequence[int | None] | None = None) -> Iterator[EvictionCache]:
@@ -268,14 +315,9 @@ def attach(model: torch.nn.Module, cache: EvictionCache,
         def q_hook(_sub: torch.nn.Module, inp: Any, out: torch.Tensor) -> None:
             if not cache.recording:
                 return
-            # q_proj (b, q_len, heads * d), or a per-head q_norm in either 4-D layout
-            q = to_heads_layout(out, inp[0], site.n_q_heads, site.head_dim)
-            q_len = q.shape[2]
-            if layer in cache._pe:
-                cos, sin = cache._pe[layer]
-                q, _ = site.rope(q, q, cos, sin)
+            q = rotated_queries(site, out, inp, cache._pe.get(layer))
             seen = cache.layers[layer].seen
-            cache.record_queries(layer, q, torch.arange(seen, seen + q_len, device=q.device))
+            cache.record_queries(layer, q, torch.arange(seen, seen + q.shape[2], device=q.device))
 
         return q_hook
 

@@ -197,6 +197,11 @@ class PagedKVStore(KVStore):
     def lengths(self, layer: int) -> torch.Tensor:
         return torch.from_numpy(self.cell_len[layer].copy())
 
+    def reserve_index(self, tokens_per_cell: int) -> None:
+        """Widen the block table to ``ceil(tokens_per_cell / block_size)`` columns (it never
+        narrows: a pass that once held that many entries left the table that wide)."""
+        self._ensure_columns(blocks_for(int(tokens_per_cell), self.block_size))
+
     def _ensure_columns(self, n_cols: int) -> None:
         cur = self.block_table.shape[-1]
         if n_cols > cur:
@@ -538,6 +543,15 @@ class PagedKVStore(KVStore):
         self._table_dev.clear()
         self._views.clear()
         self._layout.clear()
+
+    def clone(self) -> PagedKVStore:
+        """An independent copy (the pool, block table and free list; the view caches, which
+        point into this store's pool, are not copied: the copy rebuilds its own)."""
+        import copy
+
+        memo: dict[int, object] = {id(self._views): {}, id(self._layout): {}, id(self._table_dev): {},
+                                   id(self._scratch): torch.empty(0, dtype=self.dtype, device=self.device)}
+        return copy.deepcopy(self, memo)
 
     # -- accounting --------------------------------------------------------------------
     def bytes(self) -> ByteReport:

@@ -1,9 +1,12 @@
 """Eviction methods: scorers and allocators, each a small dataclass in a registry.
 
-Add a scorer: write a dataclass with ``name``, ``needs`` and ``score(inputs)`` in
-``scorers.py`` and add one line to :data:`REGISTRY`. Add an allocator: write a frozen
+Add a scorer: write a dataclass subclassing :class:`Scorer` with ``name`` (and ``needs``
+or ``uses_all_queries`` where it needs them) and ``score(inputs)`` in ``scorers.py`` and
+add one line to :data:`REGISTRY`. Add an allocator: write a frozen
 dataclass subclassing :class:`Allocator` with ``name`` and ``allocate(inputs)`` in
-``allocators.py`` and add one line to :data:`ALLOCATORS`. See ``docs/methods.md``.
+``allocators.py`` and add one line to :data:`ALLOCATORS`. :func:`build_method` builds a method text
+(``SCORER[+ALLOCATOR]`` and parameters) into a :class:`Method` once, for the decode loop.
+See ``docs/methods.md``.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from evictlab.methods.base import (
     check_sizes,
     select_keep,
 )
+from evictlab.methods.method import Method
 from evictlab.methods.params import parse_assignments
-from evictlab.methods.registry import ALLOCATORS, REGISTRY, make_allocator, make_scorer, parse_method
+from evictlab.methods.registry import ALLOCATORS, REGISTRY, build_method, make_allocator, make_scorer, parse_method
 
 __all__ = [
     "ALLOCATORS",
@@ -27,9 +31,11 @@ __all__ = [
     "AllocInputs",
     "AllocationError",
     "Allocator",
+    "Method",
     "ScoreInputs",
     "Scorer",
     "WindowProfile",
+    "build_method",
     "check_sizes",
     "make_allocator",
     "make_scorer",

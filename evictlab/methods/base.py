@@ -20,10 +20,11 @@ keys, ``q`` queries, ``d`` head dim):
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -39,6 +40,7 @@ __all__ = [
     "AllocationError",
     "Allocator",
     "Phase",
+    "NEEDS",
     "check_sizes",
     "ScoreInputs",
     "Scorer",
@@ -91,36 +93,72 @@ class ScoreInputs:
     cell: tuple[int, int] | None = None
 
 
-@runtime_checkable
-class Scorer(Protocol):
+NEEDS: frozenset[str] = frozenset({"reconstruction", "future", "gates", "labels"})
+"""What a scorer may need from the decode loop beyond held keys and recent queries (see
+:class:`Scorer`); the loop reads them from :class:`~evictlab.methods.method.Method`."""
+
+
+class Scorer(ABC):
     """A key-importance method: ``score(inputs) -> (b, hk, s)`` float32, higher = keep.
 
-    ``needs`` names the extra inputs the decode loop must provide: ``"reconstruction"``
-    (KVzip: run a context-reconstruction pass and pass its queries as ``extra_queries``),
-    ``"future"`` (oracle: pass the true future queries) or ``"gates"`` (TrimKV: the scorer
-    records data during every forward, see ``attach`` below). Empty for attention-based
-    query-agnostic methods.
+    Subclasses are dataclasses whose fields are the method's parameters (validated in
+    ``__post_init__`` with an :class:`InputError` naming the parameter), and declare what
+    they need as class attributes, which :class:`~evictlab.methods.method.Method` reads once:
 
-    Optional method ``attach(model, cache) -> ContextManager``: hooks the scorer needs
-    during every forward of an evicting run (TrimKV records each appended token's
-    ``log beta`` beside the cache); the decode loop enters it, once per scorer object,
-    around the whole run, inside the cache's own hooks.
+    - ``name: ClassVar[str]``: the registry name;
+    - ``needs: ClassVar[frozenset[str]]`` (default empty), from :data:`NEEDS`:
+      ``"reconstruction"`` (KVzip: run a context-reconstruction pass, built by
+      :meth:`reconstruction_ids`, and pass its queries as ``extra_queries``), ``"future"``
+      (oracle: pass the true future queries), ``"gates"`` (TrimKV: the scorer records data
+      during every forward, :meth:`attach`), ``"labels"`` (the label ORACLE: the task's
+      useful-token positions);
+    - ``uses_all_queries: ClassVar[bool]`` (default False): True passes as ``queries``
+      every query processed since this scorer's previous call for the layer (H2O
+      accumulates them; Compactor and ExpectedAttention use the whole chunk); False only the
+      last ``window`` queries (SnapKV's observation window).
 
-    Optional class attribute ``uses_all_queries: ClassVar[bool]`` (absent = False): when
-    True the decode loop passes as ``queries`` every query processed since this scorer's
-    previous call for the layer (H2O accumulates them; Compactor and ExpectedAttention use
-    the whole chunk); otherwise only the last ``DecodeConfig.window`` queries (SnapKV's
-    observation window).
-
-    Optional method ``score_cells(cells: Sequence[ScoreInputs]) -> list[Tensor]``: exactly
-    ``[score(c) for c in cells]``, computed in fewer calls (the decode loop passes the
-    single-item cells of one layer together when the scorer has it; SnapKV stacks them).
+    Overridable methods with defaults: :meth:`score_cells` (many cells in fewer calls),
+    :meth:`attach` (hooks during every forward; nothing by default).
     """
 
-    name: str
-    needs: frozenset[str]
+    name: ClassVar[str] = ""
+    needs: ClassVar[frozenset[str]] = frozenset()
+    uses_all_queries: ClassVar[bool] = False
 
-    def score(self, inputs: ScoreInputs) -> torch.Tensor: ...
+    @abstractmethod
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        """Scores ``(b, hk, s)`` float32 of the held keys of ``inputs``, higher = keep."""
+
+    def score_cells(self, cells: Sequence[ScoreInputs]) -> list[torch.Tensor]:
+        """Exactly ``[self.score(c) for c in cells]``; a scorer may compute it in fewer
+        calls (the decode loop passes the single-item cells of one layer together; SnapKV
+        stacks them)."""
+        return [self.score(c) for c in cells]
+
+    def load(self) -> Scorer:
+        """Read the files the parameters name (TrimKV's gates folder) and return self; the
+        registry's factory calls it once after building the dataclass, whose construction
+        reads nothing. Default: nothing to read."""
+        return self
+
+    def reconstruction_ids(self, chunk: torch.Tensor, tokenizer: Any) -> torch.Tensor:
+        """Token ids ``(b, p + n)`` of the reconstruction pass over ``chunk`` ``(b, n)`` for a
+        scorer that ``needs`` ``"reconstruction"`` (``tokenizer.encode(text,
+        add_special_tokens=False)`` tokenises a prompt). Default: the chunk again."""
+        return chunk
+
+    def record_context(self, model: torch.nn.Module, cache: Any, hidden: list[torch.Tensor] | None) -> None:
+        """For a scorer that ``needs`` ``"gates"`` (it records data during every forward):
+        record what :meth:`attach` would have recorded for a context that was prefilled
+        elsewhere and injected into ``cache`` (:mod:`evictlab.decode.shared`), from that
+        context's per-layer attention inputs ``hidden`` ``(b, n, hidden_size)``. Called
+        inside :meth:`attach`. Default: nothing to record."""
+
+    def attach(self, model: torch.nn.Module, cache: Any) -> contextlib.AbstractContextManager[None]:
+        """Hooks this scorer needs during every forward of an evicting run (TrimKV records
+        each appended token's ``log beta``); the decode loop enters it once per scorer
+        object around the whole run, inside the cache's own hooks. Default: none."""
+        return contextlib.nullcontext()
 
 
 @dataclass(frozen=True)
@@ -365,6 +403,12 @@ class Allocator(ABC):
     def check(self, geometry: ModelGeometry) -> None:
         """Refuse a model this allocator cannot serve (:class:`InputError`), before a run
         starts; e.g. a profile fitted on another geometry. Default: any model."""
+
+    def load(self) -> Allocator:
+        """Read the files the parameters name (a fitted profile, a predictor) and return
+        self; the registry's factory calls it once after building the dataclass, whose
+        construction reads nothing. Default: nothing to read."""
+        return self
 
     @abstractmethod
     def allocate(self, inputs: AllocInputs) -> np.ndarray:

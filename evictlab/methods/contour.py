@@ -74,9 +74,12 @@ class ContourKV(Allocator):
     name: ClassVar[str] = "contourkv"
     _profile: Any = field(default=None, init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        if self.profile is not None:
+    def load(self) -> ContourKV:
+        """Read the profile file (the registry's factory calls this once, after the
+        dataclass is built: construction itself reads nothing)."""
+        if self.profile is not None and self._profile is None:
             object.__setattr__(self, "_profile", _load_profile(Path(self.profile)))
+        return self
 
     @property
     def needs(self) -> frozenset[str]:
@@ -167,8 +170,11 @@ class ContourKVPred(ContourKV):
     name: ClassVar[str] = "contourkv_pred"
     _predictor: Any = field(default=None, init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def load(self) -> ContourKVPred:
+        """Read the profile and the predictor (see :meth:`ContourKV.load`)."""
+        super().load()
+        if self._predictor is not None:
+            return self
         from evictlab.stats.predictors import Predictor
 
         pred: Predictor | None = None
@@ -184,6 +190,7 @@ class ContourKVPred(ContourKV):
                              "pass predictor=PRED.json (from `evictlab predictor fit RESULTS --out PRED.json`) or "
                              "profile=PROFILE.json fitted with `evictlab contour fit ... --predictor PRED.json`")
         object.__setattr__(self, "_predictor", pred)
+        return self
 
     def weights(self, inputs: AllocInputs, x: np.ndarray, y: np.ndarray) -> np.ndarray:
         n_layers, hk = inputs.lengths.shape

@@ -9,12 +9,13 @@ everywhere because no real method knows which keys the question will need.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from evictlab.errors import InputError
-from evictlab.methods.base import ScoreInputs
+from evictlab.methods.base import ScoreInputs, Scorer
 
 _SPANS = re.compile(r"^\s*\d+:\d+\s*(,\s*\d+:\d+\s*)*$")
 #: Score added to a useful key: far above any position, exact in float32 with it.
@@ -34,7 +35,7 @@ def parse_spans(text: str) -> list[tuple[int, int]]:
 
 
 @dataclass
-class OracleLabels:
+class OracleLabels(Scorer):
     """ORACLE (labelled): keep the useful keys, then the most recent ones.
 
     ``useful``: the useful keys' absolute positions as ``START:END`` ranges, comma-separated.
@@ -47,8 +48,8 @@ class OracleLabels:
     """
 
     useful: str = "0:1"
-    name: str = "oracle_labels"
-    needs: frozenset[str] = field(default_factory=lambda: frozenset({"labels"}))
+    name: ClassVar[str] = "oracle_labels"
+    needs: ClassVar[frozenset[str]] = frozenset({"labels"})
 
     def __post_init__(self) -> None:
         self.spans = parse_spans(self.useful)

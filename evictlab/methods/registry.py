@@ -13,14 +13,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
 from evictlab.errors import InputError
-from evictlab.methods import allocators, contour, scorers
+from evictlab.methods import allocators, contour, scorers, trimkv
 from evictlab.methods.oracle_labels import OracleLabels
-from evictlab.methods import allocators, scorers, trimkv
 from evictlab.methods.base import Allocator, Scorer
+from evictlab.methods.method import Method
 from evictlab.methods.params import build, settable_params
 from evictlab.models.geometry import RopeSpec, rope_spec_of
 
-__all__ = ["ALLOCATORS", "REGISTRY", "make_allocator", "make_scorer", "parse_method", "route_params"]
+__all__ = ["ALLOCATORS", "REGISTRY", "build_method", "make_allocator", "make_scorer", "parse_method", "route_params"]
 
 REGISTRY: dict[str, Callable[..., Scorer]] = {
     "streaming_llm": scorers.StreamingLLM,
@@ -67,12 +67,42 @@ def make_scorer(name: str, config: Any | None = None, *, rope: RopeSpec | None =
             rope = rope_spec_of(config)
         if rope is not None:
             params["rope_theta"] = rope.plain_theta()
-    return build(cls, params, kind="scorer", name=name)
+    return _loaded(build(cls, params, kind="scorer", name=name), "scorer", name)
 
 
 def make_allocator(name: str, **params: Any) -> Allocator:
     """Build allocator ``name`` with ``params`` (see :mod:`evictlab.methods.params`)."""
-    return build(_lookup(ALLOCATORS, name, "allocator"), params, kind="allocator", name=name)
+    return _loaded(build(_lookup(ALLOCATORS, name, "allocator"), params, kind="allocator", name=name),
+                   "allocator", name)
+
+
+def _loaded(obj: Any, kind: str, name: str) -> Any:
+    """``obj.load()``: the files its parameters name are read here, once, after the
+    dataclass was built (its construction reads nothing); a file's error names the
+    parameter, as a bad value does."""
+    try:
+        return obj.load()
+    except InputError as exc:
+        if exc.field in settable_params(type(obj)):
+            value = str(getattr(obj, exc.field))
+            raise InputError(f"{kind}_param", f"{name} parameter {exc.field}={value!r}: {exc.problem}",
+                             exc.fix) from None
+        raise
+
+
+def build_method(spec: str, scorer_params: Mapping[str, Any] | None = None,
+                 allocator_params: Mapping[str, Any] | None = None) -> Method:
+    """The :class:`~evictlab.methods.method.Method` of ``spec`` (``SCORER`` or
+    ``SCORER+ALLOCATOR``) with each part's parameters (strings from the command line or
+    typed values): both parts built once, every parameter validated and the files they
+    name read (:class:`InputError` with field ``method``, ``scorer_param`` or
+    ``allocator_param``)."""
+    scorer_name, allocator_name = parse_method(spec)
+    scorer = make_scorer(scorer_name, **dict(scorer_params or {}))
+    allocator = make_allocator(allocator_name, **dict(allocator_params or {}))
+    typed_s = {k: getattr(scorer, k) for k in (scorer_params or {})}
+    typed_a = {k: getattr(allocator, k) for k in (allocator_params or {})}
+    return Method.of(scorer_name, allocator_name, typed_s, typed_a, scorer, allocator)
 
 
 def parse_method(spec: str) -> tuple[str, str]:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from evictlab.errors import InputError
 from evictlab.kv.attention import combine_groups, query_attention
-from evictlab.methods.base import ScoreInputs
+from evictlab.methods.base import ScoreInputs, Scorer
 
 __all__ = [
     "H2O",
@@ -81,7 +81,7 @@ def _require_extra(inputs: ScoreInputs, name: str, what: str) -> torch.Tensor:
 
 
 @dataclass
-class StreamingLLM:
+class StreamingLLM(Scorer):
     """StreamingLLM (Xiao et al., 2023): keep the attention sinks and the most recent keys.
 
     Score = the key's absolute position, so with the sinks forced by ``select_keep`` the kept
@@ -90,8 +90,7 @@ class StreamingLLM:
     Shapes: ``positions (s,)`` or ``(b, s)`` -> scores ``(b, hk, s)``.
     """
 
-    name: str = "streaming_llm"
-    needs: frozenset[str] = field(default_factory=frozenset)
+    name: ClassVar[str] = "streaming_llm"
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         b, hk, s, _ = inputs.keys.shape
@@ -100,7 +99,7 @@ class StreamingLLM:
 
 
 @dataclass
-class H2O:
+class H2O(Scorer):
     """H2O (Zhang et al., 2023): attention accumulated over every query processed so far.
 
     score[k] = sum over all processed queries t (every chunk, causal) of the group-mean
@@ -114,8 +113,7 @@ class H2O:
     GQA: mean over the group's query heads.
     """
 
-    name: str = "h2o"
-    needs: frozenset[str] = field(default_factory=frozenset)
+    name: ClassVar[str] = "h2o"
     #: the decode loop passes every query processed since the previous call (not a window)
     uses_all_queries: ClassVar[bool] = True
 
@@ -140,7 +138,7 @@ class H2O:
 
 
 @dataclass
-class SnapKV:
+class SnapKV(Scorer):
     """SnapKV (Li et al., 2024): pooled attention of an observation window.
 
     The window is the last ``window`` queries of the chunk. For keys before the window:
@@ -158,8 +156,7 @@ class SnapKV:
     window: int = 32
     kernel: int = 5
     pooling: Literal["avg", "max"] = "avg"
-    name: str = "snapkv"
-    needs: frozenset[str] = field(default_factory=frozenset)
+    name: ClassVar[str] = "snapkv"
 
     def __post_init__(self) -> None:
         if self.kernel < 1 or self.kernel % 2 == 0:
@@ -207,7 +204,7 @@ class SnapKV:
 
 
 @dataclass
-class ExpectedAttention:
+class ExpectedAttention(Scorer):
     """Expected attention of future queries (Devoto et al., 2025, kvpress ExpectedAttention).
 
     From the chunk's queries (positions >= ``n_sink``; earlier ones are sink outliers) we
@@ -234,8 +231,7 @@ class ExpectedAttention:
     use_vnorm: bool = True
     epsilon: float = 0.0
     rope_theta: float = 10000.0
-    name: str = "expected_attention"
-    needs: frozenset[str] = field(default_factory=frozenset)
+    name: ClassVar[str] = "expected_attention"
     #: the decode loop passes every query of the chunk (all since the previous call)
     uses_all_queries: ClassVar[bool] = True
 
@@ -281,7 +277,7 @@ KVZIP_PROMPT = "\n\nRepeat the previous context exactly."
 
 
 @dataclass
-class KVzip:
+class KVzip(Scorer):
     """KVzip-style (Kim et al., 2025): attention received while the model repeats the context.
 
     The decode loop (``needs={"reconstruction"}``) runs, after the context is in the cache,
@@ -298,11 +294,10 @@ class KVzip:
     GQA: max over the group's query heads (KVzip's choice).
     """
 
-    name: str = "kvzip"
-    needs: frozenset[str] = field(default_factory=lambda: frozenset({"reconstruction"}))
+    name: ClassVar[str] = "kvzip"
+    needs: ClassVar[frozenset[str]] = frozenset({"reconstruction"})
 
-    @staticmethod
-    def reconstruction_ids(context_ids: torch.Tensor, tokenizer) -> torch.Tensor:
+    def reconstruction_ids(self, context_ids: torch.Tensor, tokenizer) -> torch.Tensor:
         """``(b, p + n)`` token ids of the reconstruction pass: prompt then the context again."""
         prompt = tokenizer.encode(KVZIP_PROMPT, add_special_tokens=False)
         p = torch.tensor(prompt, dtype=torch.long, device=context_ids.device)
@@ -315,7 +310,7 @@ class KVzip:
 
 
 @dataclass
-class Compactor:
+class Compactor(Scorer):
     """Compactor-style (Chari & Van Durme, 2025): key leverage + non-causal attention.
 
     1. Leverage: pre-RoPE keys (RoPE undone with ``rope_theta``), centred over the sequence,
@@ -340,8 +335,7 @@ class Compactor:
     sketch_dim: int | None = None
     seed: int = 0
     rope_theta: float = 10000.0
-    name: str = "compactor"
-    needs: frozenset[str] = field(default_factory=frozenset)
+    name: ClassVar[str] = "compactor"
     #: the decode loop passes every query of the chunk (all since the previous call)
     uses_all_queries: ClassVar[bool] = True
 
@@ -368,7 +362,7 @@ class Compactor:
 
 
 @dataclass
-class Oracle:
+class Oracle(Scorer):
     """ORACLE (an upper reference, not a method): attention of the true future queries.
 
     The decode loop (``needs={"future"}``) passes the post-RoPE queries this layer will issue
@@ -383,8 +377,8 @@ class Oracle:
     GQA: mean over the group's query heads.
     """
 
-    name: str = "oracle"
-    needs: frozenset[str] = field(default_factory=lambda: frozenset({"future"}))
+    name: ClassVar[str] = "oracle"
+    needs: ClassVar[frozenset[str]] = frozenset({"future"})
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         xq = _require_extra(inputs, "oracle", "the true future queries")

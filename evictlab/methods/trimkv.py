@@ -27,18 +27,18 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from evictlab.errors import InputError
-from evictlab.methods.base import ScoreInputs
+from evictlab.methods.base import ScoreInputs, Scorer
 
 __all__ = ["TrimKV"]
 
 
 @dataclass
-class TrimKV:
+class TrimKV(Scorer):
     """TRIM-KV / DBTrimKV (Bui et al. 2025; paper B): learned retention, decayed with age.
 
     score[i] = (t - i) * log beta_i, ``beta_i`` from the gates in the folder ``gates`` (made
@@ -51,18 +51,24 @@ class TrimKV:
     """
 
     gates: Path | None = None
-    name: str = "trimkv"
+    name: ClassVar[str] = "trimkv"
     #: the decode loop must enter :meth:`attach` for every evicting run
-    needs: frozenset[str] = field(default_factory=lambda: frozenset({"gates"}))
+    needs: ClassVar[frozenset[str]] = frozenset({"gates"})
     _table: Any = field(default=None, init=False, repr=False, compare=False)
+    _gates: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.gates is None:
             raise InputError("scorer_param", "trimkv needs trained gates", "pass --scorer-param gates=DIR "
                              "(a folder written by `evictlab gates train`)")
+
+    def load(self) -> TrimKV:
+        """Check the gates folder (the registry's factory calls this once): a missing or
+        unfinished folder is refused now, before any model loads."""
         from evictlab.gates.files import read_config
 
-        read_config(self.gates, "gates")  # refuses a missing or unfinished folder now, before any model loads
+        read_config(self.gates, "gates")
+        return self
 
     @contextlib.contextmanager
     def attach(self, model: torch.nn.Module, cache: Any) -> Iterator[None]:
@@ -83,11 +89,30 @@ class TrimKV:
             table.record(layer, held, torch.arange(seen, seen + log_beta.shape[1], device=device), log_beta)
 
         with recording_gates(model, gates, on_log_beta):
-            self._table = table
+            self._table, self._gates = table, gates
             try:
                 yield
             finally:
-                self._table = None
+                self._table = self._gates = None
+
+    def record_context(self, model: torch.nn.Module, cache: Any, hidden: list[torch.Tensor] | None) -> None:
+        """Inside :meth:`attach`: record the ``log beta`` of a context that was prefilled
+        elsewhere (:class:`evictlab.decode.shared.SharedContext`, whose hidden states per layer
+        ``(1, n, hidden)`` are the attention modules' inputs the gates read) and just
+        injected into ``cache``'s store: what the hooks would have recorded had the context
+        been fed through this run."""
+        table, gates = self._table, self._gates
+        if table is None or gates is None:
+            raise RuntimeError("record_context runs inside TrimKV.attach")
+        if hidden is None:
+            raise InputError("scorer", "trimkv needs the context's hidden states",
+                             "prefill the shared context with hidden=True")
+        for layer, h in enumerate(hidden):
+            with torch.no_grad():
+                log_beta = gates.log_beta(layer, h)
+            b, n, hk = log_beta.shape
+            empty = torch.empty(b, hk, 0, dtype=torch.int64, device=h.device)
+            table.record(layer, empty, torch.arange(n, device=h.device), log_beta)
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         table = self._table

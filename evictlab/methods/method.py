@@ -1,0 +1,160 @@
+"""One eviction method, built once: :class:`Method` (scorer, allocator, what they need).
+
+A method text is ``SCORER`` or ``SCORER+ALLOCATOR`` (``snapkv`` is ``snapkv+uniform``) with
+``k=v`` parameters for each part. :func:`build_method` turns it into a :class:`Method`
+once: the registry builds the scorer and the allocator (validating every parameter and
+reading the files they name, :mod:`evictlab.methods.params`), and the method's needs are
+read from their classes' declarations (:class:`~evictlab.methods.base.Scorer`'s
+``needs``/``uses_all_queries``, :attr:`Allocator.needs`) into fields, so the decode loop,
+``decode``, ``audit``, the evaluation grid and the dilution sweep read fields instead of
+probing objects, and nothing is built twice.
+
+A method is model-independent until :meth:`Method.for_model` binds it to a model's
+:class:`~evictlab.models.geometry.ModelGeometry`: then every layer gets its scorer (one
+object for all layers, or, for scorers that undo RoPE, one per distinct RoPE base unless a
+``rope_theta`` was given) and the allocator checks the model (e.g. a profile fitted on
+another geometry is refused). Bound methods are cached per geometry, so a run over many
+examples binds once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from evictlab.methods.base import Allocator, Scorer
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from evictlab.models.geometry import ModelGeometry
+
+__all__ = ["Method", "param_text"]
+
+
+def param_text(value: Any) -> Any:
+    """A parameter value as a run record shows it (paths as text, the rest unchanged)."""
+    return str(value) if isinstance(value, Path) else value
+
+
+@dataclass(frozen=True)
+class Method:
+    """A scorer and an allocator built once, with what they need from the decode loop.
+
+    Attributes:
+        scorer_name, allocator_name: registry names (``uniform`` for a bare scorer).
+        scorer_params, allocator_params: the parameters given, typed by the dataclasses
+            (only those given; the rest are the defaults the objects carry).
+        scorer: the scorer built with its parameters (the dataclass defaults otherwise).
+        allocator: the allocator built with its parameters.
+        needs: what the scorer and the allocator need beyond held keys and recent queries
+            (``"reconstruction"``, ``"future"``, ``"gates"``, ``"labels"``,
+            ``"window_profile"``; see :data:`evictlab.methods.base.NEEDS`).
+        all_queries: True when the scorer reads every query since its previous call, False
+            for the last ``window`` queries (:attr:`Scorer.uses_all_queries`).
+        layer_scorers: per layer, the scorer of a method bound to a model
+            (:meth:`for_model`); empty for an unbound one.
+        geometry: the model geometry a bound method was bound to (None unbound).
+    """
+
+    scorer_name: str
+    allocator_name: str
+    scorer_params: Mapping[str, Any]
+    allocator_params: Mapping[str, Any]
+    scorer: Scorer
+    allocator: Allocator
+    needs: frozenset[str]
+    all_queries: bool
+    layer_scorers: tuple[Scorer, ...] = ()
+    geometry: ModelGeometry | None = None
+    _bound: dict[Any, Method] = field(default_factory=dict, repr=False, compare=False)
+    _lock: Any = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    @classmethod
+    def of(cls, scorer_name: str, allocator_name: str, scorer_params: Mapping[str, Any],
+           allocator_params: Mapping[str, Any], scorer: Scorer, allocator: Allocator) -> Method:
+        """A method from built parts (what :func:`evictlab.methods.registry.build_method`
+        returns); the needs are read from the parts' declarations here, once."""
+        needs = frozenset(type(scorer).needs) | frozenset(allocator.needs)
+        return cls(scorer_name, allocator_name, dict(scorer_params), dict(allocator_params), scorer, allocator,
+                   needs, bool(type(scorer).uses_all_queries))
+
+    # -- names ---------------------------------------------------------------------------
+    @property
+    def spec(self) -> str:
+        """The canonical method text: ``scorer`` for uniform sizes, else ``scorer+allocator``."""
+        return self.scorer_name if self.allocator_name == "uniform" else f"{self.scorer_name}+{self.allocator_name}"
+
+    @property
+    def reconstruction(self) -> bool:
+        """KVzip-style: the loop runs a context-reconstruction pass before compressing."""
+        return "reconstruction" in self.needs
+
+    @property
+    def future(self) -> bool:
+        """The ORACLE: the loop passes the true future queries (question and answer)."""
+        return "future" in self.needs
+
+    @property
+    def labels(self) -> bool:
+        """The label ORACLE: the scorer reads the task's useful-token positions."""
+        return "labels" in self.needs
+
+    @property
+    def gates(self) -> bool:
+        """The scorer records data during every forward (TrimKV's gates): a context
+        prefilled elsewhere must bring its hidden states (:meth:`Scorer.record_context`)."""
+        return "gates" in self.needs
+
+    @property
+    def window_profile(self) -> bool:
+        """The allocator reads the observation window's dropped-mass profile."""
+        return "window_profile" in self.needs
+
+    @property
+    def question_specific(self) -> bool:
+        """The kept set depends on the question (the ORACLEs): one compression per
+        question, never one compressed cache shared by several questions."""
+        return self.future or self.labels
+
+    def record(self) -> dict[str, Any]:
+        """The method as a run record shows it."""
+        return {"method": self.spec, "scorer": self.scorer_name, "allocator": self.allocator_name,
+                "scorer_params": {k: param_text(v) for k, v in self.scorer_params.items()},
+                "allocator_params": {k: param_text(v) for k, v in self.allocator_params.items()}}
+
+    # -- binding to a model --------------------------------------------------------------
+    def for_model(self, geometry: ModelGeometry) -> Method:
+        """This method bound to a model (module docstring): per-layer scorers, the
+        allocator checked against ``geometry`` (:class:`InputError` when it cannot serve
+        it). Cached per geometry; a bound method binds to its own geometry as itself."""
+        if self.geometry is not None:
+            if self.geometry == geometry:
+                return self
+            raise ValueError("this method is bound to another model; bind the unbound method")
+        with self._lock:
+            hit = self._bound.get(geometry)
+        if hit is not None:
+            return hit
+        from evictlab.methods.params import settable_params
+        from evictlab.methods.registry import REGISTRY, make_scorer
+
+        self.allocator.check(geometry)
+        if "rope_theta" in self.scorer_params or "rope_theta" not in settable_params(REGISTRY[self.scorer_name]):
+            layers = (self.scorer,) * geometry.n_layers  # one object for every layer
+        else:
+            by_rope: dict[Any, Scorer] = {}
+            for r in geometry.rope:
+                if r not in by_rope:
+                    by_rope[r] = make_scorer(self.scorer_name, rope=r, **self.scorer_params)
+            layers = tuple(by_rope[r] for r in geometry.rope)
+        bound = Method(self.scorer_name, self.allocator_name, self.scorer_params, self.allocator_params,
+                       layers[0], self.allocator, self.needs, self.all_queries, layers, geometry)
+        with self._lock:
+            self._bound[geometry] = bound
+        return bound
+
+    def distinct_scorers(self) -> list[Scorer]:
+        """The distinct scorer objects of a bound method (each attached once per run)."""
+        return list({id(s): s for s in (self.layer_scorers or (self.scorer,))}.values())
