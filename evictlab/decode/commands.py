@@ -111,13 +111,13 @@ def _check_tasks(tasks: list[str]) -> None:
     for t in tasks:
         if t not in TASKS:
             raise InputError("--task", f"unknown task {t!r}", f"use some of: {', '.join(TASKS)}")
-    dup = sorted({t for t in tasks if tasks.count(t) > 1})
-    if dup:
-        raise InputError("--task", f"task {dup[0]} is given twice", "give each task once")
 
 
-def _trace_for(trace: Path | None, out: Path, max_subsets: int, overwrite: bool) -> Any:
+def _trace_for(ctx: Any, trace: Path | None, out: Path, max_subsets: int, overwrite: bool) -> Any:
     """A :class:`~evictlab.decode.trace.CompressionTrace` for ``--trace`` (checked like --out), or None."""
+    from evictlab.cliutil import refuse_unused
+
+    refuse_unused(ctx, "trace_max_subsets", "--trace-max-subsets", trace is not None, "--trace")
     if trace is None:
         return None
     from evictlab.decode.trace import CompressionTrace
@@ -138,6 +138,7 @@ def _base_config(sinks: int, recent: int, chunk: int, compress_every: int, windo
 
 
 def audit(
+    ctx: typer.Context,
     model: str = typer.Option("smollm2-135m", help="registry name, local HF folder or hub id"),
     budget: list[str] = typer.Option(["64"], help="kept budget; repeat for several: 64 (tokens per cell), "
                                      "4096total, 2MiB"),
@@ -156,6 +157,7 @@ def audit(
     """Each method at the same budget, masked vs physically enforced, side by side."""
     from rich.console import Console
 
+    from evictlab.cliutil import parse_list
     from evictlab.io import check_output_file
     from evictlab.kv.budget import Budget
     from evictlab.methods import parse_assignments
@@ -164,13 +166,13 @@ def audit(
     with _as_options(AUDIT_OPTIONS):
         # Everything the user typed, checked before the model loads.
         out = check_output_file(out, "--out", overwrite=overwrite)
-        tracer = _trace_for(trace, out, trace_max_subsets, overwrite)
+        tracer = _trace_for(ctx, trace, out, trace_max_subsets, overwrite)
         _check_positive(n=n, context=context)
         if threads < 0:
             raise InputError("--threads", f"must be >= 0, got {threads}", "pass 0 (torch default) or a thread count")
-        budgets = [Budget.parse(b) for b in budget]
-        method_list = [m.strip() for m in methods.split(",") if m.strip()]
-        tasks = [t.strip() for t in task.split(",") if t.strip()]
+        budgets = [Budget.parse(b) for b in parse_list(budget, "--budget", "budget")]
+        method_list = parse_list(methods, "--methods", "method")
+        tasks = parse_list(task, "--task", "task")
         _check_tasks(tasks)
         sp = parse_assignments(scorer_param, "--scorer-param")
         ap = parse_assignments(allocator_param, "--allocator-param")
@@ -229,6 +231,7 @@ def _write_audit(df: Any, out: Path, model: str, record: Any, trace: Path | None
 
 
 def decode(
+    ctx: typer.Context,
     model: str = typer.Option("smollm2-135m", help="registry name, local HF folder or hub id"),
     method: str = typer.Option("snapkv", help="scorer or scorer+allocator"),
     scorer_param: list[str] = _SCORER_PARAM, allocator_param: list[str] = _ALLOCATOR_PARAM,
@@ -253,7 +256,7 @@ def decode(
     with _as_options(DECODE_OPTIONS):
         # Everything the user typed, checked before the model loads.
         out = check_output_file(out, "--out", overwrite=overwrite)
-        tracer = _trace_for(trace, out, trace_max_subsets, overwrite)
+        tracer = _trace_for(ctx, trace, out, trace_max_subsets, overwrite)
         if tracer is not None and mode == "full":
             raise InputError("--trace", "--mode full compresses nothing, so there is nothing to trace",
                              "use --mode physical or masked, or drop --trace")

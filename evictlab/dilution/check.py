@@ -27,7 +27,7 @@ import polars as pl
 from evictlab.dilution import keptsets
 from evictlab.dilution.labels import USEFUL_PARTS, PromptLabels, prompt_labels
 from evictlab.dilution.measures import TOL, kept_measures, row_measures
-from evictlab.errors import InputError
+from evictlab.errors import InputError, refuse_duplicates
 
 __all__ = ["CHECKS", "CheckConfig", "bound_checks", "check_block", "head_table", "run_check"]
 
@@ -63,6 +63,7 @@ class CheckConfig:
         if unknown or not self.methods:
             raise InputError("--methods", f"unknown or no kept set {unknown or self.methods}",
                              f"use some of: {', '.join(keptsets.KEPT_SETS)}")
+        refuse_duplicates(self.methods, "--methods", "method")
         if self.useful not in USEFUL_PARTS:
             raise InputError("--useful", f"unknown part {self.useful!r}", f"use one of: {', '.join(USEFUL_PARTS)}")
         for name, v, lo in (("--sinks", self.sinks, 0), ("--recent", self.recent, 0),

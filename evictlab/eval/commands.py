@@ -74,7 +74,8 @@ def run(
     writes the parts (docs/cluster.md)."""
     from evictlab.errors import InputError
     from evictlab.executor import check_executor
-    from evictlab.eval.spec import GridSpec, LoopSettings, parse_list
+    from evictlab.cliutil import parse_list
+    from evictlab.eval.spec import GridSpec, LoopSettings
     from evictlab.io import check_output_path
     from evictlab.methods import parse_assignments
     from evictlab.report.record import RunRecord
@@ -84,13 +85,14 @@ def run(
         out = check_output_path(out, "--out", directory=True)
         if threads < 0:
             raise InputError("--threads", f"must be >= 0, got {threads}", "pass 0 (torch default) or a thread count")
-        method_list = parse_list(methods)
+        method_list = parse_list(methods, "--methods", "method")
         evicting = any(m != "full" for m in method_list)
-        budget_list = parse_list(budgets) if budgets is not None else (["64"] if evicting else [])
+        budget_list = parse_list(budgets, "--budgets", "budget") if budgets is not None else (["64"] if evicting else [])
         spec = GridSpec.build(
-            models=parse_list(models), tasks=parse_list(tasks), contexts=parse_list(context), methods=method_list,
-            budgets=budget_list, modes=None if modes is None else parse_list(modes),
-            protocols=None if protocols is None else parse_list(protocols), n=n, seed=seed,
+            models=parse_list(models, "--models", "model"), tasks=parse_list(tasks, "--tasks", "task"),
+            contexts=parse_list(context, "--context", "context length"), methods=method_list,
+            budgets=budget_list, modes=None if modes is None else parse_list(modes, "--modes", "mode"),
+            protocols=None if protocols is None else parse_list(protocols, "--protocols", "protocol"), n=n, seed=seed,
             loop=LoopSettings(sinks=sinks, recent=recent, chunk_size=chunk, compress_every=compress_every,
                               window=window, block_size=block_size),
             scorer_params=parse_assignments(scorer_param, "--scorer-param"),

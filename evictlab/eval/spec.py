@@ -52,7 +52,6 @@ __all__ = [
     "GridSpec",
     "LoopSettings",
     "budget_text",
-    "parse_list",
 ]
 
 GRID_VERSION = 1
@@ -63,14 +62,6 @@ MODES: tuple[str, ...] = ("physical", "uniform", "masked")
 PROTOCOLS: tuple[str, ...] = ("query-agnostic", "query-aware")
 NO_PROTOCOL = "none"
 """The protocol of the full-cache rows: nothing is compressed, so neither applies."""
-
-
-def parse_list(text: str | Sequence[str] | None) -> list[str]:
-    """``"a, b,c"`` (or repeated options) -> ``["a", "b", "c"]``; empty items dropped."""
-    if text is None:
-        return []
-    items = [text] if isinstance(text, str) else list(text)
-    return [p.strip() for item in items for p in str(item).split(",") if p.strip()]
 
 
 def budget_text(budget: Budget) -> str:

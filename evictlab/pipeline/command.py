@@ -8,7 +8,7 @@ from typing import List, Optional
 
 import typer
 
-from evictlab.errors import InputError
+from evictlab.errors import InputError, refuse_duplicates
 from evictlab.pipeline.stages import AnalysisConfig, CaptureSpec, analyse, contour_finish, contour_start, parse_budgets, rows_and_results
 
 #: Default (demo) sizes per model, measured to fit the time bars on the 2-core machine
@@ -117,6 +117,8 @@ def demo(
         raise InputError("--search", f"must be 'pool' or 'all', got {search!r}", "pass --search all or --search pool")
     if threads < 0:
         raise InputError("--threads", f"must be >= 0, got {threads}", "pass 0 (torch default) or a thread count")
+    if results:
+        refuse_duplicates([p.resolve() for p in results], "--results", "results file")
     cfg = AnalysisConfig(budgets=parse_budgets(budgets), threshold=threshold, seed=seed, n_boot=n_boot,
                          hardness_trials=hardness_trials, threads=threads, search=search)
     run_name = name or ("demo" + ("-full" if full else "") + ("-synthetic" if synthetic else ""))

@@ -36,7 +36,8 @@ def synth(
     recency: Optional[float] = typer.Option(
         None, "--recency", help="Logit bonus of the last key vs the first (query kind; default 0)."),
     values: str = typer.Option("gaussian", "--values", help="gaussian or clustered."),
-    clusters: int = typer.Option(8, "--clusters", help="Clusters per block for --values clustered."),
+    clusters: Optional[int] = typer.Option(None, "--clusters", show_default=False,
+                                           help="Clusters per block (--values clustered only; default 8)."),
     rows_per_block: int = typer.Option(256, "--rows-per-block",
                                        help="Rows sharing one stored key/value block."),
     spread: float = typer.Option(0.25, "--spread",

@@ -21,9 +21,11 @@ predictor_app = typer.Typer(help="Dropped-mass predictors of a significant selec
 def _features(spec: str) -> list[str]:
     from evictlab.stats.predictors import FEATURE_SETS, KNOWN_FEATURES
 
+    from evictlab.cliutil import parse_list
+
     if spec in FEATURE_SETS:
         return list(FEATURE_SETS[spec])
-    feats = [f.strip() for f in spec.split(",") if f.strip()]
+    feats = parse_list(spec, "--features", "feature")
     bad = [f for f in feats if f not in KNOWN_FEATURES]
     if not feats or bad:
         raise InputError("--features", f"unknown feature set or features {bad or spec!r}",
