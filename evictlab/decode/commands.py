@@ -214,7 +214,7 @@ def audit(
 def _write_audit(df: Any, out: Path, model: str, record: Any, trace: Path | None = None) -> None:
     """Figure and report first, then the table, then the run record: each file is atomic,
     and the record (written last) marks a finished audit."""
-    from evictlab.io import atomic_path, atomic_write_text
+    from evictlab.io import atomic_write_text, write_checked_parquet
     from evictlab.plots.audit import audit_bars
     from evictlab.report.audit import audit_markdown
     from evictlab.report.record import record_path
@@ -223,8 +223,7 @@ def _write_audit(df: Any, out: Path, model: str, record: Any, trace: Path | None
     fig = audit_bars(df, stem)
     md = audit_markdown(df, model=model, config=record.config, figure=fig.png.name)
     atomic_write_text(stem.with_suffix(".md"), md)
-    with atomic_path(out, suffix=".parquet") as tmp:
-        df.write_parquet(tmp)
+    write_checked_parquet(df, out)
     record.write(record_path(out),
                  outputs=[str(out), str(fig.png), str(fig.pdf), str(stem.with_suffix(".md"))]
                  + ([] if trace is None else [str(trace)]))

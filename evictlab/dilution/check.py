@@ -335,7 +335,7 @@ def run_check(rows: str | Path, out: str | Path, cfg: CheckConfig, *, overwrite:
     from tqdm.auto import tqdm
 
     from evictlab.dilution.parts import PartStore
-    from evictlab.io import atomic_path, check_output_file, exclusive_lock
+    from evictlab.io import check_output_file, exclusive_lock, write_checked_parquet
     from evictlab.report.record import RunRecord, record_path
     from evictlab.rows.reader import RowStore
 
@@ -368,13 +368,11 @@ def run_check(rows: str | Path, out: str | Path, cfg: CheckConfig, *, overwrite:
                                            pl.lit(store.manifest["capture_mode"]).alias("protocol")))
         bar.close()
         table = parts.collect(keys)
-        with atomic_path(out, suffix=".parquet") as tmp:
-            table.write_parquet(tmp)
+        write_checked_parquet(table, out)
         checks = bound_checks(table, cfg.stated_margin is not None)
         heads = head_table(table)
         for name, df in (("heads", heads), ("bounds", checks)):
-            with atomic_path(out.with_name(f"{out.stem}.{name}.parquet"), suffix=".parquet") as tmp:
-                df.write_parquet(tmp)
+            write_checked_parquet(df, out.with_name(f"{out.stem}.{name}.parquet"))
         if make_report:
             from evictlab.report.dilution import check_report
 

@@ -357,7 +357,7 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True, m
     from evictlab.capture.runner import parse_layers
     from evictlab.dilution.parts import PartStore
     from evictlab.dilution.tasks import make_example
-    from evictlab.io import atomic_path, check_output_path, exclusive_lock
+    from evictlab.io import check_output_path, exclusive_lock, write_checked_parquet
     from evictlab.models.geometry import model_geometry
     from evictlab.report.record import RunRecord, record_path
 
@@ -407,8 +407,7 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True, m
         results = parts.collect([keys[u] for u in units])
         summary, verdict = summarize(results), verdicts(results, seed=cfg.seed)
         for name, df in (("results", results), ("summary", summary), ("verdict", verdict)):
-            with atomic_path(out_dir / f"{name}.parquet", suffix=".parquet") as tmp:
-                df.write_parquet(tmp)
+            write_checked_parquet(df, out_dir / f"{name}.parquet")
         from evictlab.plots.dilution import sweep_lines
         from evictlab.report.dilution import sweep_report
 

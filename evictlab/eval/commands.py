@@ -164,7 +164,7 @@ def compare(
     from evictlab.errors import InputError
     from evictlab.eval.compare import TieRule
     from evictlab.eval.grid import MANIFEST, RESULTS, read_manifest
-    from evictlab.io import check_output_file, exclusive_lock, read_parquet
+    from evictlab.io import check_output_file, exclusive_lock, read_checked_parquet
     from evictlab.report.record import RunRecord, record_path
 
     with as_options(COMPARE_OPTIONS):
@@ -185,7 +185,7 @@ def compare(
         rule = TieRule(kind=tie_rule, tolerance=tolerance, level=level, n_boot=n_boot, seed=seed)  # type: ignore[arg-type]
         record = RunRecord(kind="eval.compare", seed=seed, config={
             "grid": str(grid), "tie_rule": tie_rule, "tolerance": tolerance, "level": level, "n_boot": n_boot})
-        results = read_parquet(grid / RESULTS, f"rerun `evictlab eval run` into a new folder")
+        results = read_checked_parquet(grid / RESULTS, f"rerun `evictlab eval run` into a new folder")
         with exclusive_lock(out, "--out"):
             written = write_comparison(results, out, rule, manifest)
         record.write(record_path(out), outputs=[str(p) for p in written])
@@ -200,7 +200,7 @@ def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any
     from evictlab.errors import InputError
     from evictlab.eval.claims import contourkv_versus, enforcement_cost, query_aware_margin
     from evictlab.eval.compare import compare as compare_pairs
-    from evictlab.io import atomic_path, atomic_write_text
+    from evictlab.io import atomic_write_text, write_checked_parquet
     from evictlab.plots.evaluation import accuracy_vs_bytes, wtl_bars
     from evictlab.report.evaluation import evaluation_markdown
 
@@ -224,12 +224,10 @@ def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any
                              skipped=manifest.get("skipped", []), seed=rule.seed, n_boot=rule.n_boot)
     report = stem.with_suffix(".md")
     atomic_write_text(report, md)
-    with atomic_path(out, suffix=".parquet") as tmp:
-        pairs.write_parquet(tmp)
+    write_checked_parquet(pairs, out)
     claims_path = stem.parent / (stem.name + "_claims.parquet")
     rows = [c.to_dict() for c in (*claims_e, *claims_m, *claims_c)]
-    with atomic_path(claims_path, suffix=".parquet") as tmp:
-        pl.DataFrame(rows, schema={k: pl.Utf8 for k in ("claim_id", "claim", "paper_value", "our_value", "interval",
-                                                         "verdict", "model", "rows", "budgets", "definitions")}
-                     ).write_parquet(tmp)
+    write_checked_parquet(pl.DataFrame(rows, schema={k: pl.Utf8 for k in (
+        "claim_id", "claim", "paper_value", "our_value", "interval", "verdict", "model", "rows", "budgets",
+        "definitions")}), claims_path)
     return [out, report, claims_path, *[f.png for f in figs], *[f.pdf for f in figs]]

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from evictlab.errors import EvictlabError, InputError
+from evictlab.io import read_checked_parquet
 
 
 class StageError(EvictlabError, RuntimeError):
@@ -205,7 +206,7 @@ def _label_model(path: Path, label: str) -> None:
     """Make sure the results carry a model column (synthetic rows have none)."""
     import polars as pl
 
-    df = pl.read_parquet(path)
+    df = read_checked_parquet(path, "run the demo again with --resolve")
     if "model" in df.columns and df["model"].null_count() == 0 and (df["model"] != "").all():
         return
     write_parquet(df.with_columns(pl.lit(label).alias("model")), path)
@@ -215,11 +216,10 @@ def _label_model(path: Path, label: str) -> None:
 # stages 3-5: statistics, predictors, claims, figures (in-process)
 # --------------------------------------------------------------------------------------
 def write_parquet(df: Any, path: Path) -> Path:
-    """Write a polars frame atomically; return ``path``."""
-    from evictlab.io import atomic_path
+    """Write a polars frame atomically, with its checksum; return ``path``."""
+    from evictlab.io import write_checked_parquet
 
-    with atomic_path(path, suffix=".parquet") as tmp:
-        df.write_parquet(tmp)
+    write_checked_parquet(df, path)
     return path
 
 
@@ -481,7 +481,7 @@ def hardness_stage(cfg: AnalysisConfig, work: Path, log: Any) -> Any:
     trials = work / "trials.parquet"
     if not trials.is_file():
         raise StageError(f"`evictlab {' '.join(args)}` wrote no {trials}; see its message above")
-    return pl.read_parquet(trials)
+    return read_checked_parquet(trials, f"delete {work} and run the demo again")
 
 
 # --------------------------------------------------------------------------------------
@@ -550,7 +550,7 @@ def contour_finish(job: ContourJob, cfg: AnalysisConfig, log: Any) -> ContourRes
     code = job.proc.wait()
     if code != 0:
         raise StageError(f"`evictlab {' '.join(job.args)}` exited with status {code}; see its message above")
-    results = pl.read_parquet(job.work / "results.parquet")
+    results = read_checked_parquet(job.work / "results.parquet", f"delete {job.work} and run the demo again")
     claims, detail = contourkv_versus(results, seed=cfg.seed, n_boot=cfg.n_boot)
     return ContourResult(grid=job.grid, folder=job.work, results=results, claims=claims, detail=detail)
 

@@ -8,9 +8,11 @@ one Parquet row per (row_id, s) with the columns of :data:`RESULT_COLUMNS` (the 
 "Solver results" in ``docs/architecture.md``).
 
 Resumability: the rows (in ``row_id`` order) are cut into chunks of ``chunk_rows``; chunk k
-is written atomically to ``<out>.parts/part-{k:05d}.parquet`` and its SHA-256 recorded in
-``checksums.json`` there. A rerun with the same job (dataset, budgets, pool, ...) first
-checks every part already written (checksum, readable, the expected rows and columns),
+is written atomically to ``<out>.parts/part-{k:05d}.parquet`` with its checksum in its own
+footer (:func:`evictlab.io.write_checked_parquet`, as ``<out>``). A rerun with the same job
+(dataset, budgets, pool, ...) first checks every part already written (checksum, readable,
+the expected rows and columns; a part without a checksum, from an older evictlab, is
+recomputed),
 discards and reports a damaged one, and computes only the missing chunks; when all are
 there they are concatenated into ``<out>`` atomically, a run record is written beside it,
 and the parts folder is removed. Interrupting a run (Ctrl-C, kill) leaves only complete
@@ -36,14 +38,13 @@ import polars as pl
 from evictlab.errors import CorruptFileError, InputError
 from evictlab.report.record import RunRecord, record_path
 from evictlab.io import (
-    atomic_path,
     atomic_write_json,
     check_output_path,
     exclusive_lock,
+    read_checked_parquet,
     read_json,
-    read_parquet,
     remove_temp_files,
-    sha256_file,
+    write_checked_parquet,
 )
 
 #: ``kappa_hat = e_top / max(es_hat, KAPPA_EPS)`` (absolute, in value units).
@@ -329,17 +330,15 @@ def _same_job(old: Any, job: dict[str, Any]) -> str | None:
     return None
 
 
-def _check_part(path: Path, sha: str | None, ids: np.ndarray, cfg: SolveConfig) -> str | None:
+def _check_part(path: Path, ids: np.ndarray, cfg: SolveConfig) -> str | None:
     """None if the part file ``path`` holds exactly the results of rows ``ids``, else why not.
 
-    Checked without recomputing anything: the recorded SHA-256 (when recorded: a part
-    written just before a crash may lack it), readable Parquet, the columns of ``cfg``,
-    and the (row_id, s) pairs in order.
+    Checked without recomputing anything: its checksum (:func:`evictlab.io.check_parquet`;
+    a part without one, from an older evictlab, is refused), readable Parquet, the columns
+    of ``cfg``, and the (row_id, s) pairs in order.
     """
-    if sha is not None and sha256_file(path) != sha:
-        return "fails its SHA-256 checksum"
     try:
-        df = read_parquet(path, _PART_FIX)
+        df = read_checked_parquet(path, _PART_FIX, legacy="refuse")
     except CorruptFileError as exc:
         return exc.problem
     if df.columns != result_columns(cfg):
@@ -430,7 +429,6 @@ def _solve_locked(rows: Path, out: Path, cfg: SolveConfig, threads: int | None, 
     job = {"dataset": _dataset_id(store), "rows": str(rows.resolve()), "n_rows": int(ids.shape[0]),
            "config": cfg.to_dict()}
     job_file = parts / "job.json"
-    sums_file = parts / "checksums.json"
     remove_temp_files(out.parent, (out.name,))
     if parts.exists() and not parts.is_dir():
         raise InputError("--out", f"{parts} (where the part files of {out.name} go) is a file",
@@ -449,7 +447,7 @@ def _solve_locked(rows: Path, out: Path, cfg: SolveConfig, threads: int | None, 
                     "pass --restart to discard them and start over")
             shutil.rmtree(parts)
     parts.mkdir(exist_ok=True)
-    remove_temp_files(parts, ("part-", job_file.name, sums_file.name))
+    remove_temp_files(parts, ("part-", job_file.name))
     atomic_write_json(job_file, job)
 
     def part_file(k: int) -> Path:
@@ -459,27 +457,19 @@ def _solve_locked(rows: Path, out: Path, cfg: SolveConfig, threads: int | None, 
         return ids[k * cfg.chunk_rows:(k + 1) * cfg.chunk_rows]
 
     # Check every part already there before computing anything.
-    try:
-        sums = read_json(sums_file, "") if sums_file.is_file() else {}
-    except CorruptFileError:
-        sums = {}
-    sums = {k: v for k, v in sums.items() if isinstance(v, str)} if isinstance(sums, dict) else {}
     done: list[int] = []
     discarded: list[str] = []
     for k in range(n_parts):
         f = part_file(k)
         if not f.exists():
             continue
-        why = _check_part(f, sums.get(f.name), chunk(k), cfg)
+        why = _check_part(f, chunk(k), cfg)
         if why is None:
-            sums.setdefault(f.name, sha256_file(f))
             done.append(k)
         else:
             f.unlink()
-            sums.pop(f.name, None)
             discarded.append(f.name)
             notify(f"warning: discarded the damaged part file {f} ({why}); it is recomputed")
-    atomic_write_json(sums_file, sums)
     pending = sorted(set(range(n_parts)) - set(done))
     written = 0
     rows_done = sum(chunk(k).shape[0] for k in done)
@@ -497,12 +487,7 @@ def _solve_locked(rows: Path, out: Path, cfg: SolveConfig, threads: int | None, 
             results: Iterator[tuple[int, pl.DataFrame]] = _local_parts(store, pending, chunk, cfg, model, bar)
         try:
             for k, df in results:
-                with atomic_path(part_file(k), suffix=".parquet") as tmp:
-                    df.write_parquet(tmp)
-                # A crash here leaves a complete part without a checksum: it is checked by
-                # reading it on resume.
-                sums[part_file(k).name] = sha256_file(part_file(k))
-                atomic_write_json(sums_file, sums)
+                write_checked_parquet(df, part_file(k))
                 written += 1
                 if on_rows is not None:
                     on_rows(chunk(k).shape[0])
@@ -517,10 +502,9 @@ def _solve_locked(rows: Path, out: Path, cfg: SolveConfig, threads: int | None, 
                            extra={"parts_discarded": discarded})
     if not complete:
         return summary
-    table = pl.concat([read_parquet(part_file(k), _PART_FIX) for k in range(n_parts)],
+    table = pl.concat([read_checked_parquet(part_file(k), _PART_FIX, legacy="refuse") for k in range(n_parts)],
                       how="vertical")
-    with atomic_path(out, suffix=".parquet") as tmp:
-        table.write_parquet(tmp)
+    write_checked_parquet(table, out)
     rec = record.write(record_path(out), output=str(out), rows_out=table.height,
                        parts=n_parts, parts_resumed=len(done), executor=record.config["executor"])
     shutil.rmtree(parts)

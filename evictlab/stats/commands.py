@@ -114,7 +114,7 @@ def eval_(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out (and its run record)."),
 ) -> None:
     """ROC AUC (bootstrap 95% CI) and Brier score of a saved predictor on other results, per model and s."""
-    from evictlab.io import atomic_path, check_output_file
+    from evictlab.io import check_output_file, write_checked_parquet
     from evictlab.report.record import RunRecord, record_path
     from evictlab.stats.predictors import Predictor, evaluate
     from evictlab.stats.results import load_results
@@ -130,7 +130,6 @@ def eval_(
     table = evaluate(pred, df, seed=seed, n_boot=n_boot, source=", ".join(map(str, results)), name=predictor.stem)
     _print_auc(table, f"AUC of {predictor.name} ({'+'.join(pred.features)}, label kappa_hat > {pred.threshold})")
     if out is not None:
-        with atomic_path(out, suffix=".parquet") as tmp:
-            table.write_parquet(tmp)
+        write_checked_parquet(table, out)
         record.write(record_path(out), output=str(out))
         typer.echo(f"wrote {out}")
