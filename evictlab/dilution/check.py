@@ -11,7 +11,9 @@ separately, where they fail, with the slack, and writes the summaries, figures a
 Outputs, for ``--out T.parquet``: ``T.parquet`` (the long table), ``T.heads.parquet`` (per
 layer, query head, kept set, s), ``T.bounds.parquet`` (one row per check), ``T.md`` (the
 report), ``T.figures/`` (PNG + PDF) and ``T.run_record.json``. The run is resumable: blocks
-are processed in chunks written to ``T.parts/`` (:mod:`evictlab.dilution.parts`).
+are processed in chunks written to ``T.parts/`` (:mod:`evictlab.dilution.parts`); the folder
+goes only after the run record, the last file, is written, so a run killed while writing its
+outputs is finished by the rerun (a ``T.parquet`` with ``T.parts/`` beside it is unfinished).
 """
 
 from __future__ import annotations
@@ -327,6 +329,21 @@ def _job(store: Any, cfg: CheckConfig) -> dict[str, Any]:
             "version": 1}
 
 
+def _parts_dir(out: Path) -> Path:
+    return out.with_name(out.name + ".parts")
+
+
+def _check_out(out: Path, overwrite: bool) -> Path:
+    """The output rule (:func:`evictlab.io.check_output_file`), except that an ``out`` whose
+    parts folder is still there belongs to an interrupted run (killed while writing its
+    outputs): it is finished, not refused."""
+    from evictlab.io import check_output_file, check_output_path
+
+    if _parts_dir(out).is_dir():
+        return check_output_path(out, "--out", directory=False)
+    return check_output_file(out, "--out", overwrite=overwrite)
+
+
 def run_check(rows: str | Path, out: str | Path, cfg: CheckConfig, *, overwrite: bool = False,
               progress: bool = True, make_report: bool = True) -> CheckSummary:
     """Run the check of the dataset ``rows`` into ``out`` (module docstring); resumable."""
@@ -335,12 +352,12 @@ def run_check(rows: str | Path, out: str | Path, cfg: CheckConfig, *, overwrite:
     from tqdm.auto import tqdm
 
     from evictlab.dilution.parts import PartStore
-    from evictlab.io import check_output_file, exclusive_lock, write_checked_parquet
+    from evictlab.io import exclusive_lock, write_checked_parquet
     from evictlab.report.record import RunRecord, record_path
     from evictlab.rows.reader import RowStore
 
     cfg.check()
-    out = check_output_file(out, "--out", overwrite=overwrite)
+    out = _check_out(Path(out), overwrite)
     store = RowStore.open(rows)
     labels = prompt_labels(store, cfg.useful)  # refuses unlabelled datasets
     record = RunRecord(kind="dilution.check", config={"rows": str(rows), **asdict(cfg)}, model=store.manifest["model"])
@@ -351,8 +368,8 @@ def run_check(rows: str | Path, out: str | Path, cfg: CheckConfig, *, overwrite:
     chunks = [blocks[i:i + cfg.chunk_blocks] for i in range(0, len(blocks), cfg.chunk_blocks)]
     keys = [f"{k:05d}" for k in range(len(chunks))]
     with exclusive_lock(out, "--out"):
-        check_output_file(out, "--out", overwrite=overwrite)  # again: another run may have finished meanwhile
-        parts = PartStore(out.with_name(out.name + ".parts"), _job(store, cfg)).open()
+        _check_out(out, overwrite)  # again: another run may have finished meanwhile
+        parts = PartStore(_parts_dir(out), _job(store, cfg)).open()
         todo = [(k, c) for k, c in zip(keys, chunks) if not parts.done(k)]
         skipped = sum(len(c) for k, c in zip(keys, chunks) if parts.done(k))
         bar = tqdm(total=len(blocks), initial=skipped, desc="dilution check", unit="block", disable=not progress)
@@ -368,15 +385,18 @@ def run_check(rows: str | Path, out: str | Path, cfg: CheckConfig, *, overwrite:
                                            pl.lit(store.manifest["capture_mode"]).alias("protocol")))
         bar.close()
         table = parts.collect(keys)
-        write_checked_parquet(table, out)
         checks = bound_checks(table, cfg.stated_margin is not None)
         heads = head_table(table)
+        # The files beside the table first, the table next, the run record last, and only then
+        # the parts folder goes: a run killed anywhere before that leaves its parts, and the
+        # rerun finishes it (the parts are intact, the outputs are written again).
         for name, df in (("heads", heads), ("bounds", checks)):
             write_checked_parquet(df, out.with_name(f"{out.stem}.{name}.parquet"))
         if make_report:
             from evictlab.report.dilution import check_report
 
             check_report(out, table, heads, checks, cfg, store)
+        write_checked_parquet(table, out)
         violations = int(checks["violations"].sum())
         summary = CheckSummary(out=str(out), rows=store.n_rows, table_rows=table.height, blocks=len(blocks),
                                blocks_skipped=skipped, violations=violations,

@@ -7,13 +7,14 @@ own footer, :func:`evictlab.io.write_checked_parquet`) and the run's settings in
 is kept, a damaged one (or one without a checksum, from an older evictlab) is named in one
 warning line, deleted and recomputed; a rerun with other settings is refused (the fix
 names the folder to delete). When every unit is done the parts are concatenated into
-``OUT`` (atomically) and the folder is removed, so an interrupted run never leaves an
-``OUT`` that looks finished.
+``OUT`` (atomically) and, once the run's last file is written, the folder is removed, so an
+interrupted run never leaves an ``OUT`` that looks finished without its parts beside it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from collections.abc import Callable
@@ -44,6 +45,7 @@ class PartStore:
     def open(self) -> PartStore:
         """Create the folder (or check that it belongs to the same job) and check every part
         already there (a damaged one is reported, deleted and recomputed)."""
+        shutil.rmtree(self._trash(), ignore_errors=True)  # left by a run killed while removing its parts
         job_file = self.dir / "job.json"
         if job_file.is_file():
             old = read_json(job_file, f"delete {self.dir}")
@@ -91,5 +93,13 @@ class PartStore:
         frames = [f for f in frames if f.height]
         return pl.concat(frames, how="diagonal_relaxed") if frames else pl.DataFrame()
 
+    def _trash(self) -> Path:
+        return self.dir.with_name(self.dir.name + ".removing")
+
     def remove(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
+        """Remove the folder: renamed first (atomic), so a kill while deleting never leaves a
+        half-deleted parts folder that a rerun would take for a resumable one."""
+        if self.dir.exists():
+            shutil.rmtree(self._trash(), ignore_errors=True)
+            os.replace(self.dir, self._trash())
+        shutil.rmtree(self._trash(), ignore_errors=True)
