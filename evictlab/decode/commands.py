@@ -280,7 +280,7 @@ def decode(
 
         from evictlab.capture.prompts import make_task
         from evictlab.decode.loop import run_sequence
-        from evictlab.decode.tasks import build_prompt, decode_ids, score_exact_match
+        from evictlab.decode.tasks import build_prompt, decode_ids, score_exact_match, useful_spec
         from evictlab.models.loading import load_model
 
         if threads > 0:
@@ -288,6 +288,7 @@ def decode(
         return_freed_memory()
         lm, tok = load_model(model, device=device, attention="decode")
         prompt = build_prompt(make_task(task, context, tok, seed), tok)
+        cfg = cfg.with_labels(lambda: useful_spec(prompt, tok))  # oracle_labels: the example's labels
         dev = next(lm.parameters()).device
         ctx = torch.tensor([prompt.context_ids], device=dev)
         q = torch.tensor([prompt.question_ids], device=dev)

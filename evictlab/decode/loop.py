@@ -72,7 +72,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -197,6 +197,30 @@ class DecodeConfig:
         from evictlab.methods import make_allocator
 
         return make_allocator(self.allocator, **self.allocator_params)
+
+    @property
+    def needs_labels(self) -> bool:
+        """Whether the scorer reads the task's labels (``oracle_labels``: they are passed per
+        example by :meth:`with_labels`)."""
+        return self.mode != "full" and "labels" in getattr(self.build_scorers(None)[0], "needs", ())
+
+    def with_labels(self, useful: Callable[[], str | None]) -> DecodeConfig:
+        """This config for one example: a scorer that reads the task's labels gets them as
+        its ``useful`` parameter (``useful()``: the example's asked-fact token spans, e.g.
+        :func:`evictlab.decode.tasks.useful_spec`, called only then); any other config is
+        returned as is. :class:`InputError` (field ``task``) when the scorer needs labels and
+        the example has none, (field ``scorer_param``) when ``useful`` was set by hand: the
+        labels are the task's, never a default."""
+        if not self.needs_labels:
+            return self
+        if "useful" in self.scorer_params:
+            raise InputError("scorer_param", f"{self.scorer}'s useful keys are the task's fact labels, set per "
+                             "example", "drop useful=... from the scorer parameters")
+        spans = useful()
+        if spans is None:
+            raise InputError("task", f"{self.scorer} reads the task's fact labels and this example has none",
+                             "use a task with facts (needle, multi_key, ...) or another method")
+        return replace(self, scorer_params={**self.scorer_params, "useful": spans})
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -766,6 +790,10 @@ def _evicting_engine(model: torch.nn.Module, cfg: DecodeConfig, context_ids: tor
     m = question_ids.shape[1]
     scorers = cfg.build_scorers(g)
     needs = getattr(scorers[0], "needs", frozenset())
+    if "labels" in needs and getattr(scorers[0], "spans", None) is None:
+        raise InputError("method", f"{cfg.scorer} reads the task's fact labels and none were passed",
+                         "run it through a command that passes them (decode, audit, eval run, dilution sweep: "
+                         "DecodeConfig.with_labels)")
     recon = "reconstruction" in needs
     prompt_len = 0
     if recon:

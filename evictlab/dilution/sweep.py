@@ -128,9 +128,8 @@ class SweepConfig:
         if method == FULL:
             return DecodeConfig(mode="full", **loop)
         scorer, alloc = parse_method(method)
-        params = {"useful": example.useful_spec() if example is not None else "0:1"} if scorer == ORACLE else {}
-        return DecodeConfig(mode="physical", budget=Budget.parse(self.budget), scorer=scorer, allocator=alloc,
-                            scorer_params=params, **loop)
+        cfg = DecodeConfig(mode="physical", budget=Budget.parse(self.budget), scorer=scorer, allocator=alloc, **loop)
+        return cfg if example is None else cfg.with_labels(example.useful_spec)
 
 
 def _key(*parts: object) -> str:

@@ -279,12 +279,17 @@ class GridSpec:
                 raise InputError("budgets", f"{budget_text(b)} keeps every token of the {min(self.contexts)}-token "
                                  "context: nothing would be evicted", "use budgets below the shortest context")
         self.method_params()  # unknown or bad parameters are refused here
+        from evictlab.decode.tasks import HELDOUT_PPL
+
         checked: set[tuple[str, str, str | None, str]] = set()
         for cell in self.cells():  # each method's config once (parameter values, ...)
             key = (cell.method, cell.mode, cell.budget, cell.protocol)
             if not cell.is_full and key not in checked:
                 checked.add(key)
-                cell.decode_config()
+                if cell.decode_config().needs_labels and HELDOUT_PPL in self.tasks:
+                    raise InputError("methods", f"{cell.method} reads the task's fact labels and {HELDOUT_PPL} "
+                                     "has none", f"drop {HELDOUT_PPL} from the tasks, or {cell.method} from the "
+                                     "methods")
 
     def check_models(self) -> None:
         """Refuse a model that is neither a registry name, a model folder nor a hub id
