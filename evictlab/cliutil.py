@@ -9,6 +9,9 @@
 * **Options that apply only with another** (:func:`refuse_unused`): given on the command
   line where the other option makes them meaningless (``rows synth --clusters 3`` without
   ``--values clustered``), they are refused, never ignored.
+* **Finished outputs** (:func:`outputs_written`): a command calls it once its outputs are
+  complete on disk; an interrupt after that point (Ctrl-C while the summary prints) no
+  longer reports the run as interrupted: it exits 0 with one note (:mod:`evictlab.cli`).
 
 Errors are :class:`~evictlab.errors.InputError` naming the option (exit code 2 through the CLI).
 """
@@ -20,7 +23,10 @@ from typing import Any
 
 from evictlab.errors import InputError, refuse_duplicates
 
-__all__ = ["parse_ints", "parse_list", "refuse_unused"]
+__all__ = ["outputs_written", "parse_ints", "parse_list", "refuse_unused", "written_outputs"]
+
+#: Outputs the running command has declared complete (:func:`outputs_written`).
+_WRITTEN: list[str] = []
 
 
 def parse_list(values: str | Sequence[str] | None, option: str, what: str = "entry", *,
@@ -79,3 +85,18 @@ def refuse_unused(ctx: Any, param: str, option: str, applies: bool, needs: str) 
     e.g. ``"--values clustered"``."""
     if not applies and given(ctx, param):
         raise InputError(option, f"only applies with {needs}", f"drop {option}, or pass {needs}")
+
+
+def outputs_written(*paths: Any) -> None:
+    """Declare the running command's outputs ``paths`` complete on disk (its last write
+    done): an interrupt from here on exits 0 (the outputs are there), not 130."""
+    _WRITTEN.extend(str(p) for p in paths)
+
+
+def written_outputs(reset: bool = False) -> list[str]:
+    """The outputs declared by :func:`outputs_written` (``reset``: forget them, at the start
+    of a command)."""
+    out = list(_WRITTEN)
+    if reset:
+        _WRITTEN.clear()
+    return out

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import typer
 
+from evictlab.cliutil import outputs_written
 from evictlab.errors import InputError
 
 _DEFAULT_METHODS = "streaming_llm,h2o,snapkv,snapkv+adakv,snapkv+pyramidkv"
@@ -206,6 +207,7 @@ def audit(
     if tracer is not None:
         tracer.write(trace)
     _write_audit(df, out, model, record, trace)
+    outputs_written(out)
     console.print(df.select("method", "mode", "budget_per_cell", "bytes_live", "bytes_allocated",
                             "bytes_full_cache", "kl", "exact_match"))
     typer.echo(str(out))
@@ -328,6 +330,7 @@ def decode(
         result["trace"] = str(trace)
     atomic_write_json(out, result)
     record.write(record_path(out), outputs=[str(out)] + ([] if trace is None else [str(trace)]))
+    outputs_written(out)
     if res.budget_tokens is not None and res.budget_effective_tokens is not None \
             and res.budget_effective_tokens < res.budget_tokens:
         typer.echo(f"note: the budget ({res.budget_tokens} kept entries) is above the full cache "

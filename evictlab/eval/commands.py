@@ -161,6 +161,7 @@ def compare(
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing --out (and the files beside it)"),
 ) -> None:
     """Paired comparisons of a finished grid: wins, ties and losses, the claims, a report."""
+    from evictlab.cliutil import outputs_written
     from evictlab.errors import InputError
     from evictlab.eval.compare import TieRule
     from evictlab.eval.grid import MANIFEST, RESULTS, read_manifest
@@ -189,6 +190,7 @@ def compare(
         with exclusive_lock(out, "--out"):
             written = write_comparison(results, out, rule, manifest)
         record.write(record_path(out), outputs=[str(p) for p in written])
+        outputs_written(*written)
     typer.echo(f"{written[0]}\n{written[1]}")
 
 

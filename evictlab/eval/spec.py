@@ -294,12 +294,10 @@ class GridSpec:
     def check_models(self) -> None:
         """Refuse a model that is neither a registry name, a model folder nor a hub id
         (field ``model``), without loading or pulling anything."""
-        from evictlab.models.loading import resolve
-        from evictlab.models.registry import MODELS
+        from evictlab.models.loading import check_model_name
 
         for m in self.models:
-            if m not in MODELS:
-                resolve(m)
+            check_model_name(m, "model")
 
     # ------------------------------------------------------------------ derived
     @property

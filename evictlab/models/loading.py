@@ -55,6 +55,17 @@ def resolve(name: str) -> tuple[str, Path | str]:
     return "hub", name
 
 
+def check_model_name(name: str, option: str = "--model") -> None:
+    """Refuse (field ``option``) a model that is neither a registry name, a model folder nor
+    a hub id, without loading or pulling anything (what a command checks before any work)."""
+    if name in MODELS:
+        return
+    try:
+        resolve(name)
+    except InputError as exc:
+        raise InputError(option, exc.problem, exc.fix) from None
+
+
 ATTENTIONS = ("eager", "decode", "sdpa")
 
 

@@ -119,6 +119,12 @@ def demo(
         raise InputError("--threads", f"must be >= 0, got {threads}", "pass 0 (torch default) or a thread count")
     if results:
         refuse_duplicates([p.resolve() for p in results], "--results", "results file")
+    if not synthetic and not results:  # every model name, before any stage runs (nothing is pulled here)
+        from evictlab.models.loading import check_model_name
+
+        check_model_name(model, "--model")
+        if second_model.lower() not in ("", "none"):
+            check_model_name(second_model, "--second-model")
     cfg = AnalysisConfig(budgets=parse_budgets(budgets), threshold=threshold, seed=seed, n_boot=n_boot,
                          hardness_trials=hardness_trials, threads=threads, search=search)
     run_name = name or ("demo" + ("-full" if full else "") + ("-synthetic" if synthetic else ""))

@@ -156,7 +156,7 @@ def solve(
     With --executor ray each part is one Ray task (--threads CPUs each, 1 if 0); the results
     are the local run's, bit for bit.
     """
-    from evictlab.cliutil import refuse_unused
+    from evictlab.cliutil import outputs_written, refuse_unused
     from evictlab.executor import check_executor
     from evictlab.executor.commands import executor_for
     from evictlab.solve.runner import SolveConfig, solve_rows
@@ -176,6 +176,7 @@ def solve(
     with executor_for(executor, address) as ex:
         summary = solve_rows(rows, out, cfg, threads=threads, overwrite=overwrite, restart=restart,
                              notify=lambda msg: typer.echo(msg, err=True), executor=ex)
+    outputs_written(out)
     resumed = f", {summary.parts_done_before} parts resumed" if summary.parts_done_before else ""
     typer.echo(f"wrote {summary.rows} rows x {len(bud)} budgets to {out}{resumed}")
 

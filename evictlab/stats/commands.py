@@ -12,6 +12,7 @@ from typing import List, Optional
 
 import typer
 
+from evictlab.cliutil import outputs_written
 from evictlab.errors import InputError
 
 predictor_app = typer.Typer(help="Dropped-mass predictors of a significant selection gap (kappa_hat > threshold).",
@@ -100,6 +101,7 @@ def fit(
     pred.metadata["held_out_auc"] = held.select("model", "s", "auc", "auc_lo", "auc_hi", "rows").to_dicts()
     pred.save(out)
     record.write(record_path(out), output=str(out))
+    outputs_written(out)
     _print_auc(held, f"held-out AUC of {'+'.join(feats)} (label kappa_hat > {threshold})")
     typer.echo(f"wrote {out}")
 
@@ -132,4 +134,5 @@ def eval_(
     if out is not None:
         write_checked_parquet(table, out)
         record.write(record_path(out), output=str(out))
+        outputs_written(out)
         typer.echo(f"wrote {out}")
