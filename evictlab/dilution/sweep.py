@@ -370,24 +370,34 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True, m
         torch.set_num_threads(threads)
     with exclusive_lock(out_dir / "results.parquet", "--out"):
         _check_out_dir(out_dir, overwrite)  # again under the lock: another run may have finished meanwhile
-        parts = PartStore(out_dir / "results.parts", {"config": asdict(cfg), "version": 1}).open()
-        units = [(k, i, m) for k in cfg.distractors for i in range(cfg.n) for m in cfg.methods]
-        keys = {u: _key("k", u[0], "e", u[1], u[2]) for u in units}
-        skipped = sum(parts.done(keys[u]) for u in units)
         layers: list[int] | None = None
-        if skipped < len(units):
+
+        def model_checks() -> None:
+            """Load the model and refuse what its geometry rules out (layers, a budget below
+            the always-kept floor), before any run."""
+            nonlocal model, tokenizer, layers
             if model is None:
                 from evictlab.models.loading import load_model
 
                 model, tokenizer = load_model(cfg.model, device=cfg.device)
             g = model_geometry(model)
             layers = parse_layers(cfg.layers, g.n_layers)
-            for m in cfg.methods:  # a budget below the always-kept floor is refused before any run
+            for m in cfg.methods:
                 if m != FULL:
                     try:
                         cfg.decode_config(m).budget_tokens(g, cfg.context)
                     except InputError as exc:
                         raise InputError("--budget", exc.problem, exc.fix) from None
+
+        parts_dir = out_dir / "results.parts"
+        if not parts_dir.is_dir():  # a new run: refused before its parts folder exists (a refusal leaves nothing)
+            model_checks()
+        parts = PartStore(parts_dir, {"config": asdict(cfg), "version": 1}).open()
+        units = [(k, i, m) for k in cfg.distractors for i in range(cfg.n) for m in cfg.methods]
+        keys = {u: _key("k", u[0], "e", u[1], u[2]) for u in units}
+        skipped = sum(parts.done(keys[u]) for u in units)
+        if skipped < len(units) and layers is None:
+            model_checks()
         bar = tqdm(total=len(units), initial=skipped, desc=f"dilution sweep {cfg.model}", unit="run",
                    disable=not progress)
         for k in cfg.distractors:

@@ -225,8 +225,10 @@ def _done(out: Path, cells: list[CellSpec], notify: Callable[[str], None]) -> se
 def preflight(spec: GridSpec, cells: list[CellSpec]) -> None:
     """Checks that need each model (loaded once, cached for the run): every budget against
     its geometry (below the always-kept floors, or at or above the full cache of the
-    context: nothing to evict) and every example's length against the model's positions.
-    :class:`InputError` (fields ``budgets``, ``contexts``) before any cell runs."""
+    context: nothing to evict), every allocator against it (a ContourKV profile fitted on
+    another model) and every example's length against the model's positions.
+    :class:`InputError` (fields ``budgets``, ``contexts``, ``allocator_param``) before any
+    cell runs and before anything is written."""
     from evictlab.eval.runner import cell_examples
     from evictlab.kv.budget import Budget
     from evictlab.models.geometry import model_geometry
@@ -248,6 +250,7 @@ def preflight(spec: GridSpec, cells: list[CellSpec]) -> None:
             tokens = cfg.budget_tokens(g, cell.context)
         except InputError as exc:
             raise InputError("budgets", f"{cell.budget} on {cell.model}: {exc.problem}", exc.fix) from None
+        cfg.build_allocator().check(g)  # e.g. a ContourKV profile of another model's geometry
         full = g.full_cache_tokens(cell.context)
         if tokens >= full:
             raise InputError("budgets", f"{cell.budget} is {tokens} kept entries on {cell.model}, at or above the "
