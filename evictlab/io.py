@@ -346,6 +346,22 @@ def check_output_path(path: str | os.PathLike[str], option: str, *, directory: b
     return path
 
 
+#: Bytes a generator may write unless ``--max-gib`` raises it (``rows synth``, ``capture``,
+#: ``rows export``): 4 GiB, about ten times the paper-scale dataset.
+DEFAULT_MAX_GIB = 4.0
+
+
+def check_output_size(need: int, max_gib: float, what: str, fix: str, option: str = "--max-gib") -> None:
+    """Refuse, before any work, an output estimated at ``need`` bytes above ``max_gib`` GiB
+    (:class:`InputError` on ``option``; ``what`` names the output, ``fix`` what to change);
+    also refuse a ``max_gib`` that is not positive."""
+    if not max_gib > 0:
+        raise InputError("--max-gib", f"must be > 0, got {max_gib}", "pass e.g. --max-gib 4")
+    if need > max_gib * 2**30:
+        raise InputError(option, f"{what} would take about {need / 2**30:,.1f} GiB, above the --max-gib limit of "
+                         f"{max_gib:g} GiB", fix)
+
+
 def check_parent(path: str | os.PathLike[str], option: str) -> Path:
     """Raise :class:`InputError` naming ``option`` unless ``path``'s parent folder exists."""
     path = Path(path)

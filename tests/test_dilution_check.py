@@ -306,3 +306,15 @@ def test_killed_while_writing_the_outputs_the_rerun_finishes(rows, tmp_path: Pat
     # and a finished check is refused again without --overwrite
     code, _, err = run_cli(argv, capsys, monkeypatch)
     assert code == 2 and "--overwrite" in _one_error_line(err)
+
+
+def test_budgets_no_row_can_use_are_refused(rows, tmp_path: Path, capsys, monkeypatch) -> None:
+    """Issue 28, item 7: `--budgets 5000` on rows of at most ~90 keys used to exit 0 with
+    empty tables; it is refused, as `solve` refuses s > n."""
+    n_max = int(RowStore.open(rows["query-agnostic"]).meta["n"].max())
+    out = tmp_path / "t.parquet"
+    code, _, err = run_cli(["dilution", "check", str(rows["query-agnostic"]), "--out", str(out), "--budgets",
+                            f"24,{n_max}", "--methods", "top_mass"], capsys, monkeypatch)
+    line = _one_error_line(err)
+    assert code == 2 and line.startswith(f"error: --budgets: budget {n_max} is not below any row's key count")
+    assert f"use budgets below {n_max}" in line and not out.exists() and not (tmp_path / "t.parquet.parts").exists()

@@ -362,7 +362,8 @@ def _check_resume(out: Path, cfg: CaptureConfig, text: dict[str, str]) -> None:
 
 
 def run_capture(cfg: CaptureConfig, out: str | Path, *, model: Any = None, tokenizer: Any = None,
-                progress: bool = True, model_label: str | None = None, executor: Any = None) -> CaptureSummary:
+                progress: bool = True, model_label: str | None = None, executor: Any = None,
+                max_gib: float | None = None) -> CaptureSummary:
     """Capture ``cfg.prompts`` prompts into the row dataset at ``out`` (resuming if present).
 
     ``model``/``tokenizer`` may be passed pre-loaded (tests, notebooks); otherwise
@@ -370,13 +371,17 @@ def run_capture(cfg: CaptureConfig, out: str | Path, *, model: Any = None, token
     (:mod:`evictlab.executor`): None or local runs the forwards here; a Ray executor runs one
     task per forward group (:func:`capture_group`, one prompt on CPU), each loading the
     model on its worker, and this process writes the rows in prompt order, so the dataset
-    holds the same rows in the same shards as a local run.
+    holds the same rows in the same shards as a local run. ``max_gib``: refuse (before
+    anything is written, once the model's geometry is known) a dataset estimated above this
+    many GiB (:func:`capture_bytes`; default :data:`evictlab.io.DEFAULT_MAX_GIB`).
     """
     from evictlab.io import check_output_path
     from evictlab.report.record import RunRecord
     from evictlab.rows.schema import RECORD_FILE
 
     cfg.check()
+    if max_gib is not None and not max_gib > 0:
+        raise InputError("--max-gib", f"must be > 0, got {max_gib}", "pass e.g. --max-gib 4")
     out = check_output_path(out, "--out", directory=True)  # before the model is loaded
     text = _text_provenance(cfg)
     _check_resume(out, cfg, text)
@@ -390,10 +395,11 @@ def run_capture(cfg: CaptureConfig, out: str | Path, *, model: Any = None, token
         if model is not None:
             raise InputError("model", "a pre-loaded model cannot be sent to remote workers",
                              "pass the model by name (cfg.model), or use the local executor")
-        written, skipped, rows_written, worst = _capture_remote(cfg, out, text, executor, progress, model_label)
+        written, skipped, rows_written, worst = _capture_remote(cfg, out, text, executor, progress, model_label,
+                                                                max_gib)
     else:
         written, skipped, rows_written, worst = _capture_local(cfg, out, text, model, tokenizer, progress,
-                                                               model_label)
+                                                               model_label, max_gib)
     seconds = time.perf_counter() - t0
     from evictlab.rows.reader import RowStore
 
@@ -420,12 +426,33 @@ def _source_info(cfg: CaptureConfig, model: Any, text: dict[str, str]) -> tuple[
     return source, head_dim, max(s.layer for s in sites) + 1
 
 
+def capture_bytes(cfg: CaptureConfig, source: dict[str, Any], head_dim: int) -> int:
+    """Bytes the dataset of ``cfg`` takes on disk, estimated (a little under: prompts are
+    taken as ``--context`` tokens) from the model's heads per layer (``source["gqa"]``): per
+    prompt and captured layer its keys and values (float32) and positions (int64) per KV
+    head, and per row its query (float32) and index entry (~100 bytes)."""
+    gqa = {int(k): v for k, v in source["gqa"].items()}
+    layers = parse_layers(cfg.layers, max(gqa) + 1) or sorted(gqa)
+    per_prompt = sum(gqa[l][1] * cfg.context * (2 * head_dim * 4 + 8) + gqa[l][0] * cfg.positions * (head_dim * 4 + 100)
+                     for l in layers)
+    return cfg.prompts * per_prompt
+
+
+def _check_size(cfg: CaptureConfig, source: dict[str, Any], head_dim: int, max_gib: float | None) -> None:
+    from evictlab.io import DEFAULT_MAX_GIB, check_output_size
+
+    check_output_size(capture_bytes(cfg, source, head_dim), DEFAULT_MAX_GIB if max_gib is None else max_gib,
+                      f"{cfg.prompts:,} prompts of {cfg.context:,} tokens with {cfg.positions} positions",
+                      "capture fewer --prompts, --positions or --layers, or a shorter --context (or raise --max-gib)",
+                      option="--prompts")
+
+
 def _auto_batch(cfg: CaptureConfig, device_type: str) -> int:
     return cfg.batch or (8 if device_type == "cuda" else 1)
 
 
 def _capture_local(cfg: CaptureConfig, out: Path, text: dict[str, str], model: Any, tokenizer: Any,
-                   progress: bool, model_label: str | None) -> tuple[int, int, int, float]:
+                   progress: bool, model_label: str | None, max_gib: float | None = None) -> tuple[int, int, int, float]:
     """The local executor: forwards here, prompt group after prompt group."""
     from tqdm.auto import tqdm
 
@@ -443,6 +470,7 @@ def _capture_local(cfg: CaptureConfig, out: Path, text: dict[str, str], model: A
         model.to(device)
     source, head_dim, n_layers = _source_info(cfg, model, text)
     layers = parse_layers(cfg.layers, n_layers)
+    _check_size(cfg, source, head_dim, max_gib)
     # a prompt the settings cannot build (e.g. a text shorter than --context) is refused
     # before the dataset folder exists
     built = {0: build_prompt(cfg.source, cfg.context, tokenizer, cfg.seed, 0)}
@@ -592,7 +620,7 @@ def _device_type(device: str) -> str:
 
 
 def _capture_remote(cfg: CaptureConfig, out: Path, text: dict[str, str], executor: Any, progress: bool,
-                    model_label: str | None) -> tuple[int, int, int, float]:
+                    model_label: str | None, max_gib: float | None = None) -> tuple[int, int, int, float]:
     """A remote executor: a probe task, then one task per forward group; rows are written
     here, in prompt order."""
     from evictlab.executor import TaskSpec, task_bar
@@ -604,6 +632,7 @@ def _capture_remote(cfg: CaptureConfig, out: Path, text: dict[str, str], executo
     if plan.source.get("text_sha256") != text.get("text_sha256"):
         raise InputError("--source", f"the worker read another text for {cfg.source} than this machine",
                          "give every node the same source files (shared storage)")
+    _check_size(cfg, plan.source, plan.head_dim, max_gib)
     written = rows_written = 0
     worst = 0.0
     with RowWriter(out, model=model_label or cfg.model, capture_mode=cfg.mode, head_dim=plan.head_dim,

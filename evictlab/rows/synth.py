@@ -95,6 +95,17 @@ class SynthConfig:
         return out
 
 
+def estimated_bytes(cfg: SynthConfig) -> int:
+    """Bytes the dataset of ``cfg`` takes on disk, estimated from the shard layout (within a
+    few percent): per block of ``rows_per_block`` rows its values (and, query kind, keys) as
+    float32 and its positions as int64, per row its query (or logits) as float32 and its
+    index entry (~100 bytes)."""
+    blocks = -(-int(cfg.rows) // max(int(cfg.rows_per_block), 1))
+    per_key = cfg.dim * 4 * (2 if cfg.kind == "query" else 1) + 8
+    per_row = (cfg.dim * 4 if cfg.kind == "query" else cfg.keys * 4) + 100
+    return blocks * cfg.keys * per_key + int(cfg.rows) * per_row
+
+
 def _check(cfg: SynthConfig) -> dict[str, Any]:
     """Validate ``cfg`` (InputError naming the CLI flag) and return ``cfg.resolved()``."""
 
