@@ -39,11 +39,12 @@ def real():
 def untrained_gates(real, tmp_path_factory: pytest.TempPathFactory):
     """Seeded, untrained gates for the real model (trimkv needs a gates folder; training
     them is `evictlab gates train`, far too slow for a test)."""
-    from evictlab.gates.files import save_gates
+    from evictlab.gates.files import geometry_meta, save_gates
     from evictlab.gates.modules import GateSpec, RetentionGates
 
     folder = tmp_path_factory.mktemp("gates")
-    save_gates(folder, RetentionGates(GateSpec.for_model(real[0]), seed=0), {"model": "smollm2-135m"})
+    save_gates(folder, RetentionGates(GateSpec.for_model(real[0]), seed=0),
+               {"model": "smollm2-135m", "geometry": geometry_meta(real[0])})
     return folder
 
 
