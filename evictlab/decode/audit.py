@@ -24,7 +24,8 @@ One row per (method, mode, budget) with:
   free pages and headroom; masked buffers incl. unused capacity);
 - ``bytes_index``: index overhead (block tables, positions, masks), peak;
 - ``bytes_transient``: the paged store's reusable gather buffer (one layer), peak;
-- ``bytes_full_cache``: the full cache of the longest sequence (context+question+answer);
+- ``bytes_full_cache``: the full cache of the longest sequence at its end (context + question +
+  answer but its last token, which is never fed: what a cache without eviction holds);
 - ``freed_fraction``: share of appended K/V entries no longer held, at the last compression
   (``1 - held / appended``); exactly 0 for masked (masking frees nothing);
 - ``peak_rss``, ``peak_rss_delta``: process resident memory (psutil), peak during the run

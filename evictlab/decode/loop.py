@@ -738,10 +738,11 @@ def run_sequence(
         raise InputError("answer_ids", "nothing to decode", "pass answer_ids or max_new_tokens > 0")
     g = model_geometry(model)
     total = n + m + T
-    # What a cache without eviction holds at the end: every entry on full-attention layers,
-    # the last window - 1 on sliding ones (transformers' DynamicSlidingWindowLayer, used by
-    # mode="full", keeps exactly that).
-    full_tokens = g.full_cache_tokens(total)
+    # What a cache without eviction holds at the end: every entry fed on full-attention
+    # layers, the last window - 1 on sliding ones (transformers' DynamicSlidingWindowLayer,
+    # used by mode="full", keeps exactly that). The last decode token is never fed (its
+    # logits are the run's last output), so the cache ends holding total - 1 tokens.
+    full_tokens = g.full_cache_tokens(total - 1)
     bytes_full = kv_bytes(full_tokens * b, g.head_dim, g.dtype)
     trace: list[StepTrace] = []
     tick = progress or (lambda _k: None)
