@@ -45,9 +45,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     args = ap.parse_args()
 
-    from evictlab.capture.prompts import build_prompt
+    from evictlab.tasks.sources import build_capture_prompt
     from evictlab.models.loading import check_device, load_model
-    from evictlab.capture.runner import capture_batch, capture_prompt, query_positions, write_prompt
+    from evictlab.capture.forward import capture_batch, capture_prompt, query_positions, write_prompt
     from evictlab.rows.writer import RowWriter
 
     if args.threads:
@@ -68,7 +68,7 @@ def main() -> None:
         with RowWriter(Path(tmp) / "rows", model=args.model, capture_mode="query-agnostic",
                        head_dim=int(head_dim), rows_per_shard=1) as w:
             for i in range(args.prompts):
-                prompt = build_prompt("shakespeare", args.context, tok, args.seed, i)
+                prompt = build_capture_prompt("shakespeare", args.context, tok, args.seed, i)
                 ids = torch.tensor([prompt.tokens], device=device)
                 t = time.perf_counter()
                 with torch.inference_mode():
@@ -89,7 +89,7 @@ def main() -> None:
         "capture_over_forward": round(float(np.median(cap) / np.median(fwd)), 2), "device": str(device),
     }
     if args.batch:
-        prompts = [build_prompt("shakespeare", args.context, tok, args.seed, i) for i in range(args.prompts)]
+        prompts = [build_capture_prompt("shakespeare", args.context, tok, args.seed, i) for i in range(args.prompts)]
         pos = [query_positions(p, "query-agnostic", args.positions, args.seed, i) for i, p in enumerate(prompts)]
         per_b = {}
         for b in args.batch:

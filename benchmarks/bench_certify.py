@@ -29,7 +29,9 @@ import numpy as np
 from numba import njit
 
 from evictlab.solve.certify import _suffix_tables, axis_bound, batch_certify, CERT_REL_TOL
-from evictlab.solve.kernels import batch_solve, dense_mu, forced_error_exact, rank_desc
+from evictlab.core.kernels import row_weighted_sum
+from evictlab.core.ranking import rank_desc
+from evictlab.solve.kernels import batch_solve, forced_error_exact
 from evictlab.solve.localsearch import batch_localsearch
 
 
@@ -40,7 +42,7 @@ def baseline_certify(p: np.ndarray, V: np.ndarray, s: int, inc_set: np.ndarray, 
     Returns ``(es, status (0 optimal / 1 limit), nodes)``; a leaf is one node, as a bound is.
     """
     n, d = V.shape
-    mu = dense_mu(p, V)
+    mu = row_weighted_sum(p, V)
     inc = forced_error_exact(p, V, mu, np.sort(inc_set.copy()))
     order = rank_desc(p)
     X = np.empty((n, d))

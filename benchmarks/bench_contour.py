@@ -156,7 +156,7 @@ def main() -> None:
         print(f"| {w['held']} | {w['window']} | {w['cells']} | {w['cpu_us'] / 1e3:.0f} | {w['wall_us'] / 1e3:.0f} |")
     if args.out is not None:
         from evictlab.io import atomic_write_json
-        from evictlab.report.record import RunRecord, record_path
+        from evictlab.record import RunRecord, record_path
 
         atomic_write_json(args.out, {"allocate": rows, "window_stats": windows})
         RunRecord(kind="bench.contour", config=vars(args) | {"out": str(args.out)}).write(

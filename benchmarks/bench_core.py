@@ -109,7 +109,7 @@ def main() -> None:
 
     if args.out is not None:
         from evictlab.io import atomic_write_json
-        from evictlab.report.record import RunRecord, record_path
+        from evictlab.record import RunRecord, record_path
 
         record = RunRecord(kind="bench_core", seed=args.seed, config=vars(args) | {"out": str(args.out)})
         atomic_write_json(args.out, {"rows": n_rows, "keys": int(p.shape[0]), "threads": numba.get_num_threads(), "table": table})

@@ -72,14 +72,17 @@ def _child(args: argparse.Namespace) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
-    from evictlab.decode.loop import DecodeConfig, run_sequence
+    from evictlab.decode.config import DecodeConfig
+    from evictlab.decode.loop import run_sequence
     from evictlab.kv.budget import Budget
+    from evictlab.kv.cache import register_ragged_attention
     from evictlab.models.loading import load_model
 
     prompt = json.loads(Path(args.prompt).read_text())
     dev = torch.device(args.device)
     t = time.perf_counter()
-    model, _ = load_model(args.model, device=args.device, attention="sdpa" if args.child == "hf_generate" else "decode")
+    model, _ = load_model(args.model, device=args.device,
+                          attn_implementation="sdpa" if args.child == "hf_generate" else register_ragged_attention())
     load_s = time.perf_counter() - t
     ctx = torch.tensor([prompt["context_ids"]], device=dev)
     question = torch.tensor([prompt["question_ids"]], device=dev)
@@ -210,12 +213,12 @@ def ensure_peer(venv: Path, pip_args: list[str]) -> Path:
 
 
 def _prompt(model: str, context: int, path: Path) -> None:
-    from evictlab.capture.prompts import make_task
-    from evictlab.decode.tasks import build_prompt
+    from evictlab.tasks.synthetic import make_task
+    from evictlab.tasks.examples import tokenize_task
     from evictlab.models.loading import load_model
 
     _, tok = load_model(model)
-    p = build_prompt(make_task("needle", context, tok, 0), tok)  # fed query-agnostic (the loop's default)
+    p = tokenize_task(make_task("needle", context, tok, 0), tok)  # fed query-agnostic (the loop's default)
     path.write_text(json.dumps({"context_ids": list(p.context_ids), "question_ids": list(p.question_ids),
                                 "answer": p.answer}))
 

@@ -30,7 +30,7 @@ import torch
 from evictlab.eval.grid import run_grid
 from evictlab.eval.runner import load_cached
 from evictlab.eval.spec import GridSpec
-from evictlab.report.record import RunRecord, record_path
+from evictlab.record import RunRecord, record_path
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -101,7 +101,7 @@ def main() -> None:
     print(f"total wall time {time.perf_counter() - t0:.1f} s; all decided answers agreed")
     if args.out is not None:
         from evictlab.io import atomic_write_json
-        from evictlab.report.record import RunRecord, record_path
+        from evictlab.record import RunRecord, record_path
 
         atomic_write_json(args.out, rows)
         RunRecord(kind="bench-hardness", seed=args.seed, config=vars(args) | {"out": str(args.out)}).write(

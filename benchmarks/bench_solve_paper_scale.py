@@ -143,7 +143,8 @@ def _free_weight_share(rows_dir: Path, rows: int = 1024) -> None:
     the same kept sets (T_s and the argmin, the two free-weight solves per budget)."""
     import numpy as np
 
-    from evictlab.core.kernels import batch_free_weight_error, single_blas_thread
+    from evictlab.core.kernels import batch_free_weight_error
+    from evictlab.core.threads import single_blas_thread
     from evictlab.rows.reader import RowStore
     from evictlab.solve.kernels import batch_solve
 

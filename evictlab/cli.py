@@ -92,7 +92,7 @@ app.add_typer(gates_app, name="gates")
 def version() -> None:
     """Print the evictlab version (and, on stderr, packages that differ from constraints.txt)."""
     from evictlab import __version__
-    from evictlab.report.record import drift_lines, version_drift
+    from evictlab.record import drift_lines, version_drift
 
     typer.echo(__version__)
     for line in drift_lines(version_drift()):

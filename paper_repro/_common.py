@@ -25,7 +25,7 @@ import polars as pl
 from evictlab.errors import InputError
 from evictlab.io import atomic_write_json
 from evictlab.report import markdown as md
-from evictlab.report.record import RunRecord
+from evictlab.record import RunRecord
 from evictlab.stats.results import load_results
 
 

@@ -73,7 +73,7 @@ def claim_main(argv: list[str] | None, doc: str, defaults: dict[str, Any], scrip
     the accuracy-vs-bytes figure ``<figures>/<name>_accuracy_vs_bytes``, publish the rows."""
     from evictlab.plots.evaluation import accuracy_vs_bytes
     from evictlab.report import markdown as md
-    from evictlab.report.record import RunRecord
+    from evictlab.record import RunRecord
 
     args = parser(doc.splitlines()[0], defaults).parse_args(argv)
     record = RunRecord(kind=f"paper-repro-{name.replace('_', '-')}", seed=args.seed, config=_common.config(args))

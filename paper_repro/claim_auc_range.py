@@ -19,7 +19,7 @@ import _common
 from evictlab.errors import InputError
 from evictlab.plots.mass_kappa import mass_vs_kappa
 from evictlab.plots.roc import roc_curves, roc_table
-from evictlab.report.record import RunRecord
+from evictlab.record import RunRecord
 from evictlab.stats.claims import auc_range
 from evictlab.stats.predictors import FEATURE_SETS, auc_by_group, fit_predictor, label
 from evictlab.stats.results import split_zero

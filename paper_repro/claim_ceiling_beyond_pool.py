@@ -29,7 +29,7 @@ import polars as pl
 from evictlab.errors import InputError
 from evictlab.io import atomic_path
 from evictlab.plots.beyond_pool import gap_pool_vs_allkey
-from evictlab.report.record import RunRecord
+from evictlab.record import RunRecord
 from evictlab.stats.beyond_pool import beyond_pool_claims, check_beyond_pool, summarize_beyond_pool
 
 

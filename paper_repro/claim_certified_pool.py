@@ -15,7 +15,7 @@ import sys
 import _common
 
 from evictlab.errors import InputError
-from evictlab.report.record import RunRecord
+from evictlab.record import RunRecord
 from evictlab.stats.ceilings import summarize
 from evictlab.stats.claims import certified
 

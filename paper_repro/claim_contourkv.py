@@ -8,7 +8,7 @@ query-agnostic. With ``--masked-methods`` a second grid per model (``<grid>/<mod
 holds those methods masked (the full cache stays in memory: the audit of kvpress-style
 KVzip / AdaKV; same outputs as the physical run, full bytes). Then: every ContourKV arm
 against every other allocator with the same scorer, example by example under the grid's
-tie rule, and the paper's three rows beside ours (:func:`evictlab.eval.claims.contourkv_versus`),
+tie rule, and the paper's three rows beside ours (:func:`evictlab.eval.claims.contour.contourkv_versus`),
 with 95% intervals that resample prompts. Our numbers are never adjusted to agree; the full
 cache's exact match is printed beside each row.
 
@@ -31,7 +31,7 @@ import polars as pl
 import _common
 import _grid
 
-from evictlab.eval.claims import CONTOUR_FULL_GRID, CONTOUR_MASKED
+from evictlab.eval.claims.contour import CONTOUR_FULL_GRID, CONTOUR_MASKED
 
 DEFAULTS = {"grid": "runs/paper_repro/grid-contourkv", **CONTOUR_FULL_GRID}
 MASKED = list(CONTOUR_MASKED)
@@ -44,12 +44,12 @@ def _one(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from evictlab.eval.claims import contourkv_versus
+    from evictlab.eval.claims.contour import contourkv_versus
     from evictlab.eval.grid import RESULTS
     from evictlab.cliutil import parse_list
     from evictlab.plots.evaluation import accuracy_vs_bytes
     from evictlab.report import markdown as md
-    from evictlab.report.record import RunRecord
+    from evictlab.record import RunRecord
 
     p = _grid.parser(__doc__.splitlines()[0], DEFAULTS)
     p.add_argument("--jobs", type=int, default=1, help="model grids run at once, one process each (default 1)")

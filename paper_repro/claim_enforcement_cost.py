@@ -17,7 +17,7 @@ import sys
 
 import _grid
 
-from evictlab.eval.claims import enforcement_cost
+from evictlab.eval.claims.enforcement import enforcement_cost
 
 DEFAULTS = {
     "grid": "runs/paper_repro/grid-enforcement", "models": ["smollm2-135m"], "tasks": ["needle", "needle_word"],

@@ -22,7 +22,7 @@ import _common
 from evictlab.dilution.claim import beats_full_claims
 from evictlab.dilution.sweep import verdicts
 from evictlab.errors import InputError
-from evictlab.report.record import RunRecord
+from evictlab.record import RunRecord
 
 
 def main(argv: list[str] | None = None) -> int:

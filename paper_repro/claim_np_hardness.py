@@ -17,7 +17,7 @@ from evictlab.io import atomic_path
 from evictlab.hardness.check import run_check
 from evictlab.hardness.generators import balanced
 from evictlab.plots.hardness import hardness_times
-from evictlab.report.record import RunRecord
+from evictlab.record import RunRecord
 from evictlab.stats.claims import np_hardness
 
 

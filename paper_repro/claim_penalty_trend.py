@@ -21,11 +21,12 @@ import _common
 
 from evictlab.io import atomic_path
 from evictlab.plots.penalty import penalty_curve, penalty_vs_head_dim
-from evictlab.report.record import RunRecord
+from evictlab.record import RunRecord
 from evictlab.rows import RowStore
 from evictlab.stats.ceilings import summarize
 from evictlab.stats.claims import penalty_head_dim, penalty_trend
-from evictlab.stats.penalty import ablation_rows, explain, penalty_table
+from evictlab.solve.ablation import ablation_rows
+from evictlab.stats.penalty import explain, penalty_table
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,7 @@ import sys
 
 import _grid
 
-from evictlab.eval.claims import query_aware_margin
+from evictlab.eval.claims.margin import query_aware_margin
 
 DEFAULTS = {
     "grid": "runs/paper_repro/grid-margin", "models": ["smollm2-135m"], "tasks": ["needle", "needle_word"],

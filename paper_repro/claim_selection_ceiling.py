@@ -19,7 +19,7 @@ import _common
 
 from evictlab.plots.gap import gap_closed_ecdf
 from evictlab.plots.heatmap import gap_heatmap
-from evictlab.report.record import RunRecord
+from evictlab.record import RunRecord
 from evictlab.stats.ceilings import summarize, summarize_pooled
 from evictlab.stats.claims import selection_ceiling
 

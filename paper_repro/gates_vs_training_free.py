@@ -113,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from evictlab.eval.compare import TieRule, compare, wtl_table
     from evictlab.report import markdown as md
-    from evictlab.report.evaluation import evaluation_markdown
-    from evictlab.report.record import RunRecord
+    from evictlab.eval.report import evaluation_markdown
+    from evictlab.record import RunRecord
 
     p = _common.parser(__doc__.splitlines()[0], needs_results=False)
     p.add_argument("--shared", type=Path, default=None, help="gates folder (shared projection); without it only "

@@ -9,14 +9,16 @@ import pytest
 import torch
 
 from evictlab.capture.testing import tiny_model
-from evictlab.decode.loop import DecodeConfig, run_sequence
+from evictlab.decode.config import DecodeConfig
+from evictlab.decode.loop import run_sequence
 from evictlab.kv.budget import Budget, kv_bytes
+from evictlab.kv.cache import register_ragged_attention
 from evictlab.models.geometry import model_geometry
 
 
 @pytest.mark.parametrize("teacher_forced", [True, False])
 def test_masked_store_holds_exactly_the_full_cache(teacher_forced: bool) -> None:
-    model, _ = tiny_model("llama", attention="decode")
+    model, _ = tiny_model("llama", attn_implementation=register_ragged_attention())
     g = model_geometry(model)
     gen = torch.Generator().manual_seed(0)
     ctx, q, ans = (torch.randint(3, 256, (1, k), generator=gen) for k in (100, 7, 5))

@@ -13,7 +13,8 @@ import polars as pl
 import pytest
 import torch
 
-from evictlab.capture.runner import CaptureConfig, run_capture
+from evictlab.capture.config import CaptureConfig
+from evictlab.capture.runner import run_capture
 from evictlab.rows.reader import RowStore
 from evictlab.capture.testing import check_against_eager
 from evictlab.models.loading import load_model

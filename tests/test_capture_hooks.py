@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from evictlab.capture.hooks import AttentionCapture, verify_layer
-from evictlab.capture.prompts import PromptTokens
-from evictlab.capture.runner import write_prompt
+from evictlab.tasks.sources import PromptTokens
+from evictlab.capture.forward import write_prompt
 from evictlab.capture.testing import FAMILIES, TINY_SLIDING_WINDOW, tiny_model
 from evictlab.errors import InputError
 from evictlab.models.sites import find_attention_sites

@@ -12,16 +12,11 @@ import numpy as np
 import polars as pl
 import pytest
 
-from evictlab.capture import runner
-from evictlab.capture.prompts import (
-    TASKS,
-    Fact,
-    build_prompt,
-    fact_token_spans,
-    locate_facts,
-    make_task,
-)
-from evictlab.capture.runner import CaptureConfig, run_capture
+from evictlab.capture import forward
+from evictlab.tasks.sources import build_capture_prompt
+from evictlab.tasks.synthetic import TASKS, Fact, fact_token_spans, locate_facts, make_task
+from evictlab.capture.config import CaptureConfig
+from evictlab.capture.runner import run_capture
 from evictlab.capture.testing import ByteTokenizer, tiny_model
 from evictlab.errors import InputError
 from evictlab.io import sha256_file
@@ -54,7 +49,7 @@ def test_spans_decode_to_the_fact_text(name: str, task: str) -> None:
     tok = ByteTokenizer() if name == "bytes" else _tokenizer(name)
     context = 700 if name == "bytes" else 300  # one byte per token
     for index in range(4):
-        prompt = build_prompt(task, context, tok, seed=2, index=index)
+        prompt = build_capture_prompt(task, context, tok, seed=2, index=index)
         ex = make_task(task, context, tok, 2 * 1_000_003 + index)
         assert prompt.facts is not None and len(prompt.facts) == len(ex.facts) >= 1
         assert all(f["end"] <= prompt.n_context for f in prompt.facts)  # inside the context
@@ -221,7 +216,7 @@ def llama():
 def test_labels_survive_a_resumed_capture(tmp_path: Path, llama, monkeypatch) -> None:
     tok = ByteTokenizer()
     run_capture(CFG, tmp_path / "full", model=llama, tokenizer=tok, progress=False)
-    real, calls = runner.capture_batch, {"n": 0}
+    real, calls = forward.capture_batch, {"n": 0}
 
     def flaky(*a, **k):
         calls["n"] += 1
@@ -229,16 +224,16 @@ def test_labels_survive_a_resumed_capture(tmp_path: Path, llama, monkeypatch) ->
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    monkeypatch.setattr(runner, "capture_batch", flaky)
+    monkeypatch.setattr(forward, "capture_batch", flaky)
     with pytest.raises(KeyboardInterrupt):
         run_capture(CFG, tmp_path / "part", model=llama, tokenizer=tok, progress=False)
-    monkeypatch.setattr(runner, "capture_batch", real)
+    monkeypatch.setattr(forward, "capture_batch", real)
     s = run_capture(CFG, tmp_path / "part", model=llama, tokenizer=tok, progress=False)
     assert s.prompts_skipped == 1 and s.prompts_written == 2
     a, b = RowStore.open(tmp_path / "full").prompts, RowStore.open(tmp_path / "part").prompts
     assert a.select("prompt_id", "tokens", "facts").equals(b.select("prompt_id", "tokens", "facts"))
     for toks, facts, pid in zip(b["tokens"].to_list(), b["facts"].to_list(), b["prompt_id"].to_list()):
-        prompt = runner.build_prompt(CFG.source, CFG.context, tok, CFG.seed, pid)
+        prompt = build_capture_prompt(CFG.source, CFG.context, tok, CFG.seed, pid)
         assert facts == list(prompt.facts)
         asked = [f for f in facts if f["asked"]]
         assert len(asked) == 1 and tok.decode(toks[asked[0]["value_start"]:asked[0]["value_end"]]) == prompt.answer

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from evictlab.capture import prompts
-from evictlab.capture.runner import CaptureConfig, run_capture
+from evictlab.tasks import corpus, sources
+from evictlab.capture.config import CaptureConfig
+from evictlab.capture.runner import run_capture
 from evictlab.capture.testing import check_against_eager
 from evictlab.models import loading, registry
 from evictlab.models import pull as pulling
@@ -88,22 +89,22 @@ def test_smollm2_query_aware_task(smollm2, tmp_path: Path) -> None:
 
 def test_shakespeare_prompts_are_plays_before_the_heldout_tail(smollm2) -> None:
     _, tok = smollm2
-    text = prompts.shakespeare_text()
+    text = corpus.shakespeare_text()
     assert len(text) > 4_000_000 and "THE TEMPEST" in text and "ROMEO" in text
-    calib, heldout = prompts.heldout_split()
+    calib, heldout = corpus.heldout_split()
     assert calib + heldout == text
-    ps = [prompts.build_prompt("shakespeare", 300, tok, seed=3, index=i) for i in range(8)]
+    ps = [sources.build_capture_prompt("shakespeare", 300, tok, seed=3, index=i) for i in range(8)]
     assert all(len(p.tokens) == 300 and p.n_context == 300 for p in ps)
-    assert ps[0] == prompts.build_prompt("shakespeare", 300, tok, seed=3, index=0)
-    assert ps[0].tokens != prompts.build_prompt("shakespeare", 300, tok, seed=4, index=0).tokens
+    assert ps[0] == sources.build_capture_prompt("shakespeare", 300, tok, seed=3, index=0)
+    assert ps[0].tokens != sources.build_capture_prompt("shakespeare", 300, tok, seed=4, index=0).tokens
     plays = [p.origin["document"] for p in ps]
     assert len(set(plays)) == 8  # eight prompts, eight different plays
     assert not any(name.startswith(("sonnets", "rape_of_lucrece", "lovers_complaint")) for name in plays)
     offset, pos = {}, 0  # where each work starts in the concatenated corpus
-    for name, work in prompts.shakespeare_works():
+    for name, work in corpus.shakespeare_works():
         offset[name] = pos
-        pos += len(work) + len(prompts.SEPARATOR)
-    works = dict(prompts.shakespeare_works())
+        pos += len(work) + len(corpus.SEPARATOR)
+    works = dict(corpus.shakespeare_works())
     for p in ps:
         o = p.origin
         window = works[o["document"]][o["char_start"]:o["char_end"]]

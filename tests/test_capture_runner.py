@@ -13,9 +13,10 @@ import polars as pl
 import pytest
 import torch
 
-from evictlab.capture import runner
+from evictlab.capture import forward, runner
 from evictlab.capture.hooks import AttentionCapture
-from evictlab.capture.runner import CaptureConfig, parse_layers, run_capture
+from evictlab.capture.config import CaptureConfig, parse_layers
+from evictlab.capture.runner import run_capture
 from evictlab.capture.testing import ByteTokenizer, save_tiny_folder, tiny_model
 from evictlab.errors import InputError
 from evictlab.rows.reader import RowStore
@@ -87,7 +88,7 @@ def test_interrupted_run_resumes_without_duplicates(tmp_path: Path, llama, monke
     full = tmp_path / "full"
     _run(CFG, full, llama)
     part = tmp_path / "part"
-    real = runner.capture_batch
+    real = forward.capture_batch
     calls = {"n": 0}
 
     def flaky(*a, **k):
@@ -96,10 +97,10 @@ def test_interrupted_run_resumes_without_duplicates(tmp_path: Path, llama, monke
             raise KeyboardInterrupt  # as if the user pressed Ctrl-C during prompt 2
         return real(*a, **k)
 
-    monkeypatch.setattr(runner, "capture_batch", flaky)
+    monkeypatch.setattr(forward, "capture_batch", flaky)
     with pytest.raises(KeyboardInterrupt):
         _run(CFG, part, llama)
-    monkeypatch.setattr(runner, "capture_batch", real)
+    monkeypatch.setattr(forward, "capture_batch", real)
     with pytest.raises(InputError, match="incomplete row dataset"):
         RowStore.open(part)  # an interrupted capture never reads as a finished one
     st = RowStore.open(part, allow_incomplete=True)

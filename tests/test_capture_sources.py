@@ -10,10 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from evictlab.capture.prompts import build_prompt
-from evictlab.capture.runner import CaptureConfig, run_capture
+from evictlab.tasks.sources import build_capture_prompt
+from evictlab.capture.config import CaptureConfig
+from evictlab.capture.runner import run_capture
 from evictlab.capture.testing import ByteTokenizer, tiny_model
-from evictlab.capture.texts import load_text_source, tokens_sha256
+from evictlab.tasks.texts import load_text_source, tokens_sha256
 from evictlab.errors import InputError
 from evictlab.rows import RowStore
 
@@ -91,8 +92,8 @@ def test_jsonl_source_round_trip_nested_field(tmp_path: Path, llama) -> None:
 def test_prompts_are_deterministic_and_resume_refuses_changed_text(tmp_path: Path, llama) -> None:
     f = tmp_path / "t.txt"
     f.write_text(_prose(3), encoding="utf-8")
-    a = build_prompt(f"file:{f}", 100, TOK, 7, 1)
-    assert a == build_prompt(f"file:{f}", 100, TOK, 7, 1) and a.tokens != build_prompt(f"file:{f}", 100, TOK, 8, 1).tokens
+    a = build_capture_prompt(f"file:{f}", 100, TOK, 7, 1)
+    assert a == build_capture_prompt(f"file:{f}", 100, TOK, 7, 1) and a.tokens != build_capture_prompt(f"file:{f}", 100, TOK, 8, 1).tokens
     _capture(f"file:{f}", tmp_path / "rows", llama, prompts=2)
     s = _capture(f"file:{f}", tmp_path / "rows", llama, prompts=3)  # resume: one more prompt
     assert s.prompts_skipped == 2 and s.prompts_written == 1
@@ -137,14 +138,14 @@ def test_text_shorter_than_context_names_the_fix(tmp_path: Path) -> None:
     f = tmp_path / "short.txt"
     f.write_text("a few words only\n")
     with pytest.raises(InputError, match=r"longer than short.txt .*longest: 18 tokens") as exc:
-        build_prompt(f"file:{f}", 64, TOK, 0, 0)
+        build_capture_prompt(f"file:{f}", 64, TOK, 0, 0)
     assert exc.value.field == "--context" and "--context 18" in str(exc.value)
     d = tmp_path / "mixed"
     d.mkdir()
     (d / "short.txt").write_text("tiny\n")
     (d / "long.txt").write_text(_prose(5))
     # short documents are skipped; every prompt comes from the long one
-    assert {build_prompt(f"file:{d}", 64, TOK, 0, i).origin["document"] for i in range(3)} == {"long.txt"}
+    assert {build_capture_prompt(f"file:{d}", 64, TOK, 0, i).origin["document"] for i in range(3)} == {"long.txt"}
 
 
 def test_cli_missing_file_is_one_line_exit_2(tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ from evictlab.core import reference as ref
 from evictlab.decode.trace import CompressionTrace
 from evictlab.errors import CorruptFileError, InputError
 from evictlab.methods import AllocInputs, WindowProfile, check_sizes, make_allocator
-from evictlab.methods.base import attention_probs
+from evictlab.kv.attention import attention_probs
 from evictlab.methods.testing import example_predictor, example_window
 from evictlab.rows.writer import RowWriter
 from evictlab.solve.reference import pool_bruteforce
@@ -248,7 +248,8 @@ def test_offline_profile_is_read_at_the_tokens_seen(tmp_path: Path) -> None:
                             windows=[None, 8], next_position=300)
     assert alloc.reference_lengths(inp).tolist() == [[300, 300], [8, 8]]
     x, y, nk = alloc.knots(inp)
-    np.testing.assert_allclose(x[0], GRID * 300) and np.testing.assert_allclose(x[3], GRID * 8)
+    np.testing.assert_allclose(x[0], GRID * 300)  # full-attention cell: the tokens seen
+    np.testing.assert_allclose(x[3], GRID * 8)  # sliding cell: its window
     sizes = check_sizes(inp, alloc.allocate(inp))
     assert (sizes[1] <= 7).all()
 
@@ -510,7 +511,7 @@ def tiny():
 
 
 def _tiny_cfg(**kw):
-    from evictlab.decode.loop import DecodeConfig
+    from evictlab.decode.config import DecodeConfig
     from evictlab.kv.budget import Budget
 
     base = dict(mode="physical", budget=Budget("tokens_per_cell", 24), scorer="snapkv", allocator="contourkv",

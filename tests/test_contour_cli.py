@@ -12,7 +12,7 @@ import pytest
 
 from evictlab import cli
 from evictlab.capture.testing import save_tiny_folder
-from evictlab.report.record import record_path
+from evictlab.record import record_path
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> tuple[int, str]:

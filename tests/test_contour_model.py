@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from evictlab.capture.runner import CaptureConfig, run_capture
+from evictlab.capture.config import CaptureConfig
+from evictlab.capture.runner import run_capture
 from evictlab.contour.fit import fit_profile
 from evictlab.decode.audit import task_examples
-from evictlab.decode.loop import DecodeConfig, run_sequence
+from evictlab.decode.config import DecodeConfig
+from evictlab.decode.loop import run_sequence
 from evictlab.decode.trace import CompressionTrace
 from evictlab.kv.budget import Budget, kv_bytes
 from evictlab.models.geometry import model_geometry

@@ -10,11 +10,14 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
+from numba import njit
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from evictlab.core import freeweight as F
 from evictlab.core import kernels as K
+from evictlab.core import ranking
 from evictlab.core import reference as R
 from evictlab.errors import InputError
 
@@ -101,6 +104,33 @@ def test_dense_single_key_and_entropy_match_reference(b):
         assert abs(h[i] - R.entropy(p)) <= 1e-12
 
 
+@njit
+def _normalized(p):  # noqa: ANN001, ANN202 - the helpers as the solvers call them: from compiled code
+    return K.row_normalized(p)
+
+
+@njit
+def _weighted_sum(p, v):  # noqa: ANN001, ANN202
+    return K.row_weighted_sum(p, v)
+
+
+@given(batches)
+def test_row_helpers_are_the_dense_output_the_solvers_use(b):
+    # the solvers normalise (row_normalized) then sum (row_weighted_sum); the core's
+    # row_dense_output must give those exact bits, and both the reference's values.
+    # Called through uncached wrappers, as the solvers call them: a cached helper that
+    # returns an array, called from Python after a cached caller compiled it in this
+    # process, trips numba's "'descr' is NULL" (its environment is missing after the
+    # cache load), whatever the helper computes.
+    for i in range(b.n.shape[0]):
+        p, v = b.row(i)
+        pn = _normalized(p)
+        np.testing.assert_allclose(pn, p / p.sum(), rtol=1e-15, atol=0)
+        mu = _weighted_sum(pn, v)
+        assert np.array_equal(mu, _mu(p, v))
+        np.testing.assert_allclose(mu, R.dense_output(p, v), rtol=0, atol=tol(v))
+
+
 @given(batches, st.integers(1, 20))
 def test_top_mass_matches_reference_tie_rule(b, s):
     s = min(s, int(b.n.min()))
@@ -144,7 +174,7 @@ def test_row_free_weight_weights_are_kkt_optimal(b, kseed, width):
     kept = random_kept(b, kseed, width)
     for i in range(b.n.shape[0]):
         p, v = b.row(i)
-        e, w, _ = K.row_free_weight(v, _mu(p, v), kept[i])
+        e, w, _ = F.row_free_weight(v, _mu(p, v), kept[i])
         assert np.all(w[kept[i] < 0] == 0.0) and np.all(w >= 0.0) and abs(w.sum() - 1.0) <= 1e-12
         a = kept[i] >= 0
         lb, ub = R.free_weight_gap(p, v, kept[i][a], w[a])
@@ -200,7 +230,7 @@ def test_free_weight_kernel_on_larger_degenerate_rows(seed):
     if seed % 2:
         v = np.round(v)
     kept = R.top_mass_set(p, k)
-    e, w, _ = K.row_free_weight(v, _mu(p, v), kept)
+    e, w, _ = F.row_free_weight(v, _mu(p, v), kept)
     e_ref, _ = R.free_weight_error(p, v, kept)
     assert abs(e - e_ref) <= tol(v)
     lb, ub = R.free_weight_gap(p, v, kept, w)
@@ -215,8 +245,8 @@ def test_top_k_desc_is_a_prefix_of_the_full_ranking(scores, k):
     score = np.array(scores)
     k = min(k, score.shape[0])
     expect = [i for _, i in sorted(((float(score[i]), i) for i in range(score.shape[0])), reverse=True)]
-    assert K.rank_desc(score).tolist() == expect
-    assert K.top_k_desc(score, k).tolist() == expect[:k]
+    assert ranking.rank_desc(score).tolist() == expect
+    assert ranking.top_k_desc(score, k).tolist() == expect[:k]
 
 
 # Row solver on small cases with many degenerate hulls (duplicates, collinear values, integer
@@ -245,7 +275,7 @@ fw_cases = st.builds(_fw_case, seed=st.integers(0, 5000), n=st.integers(1, 20), 
 @settings(max_examples=120)
 def test_row_free_weight_matches_reference_on_degenerate_hulls(case) -> None:
     p, v, kept = case
-    val, _, _ = K.row_free_weight(v, _mu(p, v), kept)
+    val, _, _ = F.row_free_weight(v, _mu(p, v), kept)
     ref, _ = R.free_weight_error(p, v, kept)
     scale = float(np.abs(v).max()) + 1e-300
     assert val == pytest.approx(ref, rel=1e-8, abs=1e-11 * scale)
@@ -254,5 +284,5 @@ def test_row_free_weight_matches_reference_on_degenerate_hulls(case) -> None:
 def test_row_free_weight_mu_inside_hull_gives_zero_without_exact_phase() -> None:
     v = np.array([[1.0, 0.0], [-1.0, 0.0], [0.0, 1.0], [0.0, -1.0]])
     p = np.full(4, 0.25)
-    val, _, used_exact = K.row_free_weight(v, _mu(p, v), np.arange(4, dtype=np.int64))
+    val, _, used_exact = F.row_free_weight(v, _mu(p, v), np.arange(4, dtype=np.int64))
     assert val <= 1e-15 and not used_exact

@@ -11,12 +11,12 @@ import torch
 
 from evictlab.capture.testing import tiny_model
 from evictlab.decode.audit import Example, run_audit
-from evictlab.decode.loop import DecodeConfig
+from evictlab.decode.config import DecodeConfig
 from evictlab.errors import InputError
 from evictlab.kv.budget import Budget
 from evictlab.methods import parse_method
 from evictlab.plots.audit import audit_bars
-from evictlab.report.audit import audit_markdown
+from evictlab.decode.audit_report import audit_markdown
 
 REQUIRED = ["method", "mode", "budget_tokens", "bytes_budget", "bytes_live", "bytes_allocated", "bytes_full_cache",
             "peak_rss", "exact_match", "kl", "top1_agreement", "answer_ppl", "freed_fraction"]

@@ -11,7 +11,9 @@ import torch
 
 from evictlab.capture.testing import TINY_SLIDING_WINDOW, tiny_config, tiny_model
 from evictlab.decode.audit import Example, run_audit
-from evictlab.decode.loop import DecodeConfig, EvictionRunner, attach_model, run_sequence
+from evictlab.decode.compress import EvictionRunner, attach_model
+from evictlab.decode.config import DecodeConfig
+from evictlab.decode.loop import run_sequence
 from evictlab.errors import InputError
 from evictlab.kv.budget import Budget, kv_bytes
 from evictlab.kv.cache import EvictionCache, attach

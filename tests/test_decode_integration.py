@@ -12,12 +12,15 @@ import pytest
 import torch
 
 from evictlab.capture.testing import ByteTokenizer, tiny_config, tiny_model
-from evictlab.decode.loop import DecodeConfig, EvictionRunner, _recon_ids, run_sequence
+from evictlab.decode.compress import EvictionRunner
+from evictlab.decode.config import DecodeConfig
+from evictlab.decode.extras import recon_ids
+from evictlab.decode.loop import run_sequence
 from evictlab.errors import InputError
 from evictlab.kv.budget import Budget
 from evictlab.methods import ALLOCATORS, REGISTRY
 from evictlab.methods.allocators import AdaKV
-from evictlab.methods.base import combine_groups
+from evictlab.kv.attention import combine_groups
 from evictlab.methods.scorers import H2O, KVZIP_PROMPT, KVzip, SnapKV
 
 
@@ -162,12 +165,12 @@ def test_recon_ids_prefix_the_kvzip_prompt() -> None:
     chunk = _ids(7, b=2)
     prompt = list(KVZIP_PROMPT.encode("utf-8"))
     for tok in (None, ByteTokenizer()):  # the tiny models' byte vocabulary
-        ids = _recon_ids(KVzip(), chunk, tok)
+        ids = recon_ids(KVzip(), chunk, tok)
         assert ids.shape == (2, len(prompt) + 7)
         assert ids[0, :len(prompt)].tolist() == prompt and torch.equal(ids[:, len(prompt):], chunk)
-    ids = _recon_ids(KVzip(), chunk, _WordTokenizer())  # a real tokenizer: its ids, no BOS
+    ids = recon_ids(KVzip(), chunk, _WordTokenizer())  # a real tokenizer: its ids, no BOS
     assert ids[0, :-7].tolist() == [3 + len(w) for w in KVZIP_PROMPT.split()]
-    assert torch.equal(_recon_ids(SnapKV(), chunk, None), chunk)  # no reconstruction_ids: chunk alone
+    assert torch.equal(recon_ids(SnapKV(), chunk, None), chunk)  # no reconstruction_ids: chunk alone
 
 
 def test_kvzip_reconstruction_pass_has_the_prompt_and_agrees_physical_masked(model, monkeypatch) -> None:

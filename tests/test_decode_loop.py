@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from evictlab.capture.testing import tiny_model
-from evictlab.decode.loop import DecodeConfig, run_sequence
+from evictlab.decode.config import DecodeConfig
+from evictlab.decode.loop import run_sequence
 from evictlab.errors import BudgetExceededError, InputError
 from evictlab.kv.budget import Budget, kv_bytes
 from evictlab.kv.paged import PagedKVStore

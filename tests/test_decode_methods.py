@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from evictlab.decode.audit import task_examples
-from evictlab.decode.loop import DecodeConfig, run_sequence
+from evictlab.decode.config import DecodeConfig
+from evictlab.decode.loop import run_sequence
 from evictlab.kv.budget import Budget, kv_bytes
 from evictlab.methods import ALLOCATORS, REGISTRY
 from evictlab.methods.testing import example_predictor
@@ -24,10 +25,11 @@ PER_CELL = 24
 
 @pytest.fixture(scope="module")
 def real():
+    from evictlab.kv.cache import register_ragged_attention
     from evictlab.models.loading import load_model
 
     torch.set_num_threads(1)  # far faster than 2 threads on a shared 2-core machine
-    model, tok = load_model("smollm2-135m", attention="decode")  # what `evictlab decode` runs
+    model, tok = load_model("smollm2-135m", attn_implementation=register_ragged_attention())  # what `evictlab decode` runs
     ex = task_examples(tok, ["needle"], 1, 128, seed=0)[0]
     t = lambda x: torch.tensor([x])  # noqa: E731
     ctx, q, a = t(ex.context_ids), t(ex.question_ids), t(ex.answer_ids[:3])

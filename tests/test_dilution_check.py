@@ -13,7 +13,8 @@ import polars as pl
 import pytest
 
 from cli_helpers import run_cli
-from evictlab.capture.runner import CaptureConfig, run_capture
+from evictlab.capture.config import CaptureConfig
+from evictlab.capture.runner import run_capture
 from evictlab.capture.testing import ByteTokenizer, tiny_model
 from evictlab.dilution import check as check_mod
 from evictlab.dilution.check import CHECKS, CheckConfig, run_check
@@ -274,7 +275,7 @@ def test_killed_while_writing_the_outputs_the_rerun_finishes(rows, tmp_path: Pat
     said "--out already exists". Now the parts stay until the record is written, and the rerun
     finishes from them: every output written, the parts folder gone."""
     import evictlab.io as io_mod
-    from evictlab.report.record import RunRecord
+    from evictlab.record import RunRecord
 
     out = tmp_path / "t.parquet"
     argv = ["dilution", "check", str(rows["query-agnostic"]), "--out", str(out), "--budgets", "24",

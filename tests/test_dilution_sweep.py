@@ -16,7 +16,7 @@ from cli_helpers import run_cli
 from evictlab.capture.testing import ByteTokenizer, tiny_model
 from evictlab.dilution import sweep as sweep_mod
 from evictlab.dilution.sweep import RESULT_COLUMNS, SweepConfig, run_sweep, verdicts
-from evictlab.dilution.tasks import MAX_DISTRACTORS, make_example
+from evictlab.tasks.distractors import MAX_DISTRACTORS, make_example
 from evictlab.errors import InputError
 from evictlab.methods import make_scorer
 from evictlab.methods.base import ScoreInputs, select_keep

@@ -9,7 +9,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from evictlab.eval.claims import _boot_counts, _counts, contour_outcomes, contourkv_versus
+from evictlab.eval.claims.contour import _boot_counts, _counts, contour_outcomes, contourkv_versus
 from evictlab.eval.runner import RESULT_COLUMNS
 
 

@@ -139,7 +139,7 @@ class FixedGates:
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_bias_with_beta_one_changes_nothing_and_beta_zero_is_eviction(family: str) -> None:
-    from evictlab.decode.loop import attach_model
+    from evictlab.decode.compress import attach_model
     from evictlab.kv.cache import EvictionCache
     from evictlab.kv.paged import PagedKVStore
     from evictlab.models.geometry import model_geometry

@@ -283,7 +283,8 @@ def test_gates_train_refuses_a_foreign_out_folder(tmp_path: Path, text_file: Pat
 def test_training_and_trimkv_on_cuda(text_file: Path, tmp_path: Path) -> None:
     """The same code on a GPU: training in bfloat16 (what --dtype auto picks there), then
     trimkv+global in the physical store on the device."""
-    from evictlab.decode.loop import DecodeConfig, run_sequence
+    from evictlab.decode.config import DecodeConfig
+    from evictlab.decode.loop import run_sequence
     from evictlab.gates.train import resolve_dtype
     from evictlab.kv.budget import Budget
 

@@ -15,7 +15,7 @@ from evictlab.capture.testing import FAMILIES, tiny_model
 from evictlab.errors import InputError
 from evictlab.kv import attention as attn_mod
 from evictlab.kv.attention import grouped_attention, ragged_attention
-from evictlab.kv.cache import RAGGED_ATTENTION, EvictionCache, attach, is_ragged
+from evictlab.kv.cache import RAGGED_ATTENTION, EvictionCache, attach, is_ragged, register_ragged_attention
 from evictlab.kv.masked import MaskedKVStore
 from evictlab.kv.paged import PagedKVStore
 
@@ -113,15 +113,19 @@ def test_layer_view_is_zero_copy_and_refused_when_irregular() -> None:
     assert frag.layer_view(0) is None
 
 
+#: what tests call the two attentions: eager (capture) and the decode loop's ragged one
+IMPL = {"eager": lambda: "eager", "decode": register_ragged_attention}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_model_through_ragged_attention_equals_eager_without_cache(family: str) -> None:
     """Nothing evicted: chunks and decode steps through the cache with ragged attention
     give the eager model's own logits (both stores)."""
     eager, _ = tiny_model(family)
-    ragged, _ = tiny_model(family, attention="decode")
+    ragged, _ = tiny_model(family, attn_implementation=register_ragged_attention())
     assert is_ragged(ragged) and not is_ragged(eager) and ragged.config._attn_implementation == RAGGED_ATTENTION
     ids = torch.randint(3, 256, (2, 41), generator=torch.Generator().manual_seed(3))
-    from evictlab.decode.loop import attach_model
+    from evictlab.decode.compress import attach_model
 
     with torch.no_grad():
         dense = eager(input_ids=ids).logits
@@ -139,7 +143,7 @@ def test_ragged_attention_records_the_models_queries() -> None:
     for family in ("olmo2", "gemma3"):
         got = {}
         for attention in ("eager", "decode"):
-            model, _ = tiny_model(family, attention=attention)
+            model, _ = tiny_model(family, attn_implementation=IMPL[attention]())
             cache = EvictionCache(MaskedKVStore(2, 1, 2, 16))
             cache.query_window = 12
             with torch.no_grad(), attach(model, cache):
@@ -174,7 +178,8 @@ SCORERS = ["streaming_llm", "h2o", "snapkv", "expected_attention", "kvzip", "com
 def test_every_scorer_keeps_the_same_entries_with_ragged_attention(monkeypatch, family: str, scorer: str) -> None:
     """The switch from eager to ragged sdpa attention changes no kept set at any compression
     (prefill chunks and decode) and the logits by float rounding only."""
-    from evictlab.decode.loop import DecodeConfig, run_sequence
+    from evictlab.decode.config import DecodeConfig
+    from evictlab.decode.loop import run_sequence
     from evictlab.kv.budget import Budget
 
     g = torch.Generator().manual_seed(0)
@@ -185,7 +190,7 @@ def test_every_scorer_keeps_the_same_entries_with_ragged_attention(monkeypatch, 
                            chunk_size=40, compress_every=5, block_size=8, sinks=2, recent=6)
         runs = {}
         for attention in ("eager", "decode"):
-            model, _ = tiny_model(family, attention=attention)
+            model, _ = tiny_model(family, attn_implementation=IMPL[attention]())
             runs[attention] = _kept_sets(monkeypatch, lambda m=model: run_sequence(m, ctx, q, cfg, answer_ids=a))
         (eager_out, eager_keep), (ragged_out, ragged_keep) = runs["eager"], runs["decode"]
         assert len(eager_keep) > 3 * 2 and ragged_keep == eager_keep
@@ -193,10 +198,11 @@ def test_every_scorer_keeps_the_same_entries_with_ragged_attention(monkeypatch, 
 
 
 def test_nothing_evicted_equals_the_full_cache_to_1e5() -> None:
-    from evictlab.decode.loop import DecodeConfig, run_sequence
+    from evictlab.decode.config import DecodeConfig
+    from evictlab.decode.loop import run_sequence
     from evictlab.kv.budget import Budget
 
-    model, _ = tiny_model("qwen2", attention="decode")
+    model, _ = tiny_model("qwen2", attn_implementation=register_ragged_attention())
     g = torch.Generator().manual_seed(1)
     ctx, q, a = (torch.randint(3, 256, (2, n), generator=g) for n in (120, 5, 10))
     full = run_sequence(model, ctx, q, DecodeConfig(mode="full", chunk_size=32), answer_ids=a)
@@ -229,12 +235,13 @@ def test_query_tiles_bound_every_mask(monkeypatch) -> None:
 
 
 def test_load_model_attention_option() -> None:
-    from evictlab.models.loading import attn_implementation
+    from evictlab.models.loading import check_attn_implementation
 
-    assert attn_implementation("eager") == "eager" and attn_implementation("sdpa") == "sdpa"
-    assert attn_implementation("decode") == RAGGED_ATTENTION
-    with pytest.raises(InputError, match="attention"):
-        attn_implementation("flash")
+    assert check_attn_implementation("eager") == "eager" and check_attn_implementation("sdpa") == "sdpa"
+    assert register_ragged_attention() == RAGGED_ATTENTION  # the decode loop's callers register it ...
+    assert check_attn_implementation(RAGGED_ATTENTION) == RAGGED_ATTENTION  # ... and load with its name
+    with pytest.raises(InputError, match="attn_implementation"):
+        check_attn_implementation("flash")
     assert tiny_model("llama")[0].config._attn_implementation == "eager"  # capture's default is unchanged
     assert attn_mod.QUERY_TILE >= 1
 
@@ -266,7 +273,8 @@ def test_ragged_attention_on_cuda_matches_cpu(dtype: torch.dtype) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_decode_loop_on_cuda_keeps_the_cpu_entries(monkeypatch) -> None:
-    from evictlab.decode.loop import DecodeConfig, run_sequence
+    from evictlab.decode.config import DecodeConfig
+    from evictlab.decode.loop import run_sequence
     from evictlab.kv.budget import Budget
 
     g = torch.Generator().manual_seed(0)
@@ -275,7 +283,7 @@ def test_decode_loop_on_cuda_keeps_the_cpu_entries(monkeypatch) -> None:
                        compress_every=5, block_size=8, sinks=2, recent=6)
     res = {}
     for dev in ("cpu", "cuda"):
-        model, _ = tiny_model("llama", attention="decode")
+        model, _ = tiny_model("llama", attn_implementation=register_ragged_attention())
         model.to(dev)
         res[dev] = _kept_sets(monkeypatch, lambda m=model, d=dev: run_sequence(
             m, ctx.to(d), q.to(d), cfg, answer_ids=a.to(d)))

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from evictlab.errors import BudgetExceededError, InputError
+from evictlab.kv.blocks import BlockPool
 from evictlab.kv.budget import Budget, kv_bytes
 from evictlab.kv.masked import MaskedKVStore
 from evictlab.kv.paged import PagedKVStore
@@ -185,3 +186,26 @@ def test_for_budget_sizes_in_tokens_and_caps_by_what_can_be_held() -> None:
         PagedKVStore(1, 1, 1, 4, capacity_blocks=4).reserve_headroom(1)
     with pytest.raises(InputError):
         PagedKVStore.for_budget(g, 1, kept_tokens=10, headroom_tokens_per_cell=1, max_cell_tokens=[1, 2])
+
+
+def test_block_pool_takes_the_wanted_block_else_the_lowest_free_and_never_grows() -> None:
+    pool = BlockPool(4, 2, 3, torch.float32, torch.device("cpu"))
+    assert pool.kv.shape == (2, 5, 2, 3) and pool.pos.shape == (5, 2)  # + the null block
+    assert pool.null_block == 4
+    assert pool.take(2) == 2
+    assert pool.take(2) == 0  # taken: the lowest free one
+    assert pool.take(-1) == 1  # no wish
+    assert pool.take(9) == 3  # outside the pool
+    assert pool.in_use == 4
+    with pytest.raises(BudgetExceededError, match="pool is full"):
+        pool.take(0)
+    pool.release(1)
+    assert pool.take(3) == 1
+    pool.kv[:, 2] = 7.0
+    pool.pos[2] = torch.tensor([5, 6])
+    pool.reallocate(6, np.array([2]), np.array([5]))  # only block 2 survives, as block 5
+    assert pool.capacity == 6 and pool.in_use == 1 and pool.kv.shape == (2, 7, 2, 3)
+    assert bool((pool.kv[:, 5] == 7.0).all())
+    assert pool.pos[5].tolist() == [5, 6]
+    assert int((pool.pos >= 0).sum()) == 2  # every other slot empty
+    assert pool.take(5) == 0

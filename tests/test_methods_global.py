@@ -149,7 +149,8 @@ def tiny_gates(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def _run(model, ctx, q, a, **kw):
-    from evictlab.decode.loop import DecodeConfig, run_sequence
+    from evictlab.decode.config import DecodeConfig
+    from evictlab.decode.loop import run_sequence
     from evictlab.kv.budget import Budget
 
     base = dict(mode="physical", budget=Budget("tokens_per_cell", 30), scorer="trimkv", allocator="global",
@@ -251,7 +252,7 @@ def test_shared_and_local_gates_differ_and_both_run(tiny_gates) -> None:
 
 
 def test_trimkv_refuses_missing_or_unfinished_gates(tmp_path) -> None:
-    from evictlab.decode.loop import DecodeConfig
+    from evictlab.decode.config import DecodeConfig
     from evictlab.kv.budget import Budget
 
     with pytest.raises(InputError, match="scorer_param: trimkv needs trained gates"):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from evictlab.capture.prompts import TASKS, make_task
-from evictlab.decode.tasks import (
-    build_prompt,
+from evictlab.tasks.synthetic import TASKS, make_task
+from evictlab.tasks.examples import (
+    tokenize_task,
     decode_ids,
     encode_text,
     heldout_windows,
@@ -24,10 +24,10 @@ def test_byte_tokenizer_round_trip() -> None:
 
 
 @pytest.mark.parametrize("task", TASKS)
-def test_build_prompt_splits_context_and_question(task: str) -> None:
+def test_tokenize_task_splits_context_and_question(task: str) -> None:
     """One split for both protocols (the loop decides when to compress)."""
     ex = make_task(task, 200, None, seed=3)
-    p = build_prompt(ex, None)
+    p = tokenize_task(ex, None)
     assert p.context_ids == encode_text(None, ex.context)
     assert p.question_ids == encode_text(None, "\n\n" + ex.question, special=False)
     assert p.answer == ex.answer and p.answers == ex.answers
@@ -94,7 +94,7 @@ def test_heldout_windows_seeded_and_sized() -> None:
 
 @pytest.mark.parametrize("task", ["needle_word", "multi_key_word", "multi_value"])
 def test_easy_variants_answer_in_the_needles_format(task: str) -> None:
-    from evictlab.capture.prompts import _NOISE  # same package family: the filler the needles hide in
+    from evictlab.tasks.synthetic import _NOISE  # same package family: the filler the needles hide in
 
     for seed in range(5):
         ex = make_task(task, 300, None, seed=seed)
@@ -110,7 +110,7 @@ def test_easy_variants_answer_in_the_needles_format(task: str) -> None:
 def test_colour_answers_are_one_token_in_the_registry_models() -> None:
     import os
 
-    from evictlab.capture import prompts
+    from evictlab.tasks import synthetic
     from evictlab.models.registry import MANIFEST, model_dir
 
     names = [m for m in ("smollm2-135m", "gemma3-270m") if (model_dir(m) / MANIFEST).is_file()]
@@ -120,5 +120,5 @@ def test_colour_answers_are_one_token_in_the_registry_models() -> None:
 
     for m in names:  # the fast tokenizer's own file: what AutoTokenizer wraps, without its start-up
         tok = Tokenizer.from_file(os.fspath(model_dir(m) / "tokenizer.json"))
-        for c in prompts._COLORS:
+        for c in synthetic._COLORS:
             assert len(tok.encode(" " + c, add_special_tokens=False).ids) == 1, (m, c)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from evictlab.capture import prompts
+from evictlab.tasks import synthetic
 from evictlab.models import loading, registry
 from evictlab.models import pull as pulling
 from evictlab.capture.testing import FAMILIES, tiny_model
@@ -143,11 +143,11 @@ def test_tiny_model_is_seeded_eager(family: str) -> None:
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
-@pytest.mark.parametrize("task", prompts.TASKS)
+@pytest.mark.parametrize("task", synthetic.TASKS)
 def test_tasks_are_seeded_and_hold_answer(task: str) -> None:
-    ex = prompts.make_task(task, 400, None, seed=5)
-    assert ex == prompts.make_task(task, 400, None, seed=5)
-    assert ex != prompts.make_task(task, 400, None, seed=6)
+    ex = synthetic.make_task(task, 400, None, seed=5)
+    assert ex == synthetic.make_task(task, 400, None, seed=5)
+    assert ex != synthetic.make_task(task, 400, None, seed=6)
     assert len(ex.context.split()) <= 400
     assert len(ex.context.split()) > 300  # filled close to the budget
     for part in ex.answers:
@@ -158,7 +158,7 @@ def test_tasks_are_seeded_and_hold_answer(task: str) -> None:
 
 
 def test_variable_tracking_chain_is_consistent() -> None:
-    ex = prompts.make_task("variable_tracking", 300, None, seed=0)
+    ex = synthetic.make_task("variable_tracking", 300, None, seed=0)
     names = ex.answers
     assert len(names) == 5 and ex.answer == " ".join(names)
     for a, b in zip(names, names[1:]):
@@ -168,9 +168,9 @@ def test_variable_tracking_chain_is_consistent() -> None:
 
 def test_task_input_errors() -> None:
     with pytest.raises(InputError, match="task: unknown task 'haystack'"):
-        prompts.make_task("haystack", 400, None, 0)
+        synthetic.make_task("haystack", 400, None, 0)
     with pytest.raises(InputError, match="--context"):
-        prompts.make_task("needle", 10, None, 0)
+        synthetic.make_task("needle", 10, None, 0)
 
 
 def test_failed_package_install_says_what_to_run(empty_cache: Path) -> None:

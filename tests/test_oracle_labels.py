@@ -16,21 +16,23 @@ import pytest
 import torch
 
 from evictlab import cli
-from evictlab.capture.prompts import make_task
+from evictlab.tasks.synthetic import make_task
 from evictlab.capture.testing import save_tiny_folder, tiny_model
 from evictlab.decode.audit import Example, run_audit, task_examples
-from evictlab.decode.loop import DecodeConfig, run_sequence
-from evictlab.decode.tasks import build_prompt, eval_examples, useful_spec
+from evictlab.decode.config import DecodeConfig
+from evictlab.decode.loop import run_sequence
+from evictlab.tasks.examples import eval_examples, tokenize_task, useful_spec
 from evictlab.errors import InputError
 from evictlab.eval.grid import RESULTS
 from evictlab.eval.spec import GridSpec
 from evictlab.kv.budget import Budget
+from evictlab.kv.cache import register_ragged_attention
 
 LOOP = dict(sinks=2, recent=8, chunk_size=64, compress_every=8, window=16, block_size=8)
 
 
 def test_useful_spec_is_the_asked_needle_in_the_context_tokens() -> None:
-    p = build_prompt(make_task("multi_key", 300, None, 5), None)  # byte vocabulary: token = byte
+    p = tokenize_task(make_task("multi_key", 300, None, 5), None)  # byte vocabulary: token = byte
     spans = [tuple(map(int, r.split(":"))) for r in useful_spec(p, None).split(",")]
     asked = [f for f in p.facts if f.asked]
     assert len(spans) == len(asked) == 1 and len(p.facts) == 4  # one asked needle, three near misses
@@ -41,8 +43,8 @@ def test_useful_spec_is_the_asked_needle_in_the_context_tokens() -> None:
 
 
 def test_the_loop_refuses_oracle_labels_without_labels_and_keeps_them_with() -> None:
-    model, _ = tiny_model("llama", attention="decode")
-    p = build_prompt(make_task("needle", 200, None, 1), None)  # ~1000 byte tokens, a ~55-byte needle
+    model, _ = tiny_model("llama", attn_implementation=register_ragged_attention())
+    p = tokenize_task(make_task("needle", 200, None, 1), None)  # ~1000 byte tokens, a ~55-byte needle
     ctx, q = torch.tensor([p.context_ids]), torch.tensor([p.question_ids])
     ans = torch.tensor([list(b" " + p.answer.encode())])
     cfg = DecodeConfig(mode="physical", budget=Budget.parse("96"), scorer="oracle_labels", **LOOP)
@@ -66,7 +68,7 @@ def test_the_loop_refuses_oracle_labels_without_labels_and_keeps_them_with() -> 
 
 
 def test_audit_passes_each_examples_labels() -> None:
-    model, _ = tiny_model("llama", attention="decode")
+    model, _ = tiny_model("llama", attn_implementation=register_ragged_attention())
     examples = task_examples(None, ["needle"], 1, 200, 0)
     base = DecodeConfig(**LOOP)
     df = run_audit(model, examples, ["oracle_labels", "streaming_llm"], [Budget.parse("96")], base=base,

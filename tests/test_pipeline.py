@@ -90,7 +90,7 @@ def test_tables_one_row_per_observation(run_dir: Path) -> None:
 
 def test_search_pool_skips_the_beyond_pool_section(tmp_path: Path) -> None:
     """Results without the all-key columns: no section, no table, a note says why (solve with --search all)."""
-    from evictlab.pipeline.stages import beyond_pool_stage
+    from evictlab.pipeline.analysis import beyond_pool_stage
 
     notes: list[str] = []
     df = planted_results(150, budgets=(4, 8), seed=1)
@@ -101,9 +101,9 @@ def test_search_pool_skips_the_beyond_pool_section(tmp_path: Path) -> None:
 
 def _contour_result(tmp: Path) -> Any:
     """A ContourResult from a hand-made grid: ContourKV wins 2 of 3 examples at 64/cell, ties at 128."""
-    from evictlab.eval.claims import contourkv_versus
+    from evictlab.eval.claims.contour import contourkv_versus
     from evictlab.eval.runner import RESULT_COLUMNS
-    from evictlab.pipeline.stages import ContourResult
+    from evictlab.pipeline.contour import ContourResult
 
     rows = []
     for method, budget, em in (("snapkv+contourkv", "64/cell", [1, 1, 0]), ("snapkv", "64/cell", [0, 0, 0]),
@@ -137,7 +137,7 @@ def test_contourkv_section_in_the_report(run_dir: Path) -> None:
 
 
 def test_contour_stage_runs_eval_run_with_the_grid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from evictlab.pipeline import stages
+    from evictlab.pipeline import contour
 
     given = _contour_result(tmp_path)
     calls: list[list[str]] = []
@@ -156,8 +156,8 @@ def test_contour_stage_runs_eval_run_with_the_grid(tmp_path: Path, monkeypatch: 
         def wait(self, timeout: float | None = None) -> int:
             return 0
 
-    monkeypatch.setattr(stages.subprocess, "Popen", FakeProc)
-    got = stages.contour_stage(given.grid, tmp_path / "c", AnalysisConfig(n_boot=20, threads=1), lambda m: None)
+    monkeypatch.setattr(contour.subprocess, "Popen", FakeProc)
+    got = contour.contour_stage(given.grid, tmp_path / "c", AnalysisConfig(n_boot=20, threads=1), lambda m: None)
     assert calls == [["eval", "run", "--models", "smollm2-135m", "--tasks", "needle_word", "--context", "512",
                       "--budgets", "64,128", "--methods", "snapkv+contourkv,snapkv", "--modes", "physical",
                       "--protocols", "query-agnostic", "--n", "3", "--seed", "0", "--threads", "1", "--quiet",
@@ -172,13 +172,14 @@ def test_contour_job_failure_is_a_stage_error_and_stop_ends_a_running_grid(tmp_p
     import sys
     import time
 
-    from evictlab.pipeline import stages
+    from evictlab.pipeline import contour
+    from evictlab.pipeline.config import StageError
 
-    failed = stages.ContourJob(proc=subprocess.Popen([sys.executable, "-c", "raise SystemExit(2)"]), grid={},
+    failed = contour.ContourJob(proc=subprocess.Popen([sys.executable, "-c", "raise SystemExit(2)"]), grid={},
                                work=tmp_path, args=["eval", "run", "--bogus"], t0=time.perf_counter())
-    with pytest.raises(stages.StageError, match="evictlab eval run --bogus` exited with status 2"):
-        stages.contour_finish(failed, AnalysisConfig(n_boot=20), lambda m: None)
-    running = stages.ContourJob(proc=subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]),
+    with pytest.raises(StageError, match="evictlab eval run --bogus` exited with status 2"):
+        contour.contour_finish(failed, AnalysisConfig(n_boot=20), lambda m: None)
+    running = contour.ContourJob(proc=subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]),
                                 grid={}, work=tmp_path, args=["eval", "run"], t0=time.perf_counter())
     running.stop()
     assert running.proc.poll() is not None

@@ -16,7 +16,9 @@ import polars as pl
 import pytest
 
 from evictlab import cli
-from evictlab.capture.runner import CaptureConfig, CaptureTask, capture_group, run_capture
+from evictlab.capture.config import CaptureConfig
+from evictlab.capture.remote import CaptureTask, capture_group
+from evictlab.capture.runner import run_capture
 from evictlab.capture.testing import save_tiny_folder
 from evictlab.errors import InputError
 from evictlab.executor import LocalExecutor, TaskCounts, TaskSpec

@@ -126,8 +126,9 @@ def test_resume_and_threads_give_identical_results(rows: Path, tmp_path: Path) -
 def test_main_job_solve_stage_passes_the_search(rows: Path, tmp_path: Path) -> None:
     """The demo's solve stage (a subprocess `evictlab solve`) runs the all-key search when asked,
     and the results cache never hands pool-only results to a --search all job."""
-    from evictlab.pipeline.stages import AnalysisConfig, solve_key
-    from evictlab.pipeline.stages import solve_rows as stage_solve
+    from evictlab.pipeline.config import AnalysisConfig
+    from evictlab.pipeline.stages import solve_key
+    from evictlab.pipeline.stages import solve_stage as stage_solve
 
     cfg = AnalysisConfig(budgets=(2, 4), search="all")
     stage_solve(rows, tmp_path / "all.parquet", cfg, True, log=lambda m: None)

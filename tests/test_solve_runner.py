@@ -14,7 +14,7 @@ import pytest
 
 from evictlab.core import reference as ref
 from evictlab.errors import InputError
-from evictlab.report.record import record_path
+from evictlab.record import record_path
 from evictlab.rows.batch import RowBatch
 from evictlab.rows.reader import RowStore
 from evictlab.rows.synth import SynthConfig, synthesize

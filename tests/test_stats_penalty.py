@@ -11,10 +11,11 @@ import pytest
 from evictlab.core import reference as R
 from evictlab.errors import CorruptFileError
 from evictlab.pipeline import AnalysisConfig, compute
-from evictlab.report.demo import write_report
+from evictlab.pipeline.report import write_report
 from evictlab.rows import RowStore, SynthConfig, synthesize
 from evictlab.solve import SolveConfig, solve_rows
-from evictlab.stats.penalty import DEFINITIONS, ablation_rows, explain, penalty_table
+from evictlab.solve.ablation import ablation_rows
+from evictlab.stats.penalty import DEFINITIONS, explain, penalty_table
 from evictlab.stats.results import load_results
 
 

@@ -65,7 +65,8 @@ def capture(
     if out.is_dir() and not (out / MANIFEST_FILE).is_file() and any(out.iterdir()):
         raise InputError("--out", f"{out} is a non-empty folder that is not a row dataset",
                          "pass a new folder, or the folder of a capture to resume")
-    from evictlab.capture.runner import CaptureConfig, run_capture
+    from evictlab.capture.config import CaptureConfig
+    from evictlab.capture.runner import run_capture
 
     cfg = CaptureConfig(model=model, source=source, context=context, positions=positions, prompts=prompts,
                         mode=mode, layers=layers, device=device, seed=seed, rows_per_shard=rows_per_shard,

@@ -53,19 +53,20 @@ def tiny_config(family: str) -> Any:
     raise InputError("family", f"unknown family {family!r}", f"use one of: {', '.join(FAMILIES)}")
 
 
-def tiny_model(family: str, seed: int = 0, attention: str = "eager") -> tuple[Any, None]:
+def tiny_model(family: str, seed: int = 0, attn_implementation: str = "eager") -> tuple[Any, None]:
     """``(model, None)``: a random-initialised causal LM of ``family`` in eval mode.
 
-    ``attention``: ``"eager"`` (default), ``"decode"`` (evictlab's ragged attention) or
-    ``"sdpa"``, as :func:`evictlab.models.loading.load_model`; the weights depend on
+    ``attn_implementation``: ``"eager"`` (default), ``"sdpa"`` or a registered name (evictlab's
+    ragged attention: ``evictlab.kv.cache.register_ragged_attention()``), as
+    :func:`evictlab.models.loading.load_model`; the weights depend on
     ``seed`` only. There is no tokenizer (None): feed token ids in ``[0, 256)`` directly.
     """
     import torch
     from transformers import AutoModelForCausalLM
 
-    from evictlab.models.loading import attn_implementation
+    from evictlab.models.loading import check_attn_implementation
 
-    impl = attn_implementation(attention)
+    impl = check_attn_implementation(attn_implementation)
     config = tiny_config(family)
     # from_config draws initial weights from torch's global RNG; fork it so the caller's
     # RNG state is unchanged and the same seed always gives the same model

@@ -32,7 +32,7 @@ def fit(
     from evictlab.cliutil import outputs_written
     from evictlab.contour.fit import fit_profile
     from evictlab.io import check_output_file
-    from evictlab.report.record import RunRecord, record_path
+    from evictlab.record import RunRecord, record_path
 
     out = check_output_file(out, "--out", overwrite=overwrite)
     record = RunRecord(kind="contour.fit", config={"rows": str(rows), "results": None if results is None else str(results),

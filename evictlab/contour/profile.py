@@ -132,9 +132,9 @@ def window_stats(queries: torch.Tensor, keys: torch.Tensor, scaling: float, q_po
         ``(tail, entropy_norm)``: float64 ``(n + 1,)`` the mean of :func:`tail_mass` over the
         ``g x w`` rows (rows that see no key are left out), and the mean normalised entropy
         of those rows (:func:`normalised_entropy`). The attention is the scorers' own
-        (:func:`evictlab.methods.base.attention_probs`, float32).
+        (:func:`evictlab.kv.attention.attention_probs`, float32).
     """
-    from evictlab.methods.base import attention_probs
+    from evictlab.kv.attention import attention_probs
 
     g, w, d = queries.shape
     n = keys.shape[0]

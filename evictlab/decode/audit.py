@@ -46,7 +46,8 @@ from typing import Any
 import polars as pl
 import torch
 
-from evictlab.decode.loop import DecodeConfig, DecodeOutput, run_sequence
+from evictlab.decode.config import DecodeConfig
+from evictlab.decode.loop import DecodeOutput, run_sequence
 from evictlab.errors import InputError, refuse_duplicates
 from evictlab.kv.budget import Budget, kv_bytes
 from evictlab.methods import parse_method
@@ -57,7 +58,7 @@ from evictlab.models.geometry import model_geometry
 @dataclass(frozen=True)
 class Example:
     """One audit example: token ids of context, question and answer (lists of ints), and
-    ``useful``: its labels for ``oracle_labels`` (:func:`evictlab.decode.tasks.useful_spec`;
+    ``useful``: its labels for ``oracle_labels`` (:func:`evictlab.tasks.examples.useful_spec`;
     None: the example has none, and a method that reads them is refused)."""
 
     task: str
@@ -71,7 +72,7 @@ def task_examples(tokenizer: Any, tasks: Sequence[str], n: int, context_tokens: 
     """Seeded synthetic examples (query-agnostic split of context and question)."""
     from functools import partial
 
-    from evictlab.decode.tasks import encode_text, task_suite, useful_spec
+    from evictlab.tasks.examples import encode_text, task_suite, useful_spec
 
     out = []
     for p in task_suite(list(tasks), n, context_tokens, tokenizer, seed):

@@ -105,7 +105,7 @@ def _check_positive(**values: int) -> None:
 
 
 def _check_tasks(tasks: list[str]) -> None:
-    from evictlab.capture.prompts import TASKS
+    from evictlab.tasks.synthetic import TASKS
 
     if not tasks:
         raise InputError("--task", "no task given", f"use some of: {', '.join(TASKS)}")
@@ -132,7 +132,7 @@ def _trace_for(ctx: Any, trace: Path | None, out: Path, max_subsets: int, overwr
 
 def _base_config(sinks: int, recent: int, chunk: int, compress_every: int, window: int, block_size: int,
                  query_aware: bool, **kw: Any):  # noqa: ANN202 - returns DecodeConfig (lazy import)
-    from evictlab.decode.loop import DecodeConfig
+    from evictlab.decode.config import DecodeConfig
 
     return DecodeConfig(sinks=sinks, recent=recent, chunk_size=chunk, compress_every=compress_every,
                         window=window, block_size=block_size, query_aware=query_aware, **kw)
@@ -162,7 +162,7 @@ def audit(
     from evictlab.io import check_output_file
     from evictlab.kv.budget import Budget
     from evictlab.methods import parse_assignments
-    from evictlab.report.record import RunRecord
+    from evictlab.record import RunRecord
 
     with _as_options(AUDIT_OPTIONS):
         # Everything the user typed, checked before the model loads.
@@ -187,13 +187,14 @@ def audit(
 
         import torch
 
+        from evictlab.kv.cache import register_ragged_attention
         from evictlab.models.loading import load_model
 
         if threads > 0:
             torch.set_num_threads(threads)
         return_freed_memory()
         console = Console(stderr=True)
-        lm, tok = load_model(model, device=device, attention="decode")
+        lm, tok = load_model(model, device=device, attn_implementation=register_ragged_attention())
         examples = task_examples(tok, tasks, n, context, seed)
         total = 1 + len(method_list) * len(budgets) * 2
         done = [0]
@@ -218,8 +219,8 @@ def _write_audit(df: Any, out: Path, model: str, record: Any, trace: Path | None
     and the record (written last) marks a finished audit."""
     from evictlab.io import atomic_write_text, write_checked_parquet
     from evictlab.plots.audit import audit_bars
-    from evictlab.report.audit import audit_markdown
-    from evictlab.report.record import record_path
+    from evictlab.decode.audit_report import audit_markdown
+    from evictlab.record import record_path
 
     stem = out.with_suffix("")
     fig = audit_bars(df, stem)
@@ -252,7 +253,7 @@ def decode(
     from evictlab.io import check_output_file
     from evictlab.kv.budget import Budget
     from evictlab.methods import parse_assignments, parse_method
-    from evictlab.report.record import RunRecord, record_path
+    from evictlab.record import RunRecord, record_path
 
     with _as_options(DECODE_OPTIONS):
         # Everything the user typed, checked before the model loads.
@@ -280,16 +281,17 @@ def decode(
         import torch
         from tqdm import tqdm
 
-        from evictlab.capture.prompts import make_task
+        from evictlab.tasks.synthetic import make_task
         from evictlab.decode.loop import run_sequence
-        from evictlab.decode.tasks import build_prompt, decode_ids, score_exact_match, useful_spec
+        from evictlab.tasks.examples import tokenize_task, decode_ids, score_exact_match, useful_spec
+        from evictlab.kv.cache import register_ragged_attention
         from evictlab.models.loading import load_model
 
         if threads > 0:
             torch.set_num_threads(threads)
         return_freed_memory()
-        lm, tok = load_model(model, device=device, attention="decode")
-        prompt = build_prompt(make_task(task, context, tok, seed), tok)
+        lm, tok = load_model(model, device=device, attn_implementation=register_ragged_attention())
+        prompt = tokenize_task(make_task(task, context, tok, seed), tok)
         cfg = cfg.with_labels(lambda: useful_spec(prompt, tok))  # oracle_labels: the example's labels
         dev = next(lm.parameters()).device
         ctx = torch.tensor([prompt.context_ids], device=dev)

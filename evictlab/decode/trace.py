@@ -104,7 +104,7 @@ class CompressionTrace:
             queries: ``(batch, q_heads, w, d)`` the observation window; ``q_positions`` ``(w,)``.
             scaling: the attention logit scale.
         """
-        from evictlab.methods.base import attention_probs
+        from evictlab.kv.attention import attention_probs
 
         batch, hk = keys.shape[0], keys.shape[1]
         g = queries.shape[1] // hk

@@ -353,7 +353,7 @@ def run_check(rows: str | Path, out: str | Path, cfg: CheckConfig, *, overwrite:
 
     from evictlab.dilution.parts import PartStore
     from evictlab.io import exclusive_lock, write_checked_parquet
-    from evictlab.report.record import RunRecord, record_path
+    from evictlab.record import RunRecord, record_path
     from evictlab.rows.reader import RowStore
 
     cfg.check()
@@ -398,7 +398,7 @@ def run_check(rows: str | Path, out: str | Path, cfg: CheckConfig, *, overwrite:
         for name, df in (("heads", heads), ("bounds", checks)):
             write_checked_parquet(df, out.with_name(f"{out.stem}.{name}.parquet"))
         if make_report:
-            from evictlab.report.dilution import check_report
+            from evictlab.dilution.report import check_report
 
             check_report(out, table, heads, checks, cfg, store)
         write_checked_parquet(table, out)

@@ -1,7 +1,7 @@
 """``evictlab dilution sweep``: needle retrieval with a growing number of distractors, every
 method at matched bytes through the decode loop (docs/dilution.md).
 
-For each distractor count k and example i (:func:`evictlab.dilution.tasks.make_example`),
+For each distractor count k and example i (:func:`evictlab.tasks.distractors.make_example`),
 :func:`reference` runs the full cache once (the answer's logits, teacher-forced) and one
 hooked forward over context + question that records the last question token's attention
 rows in every layer (the useful-mass rows). Then :func:`run_unit`, the unit of work, runs
@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from evictlab.dilution.tasks import KINDS, MAX_DISTRACTORS, DilutionExample
+from evictlab.tasks.distractors import KINDS, MAX_DISTRACTORS, DilutionExample
 from evictlab.errors import InputError
 
 __all__ = ["RESULT_COLUMNS", "Reference", "SweepConfig", "reference", "run_sweep", "run_unit", "summarize", "verdicts"]
@@ -77,7 +77,7 @@ class SweepConfig:
     layers: str = "all"
 
     def check(self) -> None:
-        from evictlab.capture.runner import parse_layers
+        from evictlab.capture.config import parse_layers
         from evictlab.kv.budget import Budget
         from evictlab.methods import parse_method
         from evictlab.models.loading import check_device
@@ -119,7 +119,7 @@ class SweepConfig:
 
     def decode_config(self, method: str, example: DilutionExample | None = None) -> Any:
         """The loop's ``DecodeConfig`` for ``method`` (``oracle_labels`` gets the example's labels)."""
-        from evictlab.decode.loop import DecodeConfig
+        from evictlab.decode.config import DecodeConfig
         from evictlab.kv.budget import Budget
         from evictlab.methods import parse_method
 
@@ -158,7 +158,7 @@ def reference(lm: Any, tok: Any, ex: DilutionExample, cfg: SweepConfig, layers: 
     attention rows are recorded, None = all)."""
     import torch
 
-    from evictlab.capture.runner import capture_prompt
+    from evictlab.capture.forward import capture_prompt
     from evictlab.decode.loop import run_sequence
 
     dev = next(lm.parameters()).device
@@ -353,12 +353,12 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True, m
     import torch
     from tqdm.auto import tqdm
 
-    from evictlab.capture.runner import parse_layers
+    from evictlab.capture.config import parse_layers
     from evictlab.dilution.parts import PartStore
-    from evictlab.dilution.tasks import make_example
+    from evictlab.tasks.distractors import make_example
     from evictlab.io import check_output_path, exclusive_lock, write_checked_parquet
     from evictlab.models.geometry import model_geometry
-    from evictlab.report.record import RunRecord, record_path
+    from evictlab.record import RunRecord, record_path
 
     cfg.check()
     t0 = time.perf_counter()
@@ -418,7 +418,7 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True, m
         for name, df in (("results", results), ("summary", summary), ("verdict", verdict)):
             write_checked_parquet(df, out_dir / f"{name}.parquet")
         from evictlab.plots.dilution import sweep_lines
-        from evictlab.report.dilution import sweep_report
+        from evictlab.dilution.report import sweep_report
 
         fig = sweep_lines(summary, out_dir / "sweep")
         sweep_report(out_dir, summary, verdict, cfg, fig)

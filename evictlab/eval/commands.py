@@ -78,7 +78,7 @@ def run(
     from evictlab.eval.spec import GridSpec, LoopSettings
     from evictlab.io import check_output_path
     from evictlab.methods import parse_assignments
-    from evictlab.report.record import RunRecord
+    from evictlab.record import RunRecord
 
     with as_options(RUN_OPTIONS):
         check_executor(executor, address)
@@ -166,7 +166,7 @@ def compare(
     from evictlab.eval.compare import TieRule
     from evictlab.eval.grid import MANIFEST, RESULTS, read_manifest
     from evictlab.io import check_output_file, exclusive_lock, read_checked_parquet
-    from evictlab.report.record import RunRecord, record_path
+    from evictlab.record import RunRecord, record_path
 
     with as_options(COMPARE_OPTIONS):
         if not grid.is_dir():
@@ -200,11 +200,13 @@ def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any
     import polars as pl
 
     from evictlab.errors import InputError
-    from evictlab.eval.claims import contourkv_versus, enforcement_cost, query_aware_margin
+    from evictlab.eval.claims.contour import contourkv_versus
+    from evictlab.eval.claims.enforcement import enforcement_cost
+    from evictlab.eval.claims.margin import query_aware_margin
     from evictlab.eval.compare import compare as compare_pairs
     from evictlab.io import atomic_write_text, write_checked_parquet
     from evictlab.plots.evaluation import accuracy_vs_bytes, wtl_bars
-    from evictlab.report.evaluation import evaluation_markdown
+    from evictlab.eval.report import evaluation_markdown
 
     pairs = compare_pairs(results, rule)
     claims_e, detail_e = enforcement_cost(results, seed=rule.seed, n_boot=rule.n_boot)

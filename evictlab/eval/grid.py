@@ -231,11 +231,12 @@ def preflight(spec: GridSpec, cells: list[CellSpec]) -> None:
     cell runs and before anything is written."""
     from evictlab.eval.runner import cell_examples
     from evictlab.kv.budget import Budget
+    from evictlab.kv.cache import register_ragged_attention
     from evictlab.models.geometry import model_geometry
 
     checked: set[tuple[Any, ...]] = set()
     for cell in cells:
-        lm, tok = load_cached(cell.model, cell.device, attention="decode")
+        lm, tok = load_cached(cell.model, cell.device, attn_implementation=register_ragged_attention())
         ex_key = (cell.model, cell.task, cell.context)
         if ex_key not in checked:
             checked.add(ex_key)
@@ -266,12 +267,12 @@ def run_grid(spec: GridSpec, out: str | Path, *, map_cells: MapCells | None = No
 
     ``progress`` gets 1 per finished example (local executor); ``on_start(total_examples,
     done_examples)`` is called once the pending work is known; ``record`` is a
-    :class:`~evictlab.report.record.RunRecord` written as ``run_record.json`` at the end;
+    :class:`~evictlab.record.RunRecord` written as ``run_record.json`` at the end;
     ``check_models`` replaces :func:`preflight` (a remote executor's, :func:`remote_cells`);
     ``notify`` gets one-line warnings (a damaged part discarded; default: stderr).
     """
     from evictlab.io import check_output_path, exclusive_lock, read_checked_parquet, warn, write_checked_parquet
-    from evictlab.report.record import record_path
+    from evictlab.record import record_path
 
     out = check_output_path(out, "out", directory=True)
     cells = spec.cells()

@@ -105,7 +105,7 @@ def clear_caches() -> None:
 
 def cell_examples(cell: CellSpec, tokenizer: Any) -> list[Any]:
     """The seeded examples of ``cell`` (cached per process)."""
-    from evictlab.decode.tasks import eval_examples
+    from evictlab.tasks.examples import eval_examples
 
     key = (cell.model, cell.task, cell.context, cell.n, cell.seed, cell.target_tokens)
     return _EXAMPLES.get(key, lambda: eval_examples(cell.task, cell.n, cell.context, tokenizer, cell.seed,
@@ -159,8 +159,9 @@ def full_reference(cell: CellSpec, progress: Callable[[int], None] | None = None
         import torch
 
         from evictlab.decode.loop import run_sequence
+        from evictlab.kv.cache import register_ragged_attention
 
-        lm, tok = load_cached(full.model, full.device, attention="decode")
+        lm, tok = load_cached(full.model, full.device, attn_implementation=register_ragged_attention())
         check_context(full, lm)
         examples = cell_examples(full, tok)
         check_lengths(full, lm, examples)
@@ -231,11 +232,12 @@ def _run_cell(cell: CellSpec, progress: Callable[[int], None] | None, tracer: An
     import torch
 
     from evictlab.decode.loop import run_sequence
-    from evictlab.decode.tasks import HELDOUT_PPL, useful_spec
+    from evictlab.tasks.examples import HELDOUT_PPL, useful_spec
     from evictlab.kv.budget import Budget, kv_bytes
+    from evictlab.kv.cache import register_ragged_attention
     from evictlab.models.geometry import model_geometry
 
-    lm, tok = load_cached(cell.model, cell.device, attention="decode")
+    lm, tok = load_cached(cell.model, cell.device, attn_implementation=register_ragged_attention())
     check_context(cell, lm)
     examples = cell_examples(cell, tok)
     ref = full_reference(cell, progress)

@@ -18,7 +18,7 @@ Modes (docs/evaluation.md): ``physical`` = the allocator's ragged per-cell sizes
 paged store that frees evicted entries; ``uniform`` = the same scorer with equal per-cell
 sizes (``+uniform``: a fixed selection under a real budget); ``masked`` = the allocator's
 ragged sizes held in the masked store (the full cache stays in memory: the audit of
-others). Protocols: :data:`evictlab.decode.loop.PROTOCOLS`.
+others). Protocols: :data:`evictlab.decode.config.PROTOCOLS`.
 
 A :class:`CellSpec` carries everything its run needs (model name, task, sizes, seeds, the
 loop settings, the method's parameters), is frozen, hashable and picklable, so a local loop
@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from evictlab.decode.loop import DecodeConfig
+from evictlab.decode.config import DecodeConfig
 from evictlab.errors import InputError, refuse_duplicates
 from evictlab.kv.budget import Budget
 
@@ -233,7 +233,7 @@ class GridSpec:
                    target_tokens=int(target_tokens), device=device, trace=bool(trace))
 
     def __post_init__(self) -> None:
-        from evictlab.decode.tasks import EVAL_TASKS
+        from evictlab.tasks.examples import EVAL_TASKS
 
         _nonempty(self.models, "models", "name at least one model, e.g. smollm2-135m")
         refuse_duplicates(self.models, "models", "model")
@@ -279,7 +279,7 @@ class GridSpec:
                 raise InputError("budgets", f"{budget_text(b)} keeps every token of the {min(self.contexts)}-token "
                                  "context: nothing would be evicted", "use budgets below the shortest context")
         self.method_params()  # unknown or bad parameters are refused here
-        from evictlab.decode.tasks import HELDOUT_PPL
+        from evictlab.tasks.examples import HELDOUT_PPL
 
         checked: set[tuple[str, str, str | None, str]] = set()
         for cell in self.cells():  # each method's config once (parameter values, ...)
@@ -353,7 +353,7 @@ class GridSpec:
 
     @staticmethod
     def _skip_reason(task: str, method: str, mode: str, protocol: str) -> str | None:
-        from evictlab.decode.tasks import HELDOUT_PPL
+        from evictlab.tasks.examples import HELDOUT_PPL
 
         if task == HELDOUT_PPL and protocol == "query-aware":
             return "a perplexity window has no question to be aware of"

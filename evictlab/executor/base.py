@@ -1,4 +1,4 @@
-"""The executor contract, the local executor and the ``--executor`` / ``--address`` options.
+"""The executor contract and the local executor.
 
 An executor runs ``fn(item)`` for every item of a list and yields ``(item, result)`` pairs::
 
@@ -18,11 +18,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
-
-from evictlab.errors import InputError
-
-#: The values of ``--executor``.
-EXECUTORS = ("local", "ray")
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -99,27 +94,6 @@ class LocalExecutor:
 
     def __exit__(self, *exc: Any) -> None:
         return None
-
-
-def check_executor(executor: str, address: str | None) -> None:
-    """InputError for an unknown ``--executor`` or an ``--address`` without Ray (no import)."""
-    if executor not in EXECUTORS:
-        raise InputError("--executor", f"unknown executor {executor!r}", f"use one of: {', '.join(EXECUTORS)}")
-    if executor == "local" and address is not None:
-        raise InputError("--address", "is only used with --executor ray",
-                         "drop --address, or pass --executor ray to run on that Ray cluster")
-
-
-def make_executor(executor: str = "local", address: str | None = None, *, retries: int = 3) -> Executor:
-    """The executor of ``--executor`` / ``--address`` (checked; Ray is connected at once, so a
-    missing Ray or a bad address is refused before any work). ``retries``: how often a task
-    whose worker died is run again (Ray)."""
-    check_executor(executor, address)
-    if executor == "local":
-        return LocalExecutor()
-    from evictlab.executor.ray_backend import RayExecutor
-
-    return RayExecutor(address, retries=retries)
 
 
 class TaskBar:

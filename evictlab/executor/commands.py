@@ -7,7 +7,8 @@ from collections.abc import Iterator
 
 import typer
 
-from evictlab.executor.base import Executor, TaskFailedError, make_executor
+from evictlab.executor.base import Executor, TaskFailedError
+from evictlab.executor.factory import make_executor
 
 EXECUTOR_OPTIONS = {
     "executor": typer.Option("local", "--executor",

@@ -89,7 +89,7 @@ def train(
     from evictlab.gates.train import DTYPES, Recipe, resolve_dtype
     from evictlab.io import exclusive_lock
     from evictlab.models.loading import check_device
-    from evictlab.report.record import RunRecord
+    from evictlab.record import RunRecord
 
     # Everything the user typed, checked before the model loads.
     if threads < 0:
@@ -104,7 +104,7 @@ def train(
                                   tasks=tuple(parse_list(tasks, "--tasks", "task"))))
     out = _prepare_out(out, overwrite)
     if recipe.data.text_fraction > 0:
-        from evictlab.capture.texts import load_text_source
+        from evictlab.tasks.texts import load_text_source
 
         load_text_source(recipe.data.text)  # a missing or unreadable source is refused now (--source)
     with exclusive_lock(out, "--out"):
@@ -122,7 +122,7 @@ def _train_locked(model_name: str, out: Path, recipe: Any, device: str, threads:
     from evictlab.gates import files
     from evictlab.gates.train import train_gates
     from evictlab.models.loading import load_model
-    from evictlab.report.record import record_path
+    from evictlab.record import record_path
 
     if threads > 0:
         torch.set_num_threads(threads)

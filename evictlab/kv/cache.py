@@ -194,7 +194,8 @@ def register_ragged_attention() -> str:
     """Register :func:`ragged_attention_forward` in transformers' ``AttentionInterface``
     (and the sdpa mask builder in ``AttentionMaskInterface``) under the new name
     :data:`RAGGED_ATTENTION`, and return the name. Adds an entry; replaces nothing;
-    idempotent. Called by :func:`evictlab.models.loading.load_model` before loading."""
+    idempotent. Called by whoever loads a model for the decode loop (``decode``, ``audit``, the
+    evaluation grid), which passes the name to :func:`evictlab.models.loading.load_model`."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -216,7 +217,7 @@ def attach(model: torch.nn.Module, cache: EvictionCache,
 
     ``windows``: per layer, the sliding window (a query at ``t`` attends keys with
     ``t - pos < window``) or None; None = no windows (see
-    :func:`evictlab.decode.loop.attach_model`, which passes the model's). Hooks go on the
+    :func:`evictlab.decode.compress.attach_model`, which passes the model's). Hooks go on the
     attention sites of :func:`evictlab.models.sites.find_attention_sites` (the module, and
     its ``q_norm`` or ``q_proj``).
     """

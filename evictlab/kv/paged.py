@@ -2,15 +2,17 @@
 
 Storage
 -------
-One pool for the whole model (all layers, batch items and KV heads):
+One block pool for the whole model (all layers, batch items and KV heads):
+:class:`evictlab.kv.blocks.BlockPool` (``store.pool``) holds the tensors and the free list;
+this module holds the cells' layout over its blocks.
 
-- ``kv_pool``: ``(2, capacity_blocks + 1, block_size, head_dim)`` in the model dtype;
-  ``k_pool = kv_pool[0]`` and ``v_pool = kv_pool[1]`` (one buffer, so one gather reads
-  both). The extra last block is the *null block*: always empty, it stands in for unused
-  block-table columns so a gather needs no branch;
-- ``pos_pool``: int64 ``(capacity_blocks + 1, block_size)``, the absolute token position
-  of each slot, ``-1`` exactly when the slot holds no live entry (an invariant kept by
-  append/keep); scorers and the causal mask read it after eviction.
+- ``kv_pool`` (= ``pool.kv``): ``(2, capacity_blocks + 1, block_size, head_dim)`` in the
+  model dtype; ``pool.k = kv_pool[0]`` and ``pool.v = kv_pool[1]`` (one buffer, so one
+  gather reads both). The extra last block is the *null block*: always empty, it stands in
+  for unused block-table columns so a gather needs no branch;
+- ``pos_pool`` (= ``pool.pos``): int64 ``(capacity_blocks + 1, block_size)``, the absolute
+  token position of each slot, ``-1`` exactly when the slot holds no live entry (an
+  invariant kept by append/keep); scorers and the causal mask read it after eviction.
 
 The **block table** ``block_table``: int64 numpy array ``(n_layers, batch, kv_heads,
 max_blocks)``. Row ``block_table[l, b, h]`` lists, in order, the pool blocks holding cell
@@ -44,6 +46,7 @@ import torch
 
 from evictlab.errors import BudgetExceededError, InputError
 from evictlab.kv.base import CellView, KVStore, LayerView
+from evictlab.kv.blocks import BlockPool, blocks_for
 from evictlab.kv.budget import ByteReport, dtype_size
 from evictlab.models.geometry import ModelGeometry
 
@@ -73,14 +76,11 @@ class PagedKVStore(KVStore):
         self.block_size = int(block_size)
         self.dtype = dtype
         self.device = torch.device(device)
-        self.capacity_blocks = int(capacity_blocks)
-        self._alloc_pools(capacity_blocks)
+        #: the K/V/position blocks and their free list (:mod:`evictlab.kv.blocks`)
+        self.pool = BlockPool(capacity_blocks, self.block_size, head_dim, dtype, self.device)
         self._scratch = torch.empty(0, dtype=dtype, device=self.device)
         self.block_table = np.full((n_layers, batch, kv_heads, 0), -1, dtype=np.int64)
         self.cell_len = np.zeros((n_layers, batch, kv_heads), dtype=np.int64)
-        # Free blocks as a mask (O(1) to take or return a given block).
-        self._free_mask = np.ones(capacity_blocks, dtype=bool)
-        self._n_free = capacity_blocks
         # Each cell's home block: the pool is split into one equal region per cell (cell-major)
         # and an empty cell takes its region's first block, so cells that stay within their
         # region's size (budget + headroom under uniform sizes) stay contiguous while the
@@ -131,7 +131,7 @@ class PagedKVStore(KVStore):
             if len(max_cell_tokens) != geometry.n_layers:
                 raise InputError("max_cell_tokens", f"{len(max_cell_tokens)} values for {geometry.n_layers} layers",
                                  "pass one maximum per layer")
-            cap = batch * geometry.kv_heads * sum(cls.blocks_for(t, block_size) for t in max_cell_tokens)
+            cap = batch * geometry.kv_heads * sum(blocks_for(t, block_size) for t in max_cell_tokens)
         cells = geometry.n_layers * batch * geometry.kv_heads
         blocks = cls._plan(cells, int(kept_tokens) * batch, headroom_tokens_per_cell, block_size, cap, in_use=0)
         store = cls(geometry.n_layers, batch, geometry.kv_heads, geometry.head_dim, capacity_blocks=blocks,
@@ -143,7 +143,7 @@ class PagedKVStore(KVStore):
     def _plan(cls, cells: int, kept: int, headroom: int, block_size: int, cap: int | None, in_use: int) -> int:
         """Pool blocks for ``kept`` entries (all sequences) plus ``headroom`` per cell (see
         :meth:`for_budget`), capped by ``cap``, never below the ``in_use`` blocks."""
-        blocks = max(in_use, cls.blocks_for(kept, block_size) + cells) + cells * cls.blocks_for(headroom, block_size)
+        blocks = max(in_use, blocks_for(kept, block_size) + cells) + cells * blocks_for(headroom, block_size)
         if cap is not None:
             blocks = min(blocks, cap)
         return max(1, blocks, in_use)
@@ -159,21 +159,25 @@ class PagedKVStore(KVStore):
         self.resize(self._plan(cells, self._kept_tokens * self.batch, tokens_per_cell, self.block_size,
                                self._max_cell_blocks, self.blocks_in_use))
 
-    def _alloc_pools(self, capacity_blocks: int) -> None:
-        self.kv_pool = torch.zeros(2, capacity_blocks + 1, self.block_size, self.head_dim, dtype=self.dtype,
-                                   device=self.device)
-        self.k_pool, self.v_pool = self.kv_pool[0], self.kv_pool[1]
-        self.pos_pool = torch.full((capacity_blocks + 1, self.block_size), -1, dtype=torch.int64, device=self.device)
-
-    # -- bookkeeping -------------------------------------------------------------------
-    @staticmethod
-    def blocks_for(tokens: int, block_size: int) -> int:
-        """Blocks needed by one cell of ``tokens`` entries."""
-        return -(-int(tokens) // block_size)
+    # -- the pool's tensors (see evictlab.kv.blocks) --------------------------------------
+    @property
+    def kv_pool(self) -> torch.Tensor:
+        """``(2, capacity_blocks + 1, block_size, head_dim)``: keys ``[0]`` and values ``[1]``."""
+        return self.pool.kv
 
     @property
+    def pos_pool(self) -> torch.Tensor:
+        """int64 ``(capacity_blocks + 1, block_size)``: each slot's position, -1 when not live."""
+        return self.pool.pos
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self.pool.capacity
+
+    # -- bookkeeping -------------------------------------------------------------------
+    @property
     def blocks_in_use(self) -> int:
-        return self.capacity_blocks - self._n_free
+        return self.pool.in_use
 
     def _regions(self, capacity_blocks: int, used: np.ndarray | None = None) -> np.ndarray:
         """int64 ``(n_layers, batch, kv_heads)``: the first block of each cell's region, the
@@ -206,29 +210,14 @@ class PagedKVStore(KVStore):
         t = self._table_dev.get(layer)
         if t is None:
             tbl = self.block_table[layer]
-            t = torch.from_numpy(np.where(tbl >= 0, tbl, self.capacity_blocks)).to(self.device)
+            t = torch.from_numpy(np.where(tbl >= 0, tbl, self.pool.null_block)).to(self.device)
             self._table_dev[layer] = t
         return t
 
     def _alloc_block(self, after: int = -1, home: int = -1) -> int:
         """Take a free block: ``after + 1`` if it is free (keeps the cell's run contiguous),
         else ``home`` if it is free (an empty cell starts its region), else the lowest free block."""
-        if not self._n_free:
-            raise BudgetExceededError(
-                f"paged KV pool is full ({self.capacity_blocks} blocks of {self.block_size} "
-                "entries): appending would exceed the budget plus its headroom; compress "
-                "more often or raise the budget"
-            )
-        want = after + 1 if after >= 0 else home
-        if not (0 <= want < self.capacity_blocks and self._free_mask[want]):
-            want = int(np.argmax(self._free_mask))
-        self._free_mask[want] = False
-        self._n_free -= 1
-        return want
-
-    def _release_block(self, block: int) -> None:
-        self._free_mask[block] = True
-        self._n_free += 1
+        return self.pool.take(after + 1 if after >= 0 else home)
 
     # -- append / gather ---------------------------------------------------------------
     def _flat_slots(self, layer: int, start: np.ndarray, count: int) -> np.ndarray:
@@ -249,10 +238,10 @@ class PagedKVStore(KVStore):
         need = -(-(start + q) // self.block_size)
         have = -(-start // self.block_size)
         extra = int((need - have).sum())
-        if extra > self._n_free:
+        if extra > self.pool.n_free:
             raise BudgetExceededError(
                 f"layer {layer}: appending {q} entries per cell needs {extra} more blocks but only "
-                f"{self._n_free} of {self.capacity_blocks} are free; the store never grows past its budget"
+                f"{self.pool.n_free} of {self.capacity_blocks} are free; the store never grows past its budget"
             )
         if extra:  # only when some cell crosses into a new block (every block_size decode steps)
             self._ensure_columns(int(need.max()))
@@ -289,7 +278,7 @@ class PagedKVStore(KVStore):
         until the next scratch gather. Positions are always a fresh tensor.
         """
         table = self._table(layer)  # (batch, kv_heads, max_blocks)
-        n_blocks = self.blocks_for(s, self.block_size)
+        n_blocks = blocks_for(s, self.block_size)
         idx = table[..., :n_blocks].reshape(-1)
         b, h, d, bs = self.batch, self.kv_heads, self.head_dim, self.block_size
         if scratch:
@@ -425,7 +414,7 @@ class PagedKVStore(KVStore):
         for l in layers:
             for bi in range(self.batch):
                 for hi in range(self.kv_heads):
-                    nb = self.blocks_for(int(self.cell_len[l, bi, hi]), self.block_size)
+                    nb = blocks_for(int(self.cell_len[l, bi, hi]), self.block_size)
                     blocks = self.block_table[l, bi, hi, :nb]
                     total += 1
                     ok += int(nb <= 1 or bool(np.all(np.diff(blocks) == 1)))
@@ -438,7 +427,7 @@ class PagedKVStore(KVStore):
         if self.block_table.shape[-1] == 0 or int(self.cell_len[layer].max()) == 0:
             pos = torch.full((self.batch, self.kv_heads, s), -1, dtype=torch.int64, device=self.device)
         else:
-            n_blocks = self.blocks_for(int(self.cell_len[layer].max()), self.block_size)
+            n_blocks = blocks_for(int(self.cell_len[layer].max()), self.block_size)
             idx = self._table(layer)[..., :n_blocks].reshape(-1)
             pos = self.pos_pool.index_select(0, idx).view(self.batch, self.kv_heads, -1)[:, :, : int(self.cell_len[layer].max())]
             pos = torch.cat([pos, torch.full((self.batch, self.kv_heads, q), -1, dtype=torch.int64, device=self.device)], -1)
@@ -493,7 +482,7 @@ class PagedKVStore(KVStore):
         freed: list[int] = []
         for bi in range(self.batch):
             for hi in range(self.kv_heads):
-                used = self.blocks_for(int(new_len[bi, hi]), self.block_size)
+                used = blocks_for(int(new_len[bi, hi]), self.block_size)
                 row = self.block_table[layer, bi, hi]
                 j = np.arange(int(new_len[bi, hi]), min(int(self.cell_len[layer, bi, hi]), used * self.block_size))
                 if j.size:
@@ -504,7 +493,7 @@ class PagedKVStore(KVStore):
                     freed.extend(gone.tolist())
                     row[used:] = -1
         for block in freed:
-            self._release_block(block)
+            self.pool.release(block)
         if freed:
             self.pos_pool.index_fill_(0, torch.tensor(freed, dtype=torch.int64, device=self.device), -1)
         if stale:
@@ -543,18 +532,8 @@ class PagedKVStore(KVStore):
         new_ids = np.repeat(run_start, nb) + np.arange(order.size) - np.repeat(used_start, nb)
         remap = np.full(self.capacity_blocks, -1, dtype=np.int64)
         remap[order] = new_ids
-        src = torch.from_numpy(order).to(self.device)
-        dst = torch.from_numpy(new_ids).to(self.device)
-        old_kv, old_pos = self.kv_pool, self.pos_pool
-        self._alloc_pools(capacity_blocks)
-        self.kv_pool.index_copy_(1, dst, old_kv.index_select(1, src))
-        self.pos_pool.index_copy_(0, dst, old_pos.index_select(0, src))
-        del old_kv, old_pos
+        self.pool.reallocate(capacity_blocks, order, new_ids)
         self.block_table = np.where(self.block_table >= 0, remap[np.maximum(self.block_table, 0)], -1)
-        self.capacity_blocks = int(capacity_blocks)
-        self._free_mask = np.ones(capacity_blocks, dtype=bool)
-        self._free_mask[new_ids] = False
-        self._n_free = capacity_blocks - int(new_ids.size)
         self._home = run_start.reshape(self.cell_len.shape)
         self._table_dev.clear()
         self._views.clear()

@@ -15,10 +15,7 @@ from evictlab.methods.base import (
     Scorer,
     ScoreInputs,
     WindowProfile,
-    attention_probs,
     check_sizes,
-    combine_groups,
-    query_attention,
     select_keep,
 )
 from evictlab.methods.params import parse_assignments
@@ -33,13 +30,10 @@ __all__ = [
     "ScoreInputs",
     "Scorer",
     "WindowProfile",
-    "attention_probs",
     "check_sizes",
-    "combine_groups",
     "make_allocator",
     "make_scorer",
     "parse_assignments",
     "parse_method",
-    "query_attention",
     "select_keep",
 ]

@@ -9,8 +9,8 @@ returns one importance score per (batch item, KV head, key): higher = keep. An *
 
 GQA: storage is per KV head, so the ``q_heads // kv_heads`` query heads of a group share one
 kept set. Every scorer reduces its per-query-head statistics to one score per KV head and
-documents how (:func:`combine_groups` does the reduction; the default is the mean of the
-per-head attention probabilities).
+documents how (:func:`evictlab.kv.attention.combine_groups` does the reduction; the default
+is the mean of the per-head attention probabilities).
 
 Tensor shapes used throughout (``b`` batch, ``hq`` query heads, ``hk`` KV heads, ``s`` held
 keys, ``q`` queries, ``d`` head dim):
@@ -42,9 +42,6 @@ __all__ = [
     "check_sizes",
     "ScoreInputs",
     "Scorer",
-    "attention_probs",
-    "combine_groups",
-    "query_attention",
     "select_keep",
     "select_keep_ordered",
 ]
@@ -372,110 +369,6 @@ class Allocator(ABC):
     @abstractmethod
     def allocate(self, inputs: AllocInputs) -> np.ndarray:
         """Kept entries per cell, int64 ``(n_layers, kv_heads)``."""
-
-
-def combine_groups(x: torch.Tensor, kv_heads: int, how: Literal["mean", "max"] = "mean") -> torch.Tensor:
-    """Reduce per-query-head statistics to per-KV-head ones.
-
-    Args:
-        x: ``(b, hq, ...)``; query heads ``g*j .. g*j + g - 1`` (``g = hq // kv_heads``) form
-            KV head ``j``'s group, the layout of Hugging Face's ``repeat_kv``.
-        kv_heads: number of KV heads ``hk``; must divide ``hq``.
-        how: ``"mean"`` or ``"max"`` over the ``g`` heads of a group.
-
-    Returns:
-        ``(b, hk, ...)``.
-    """
-    b, hq = x.shape[0], x.shape[1]
-    if hq % kv_heads != 0:
-        raise InputError("queries", f"{hq} query heads are not a multiple of {kv_heads} KV heads",
-                         "pass the model's num_attention_heads and num_key_value_heads")
-    grouped = x.reshape(b, kv_heads, hq // kv_heads, *x.shape[2:])
-    return grouped.mean(dim=2) if how == "mean" else grouped.amax(dim=2)
-
-
-def attention_probs(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    scaling: float,
-    q_positions: torch.Tensor | None = None,
-    k_positions: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Softmax attention of every query head over the held keys of its KV head.
-
-    Args:
-        queries: ``(b, hq, q, d)``.
-        keys: ``(b, hk, s, d)``; ``hk`` divides ``hq``.
-        scaling: logit scale.
-        q_positions, k_positions: ``(q,)`` and ``(s,)`` (or ``(b, s)``: one row per batch
-            item) int64; when both are given the mask is causal (a query sees keys at
-            positions ``<=`` its own). A query that sees no key gets an all-zero row.
-
-    Returns:
-        ``(b, hq, q, s)`` float32 probabilities (computed in float32 whatever the input).
-    """
-    b, hq, q, d = queries.shape
-    hk, s = keys.shape[1], keys.shape[2]
-    g = hq // hk
-    # One matmul per KV head with its group's queries stacked (K never repeated).
-    logits = torch.matmul(queries.float().reshape(b, hk, g * q, d), keys.float().transpose(-1, -2)) * scaling
-    logits = logits.view(b, hk, g, q, s)
-    if q_positions is not None and k_positions is not None:
-        visible = k_positions.to(queries.device)[..., None, :] <= q_positions.to(queries.device)[:, None]
-        logits.masked_fill_(~(visible if visible.ndim == 2 else visible[:, None, None]), float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    # A fully masked row is NaN after softmax; it received no attention, so it contributes 0.
-    probs = torch.nan_to_num_(probs, nan=0.0)
-    return probs.reshape(b, hq, q, -1)
-
-
-#: Default bound on the probabilities one block of :func:`query_attention` holds at once
-#: (elements; 2**22 float32 = 16 MiB, plus the logits of the same size while they exist).
-QUERY_BLOCK_ELEMENTS = 2 ** 22
-
-
-def query_attention(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    scaling: float,
-    q_positions: torch.Tensor | None = None,
-    k_positions: torch.Tensor | None = None,
-    *,
-    reduce: Literal["sum", "mean", "max"],
-    block: int | None = None,
-) -> torch.Tensor:
-    """:func:`attention_probs` reduced over the query axis, computed a block of queries at a time.
-
-    Args:
-        queries: ``(b, hq, q, d)``; keys ``(b, hk, s, d)``; scaling, positions: as
-            :func:`attention_probs` (causal when both positions are given).
-        reduce: ``"sum"``, ``"mean"`` or ``"max"`` over the ``q`` queries of each head.
-        block: queries per block; default: as many as keep ``b x hq x block x s`` under
-            :data:`QUERY_BLOCK_ELEMENTS`, so memory stays bounded whatever ``q`` is (an
-            all-query scorer after a one-pass prefill never holds a ``q x s`` matrix).
-
-    Returns:
-        ``(b, hq, s)`` float32. With one block (``q <= block``) it is exactly
-        ``attention_probs(...).sum/mean/amax(dim=2)``; with several, block sums (or maxima)
-        are combined, so sums differ from the one-block result only by float32 rounding.
-    """
-    b, hq, q, _ = queries.shape
-    s = keys.shape[2]
-    if block is None:
-        block = max(1, QUERY_BLOCK_ELEMENTS // max(1, b * hq * s))
-    if reduce not in ("sum", "mean", "max"):
-        raise InputError("reduce", f"unknown reduction {reduce!r}", "use sum, mean or max")
-    if q <= block:
-        probs = attention_probs(queries, keys, scaling, q_positions, k_positions)
-        return probs.amax(dim=2) if reduce == "max" else probs.mean(dim=2) if reduce == "mean" else probs.sum(dim=2)
-    out: torch.Tensor | None = None
-    for i0 in range(0, q, block):
-        qp = None if q_positions is None else q_positions[i0:i0 + block]
-        probs = attention_probs(queries[:, :, i0:i0 + block], keys, scaling, qp, k_positions)
-        part = probs.amax(dim=2) if reduce == "max" else probs.sum(dim=2)
-        out = part if out is None else torch.maximum(out, part) if reduce == "max" else out + part
-    assert out is not None
-    return out / q if reduce == "mean" else out
 
 
 def select_keep(

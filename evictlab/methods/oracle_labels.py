@@ -39,7 +39,7 @@ class OracleLabels:
 
     ``useful``: the useful keys' absolute positions as ``START:END`` ranges, comma-separated:
     the task's labels, which the commands pass per example
-    (:meth:`evictlab.decode.loop.DecodeConfig.with_labels`). There is no default: without
+    (:meth:`evictlab.decode.config.DecodeConfig.with_labels`). There is no default: without
     labels the scorer refuses to score (it would silently be StreamingLLM).
     score[k] = position(k) + 1e7 if k is useful else position(k): with the sinks and the
     recency window that :func:`~evictlab.methods.base.select_keep` always keeps, the kept

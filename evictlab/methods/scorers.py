@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from evictlab.errors import InputError
-from evictlab.methods.base import ScoreInputs, combine_groups, query_attention
+from evictlab.kv.attention import combine_groups, query_attention
+from evictlab.methods.base import ScoreInputs
 
 __all__ = [
     "H2O",

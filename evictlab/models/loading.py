@@ -3,15 +3,17 @@
 Anything that is not a registry name is treated as a local Hugging Face folder (if such a
 directory exists) or else as a hub id, and goes through the same ``from_pretrained`` call.
 
-The attention implementation is chosen at load time (``attention=``), never by editing
-``model.config`` afterwards:
+The attention implementation is chosen at load time (``attn_implementation=``, transformers'
+name), never by editing ``model.config`` afterwards:
 
 - ``"eager"`` (the default; capture): the explicit softmax, which capture's exactness
   contract is stated against;
-- ``"decode"`` (the decode loop, the audit): evictlab's ragged attention,
-  :data:`evictlab.kv.cache.RAGGED_ATTENTION` (registered under that new name in
-  transformers' ``AttentionInterface`` just before loading): scaled-dot-product kernels
-  over the store's cells inside the loop, transformers' own ``sdpa`` anywhere else;
+- a name registered in transformers' ``AttentionInterface``: the decode loop and the audit
+  load with evictlab's ragged attention, whose name
+  (:data:`evictlab.kv.cache.RAGGED_ATTENTION`) the caller gets from
+  :func:`evictlab.kv.cache.register_ragged_attention` (scaled-dot-product kernels over the
+  store's cells inside the loop, transformers' own ``sdpa`` anywhere else); this module
+  knows nothing of the KV store;
 - ``"sdpa"``: transformers' own, unchanged (the baseline of ``benchmarks/bench_decode.py``).
 """
 
@@ -66,37 +68,41 @@ def check_model_name(name: str, option: str = "--model") -> None:
         raise InputError(option, exc.problem, exc.fix) from None
 
 
-ATTENTIONS = ("eager", "decode", "sdpa")
+#: transformers' own implementations evictlab loads with (others must be registered first).
+ATTENTIONS = ("eager", "sdpa")
 
 
-def attn_implementation(attention: str) -> str:
-    """transformers' ``attn_implementation`` for one of :data:`ATTENTIONS` (``"decode"``
-    registers evictlab's ragged attention first); InputError for anything else."""
-    if attention == "decode":
-        from evictlab.kv.cache import register_ragged_attention
+def check_attn_implementation(name: str) -> str:
+    """``name`` if a model can be loaded with it: one of :data:`ATTENTIONS` or a name
+    registered in transformers' ``AttentionInterface`` (evictlab's ragged attention, after
+    :func:`evictlab.kv.cache.register_ragged_attention`); InputError for anything else."""
+    from transformers import AttentionInterface
 
-        return register_ragged_attention()
-    if attention not in ATTENTIONS:
-        raise InputError("attention", f"unknown attention {attention!r}", f"use one of: {', '.join(ATTENTIONS)}")
-    return attention
+    if name in ATTENTIONS or (isinstance(name, str) and name in AttentionInterface()):
+        return name
+    raise InputError("attn_implementation", f"unknown attention implementation {name!r}",
+                     f"use one of: {', '.join(ATTENTIONS)}, or register it in transformers' AttentionInterface "
+                     "first (evictlab.kv.cache.register_ragged_attention() for the decode loop's)")
 
 
 def load_model(
-    name: str = DEFAULT_MODEL, device: str = "cpu", dtype: "torch.dtype | None" = None, attention: str = "eager",
+    name: str = DEFAULT_MODEL, device: str = "cpu", dtype: "torch.dtype | None" = None,
+    attn_implementation: str = "eager",
 ) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` in eval mode on ``device``.
 
     ``name`` is a registry name (pulled on first use), a local Hugging Face folder or a hub
     id (only where a hub is reachable). ``dtype`` defaults to float32: the exactness
     contract (captured rows reproduce the model's own attention to 1e-5) is stated in it.
-    ``attention``: ``"eager"`` (capture), ``"decode"`` (the decode loop: ragged
-    scaled-dot-product attention) or ``"sdpa"`` (see the module docstring).
+    ``attn_implementation``: ``"eager"`` (capture), the registered name of evictlab's ragged
+    attention (the decode loop: ``register_ragged_attention()``) or ``"sdpa"`` (see the
+    module docstring).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = torch.float32 if dtype is None else dtype
-    impl = attn_implementation(attention)
+    impl = check_attn_implementation(attn_implementation)
     dev = check_device(device)
     kind, where = resolve(name)
     local = kind != "hub"
@@ -175,19 +181,19 @@ _LOADED_LOCK = threading.Lock()
 CACHE_SIZE = 2
 
 
-def load_cached(name: str, device: str = "cpu", attention: str = "eager") -> tuple[Any, Any]:
+def load_cached(name: str, device: str = "cpu", attn_implementation: str = "eager") -> tuple[Any, Any]:
     """``(model, tokenizer)`` of :func:`load_model`, loaded once per process, device and
-    ``attention`` (eager for capture, ``"decode"`` for the decode loop and the grid; the
+    ``attn_implementation`` (eager for capture, the ragged attention for the decode loop and the grid; the
     :data:`CACHE_SIZE` most recently used are kept; thread-safe): the one model cache of
     every long-running command (a grid run, a remote worker that runs many tasks of one
     model)."""
-    key = (name, device, attention)
+    key = (name, device, attn_implementation)
     with _LOADED_LOCK:
         hit = _LOADED.pop(key, None)
         if hit is not None:
             _LOADED[key] = hit  # most recent last
             return hit[0], hit[1]
-    model, tok = load_model(name, device=device, attention=attention)  # outside the lock: loads take seconds
+    model, tok = load_model(name, device=device, attn_implementation=attn_implementation)  # outside the lock: loads take seconds
     with _LOADED_LOCK:
         _LOADED[key] = [model, tok, None]
         while len(_LOADED) > CACHE_SIZE:

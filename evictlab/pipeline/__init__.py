@@ -2,13 +2,17 @@
 
 Layout:
 
-- :mod:`evictlab.pipeline.stages`: what the job computes. Settings
-  (:class:`CaptureSpec`, :class:`AnalysisConfig`), the cached subprocess stages (rows,
-  solver results) and :func:`compute` (statistics, predictors, claims, figures) returning an
-  :class:`Analysis`; :func:`analyse` = :func:`compute` + the report.
+- :mod:`evictlab.pipeline.config`: settings (:class:`CaptureSpec`, :class:`AnalysisConfig`)
+  and :class:`StageError`.
+- :mod:`evictlab.pipeline.stages`: the subprocess stages (rows and solver results, cached;
+  the hardness check).
+- :mod:`evictlab.pipeline.analysis`: :func:`compute` (statistics, predictors, claims,
+  figures) returning an :class:`Analysis`; :func:`analyse` = :func:`compute` + the report.
+- :mod:`evictlab.pipeline.contour`: the ContourKV section (an evaluation grid in the
+  background, then ContourKV against the allocators).
 - :mod:`evictlab.pipeline.command`: the typer command ``evictlab demo`` (which rows for
   which model, timings, the run record).
-- :mod:`evictlab.report.demo`: the report's Markdown text, from an :class:`Analysis`.
+- :mod:`evictlab.pipeline.report`: the report's Markdown text, from an :class:`Analysis`.
 
 Stages 1-2 call the package's own commands (``evictlab capture`` / ``evictlab rows synth``,
 then ``evictlab solve``) in a subprocess, exactly as a user would, so the job exercises the
@@ -26,16 +30,9 @@ run in-process and write, under ``runs/<name>/``:
     run_record.json               git commit, package versions, config, seeds, wall time
 """
 
+from evictlab.pipeline.analysis import Analysis, analyse, compute
 from evictlab.pipeline.command import demo
-from evictlab.pipeline.stages import (
-    Analysis,
-    AnalysisConfig,
-    CaptureSpec,
-    StageError,
-    analyse,
-    compute,
-    parse_budgets,
-)
+from evictlab.pipeline.config import AnalysisConfig, CaptureSpec, StageError, parse_budgets
 
 __all__ = ["Analysis", "AnalysisConfig", "CaptureSpec", "StageError", "analyse", "compute", "demo",
            "parse_budgets"]

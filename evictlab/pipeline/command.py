@@ -9,7 +9,10 @@ from typing import List, Optional
 import typer
 
 from evictlab.errors import InputError, refuse_duplicates
-from evictlab.pipeline.stages import AnalysisConfig, CaptureSpec, analyse, contour_finish, contour_start, parse_budgets, rows_and_results
+from evictlab.pipeline.analysis import analyse
+from evictlab.pipeline.config import AnalysisConfig, CaptureSpec, parse_budgets
+from evictlab.pipeline.contour import contour_finish, contour_start
+from evictlab.pipeline.stages import rows_and_results
 
 #: Default (demo) sizes per model, measured to fit the time bars on the 2-core machine
 #: (docs/reproduction.md): 8 prompts from 8 different plays per model; Gemma 3 has fewer
@@ -35,7 +38,7 @@ CERT_MAX_S = 8
 
 #: The ContourKV section of the default job: one model, one task, two budgets, SnapKV
 #: windows with ContourKV (online) and with each baseline, physical (docs/reproduction.md);
-#: ``--full`` runs :data:`evictlab.eval.claims.CONTOUR_FULL_GRID`.
+#: ``--full`` runs :data:`evictlab.eval.claims.contour.CONTOUR_FULL_GRID`.
 DEMO_CONTOUR = {
     "tasks": ["needle_word"], "contexts": [512], "budgets": ["64", "128"],
     "methods": ["snapkv+contourkv", "snapkv", "snapkv+pyramidkv", "snapkv+adakv"],
@@ -104,7 +107,7 @@ def demo(
     """The main job: capture -> solve -> stats -> predictors -> figures -> report; prints where the report is."""
     from rich.console import Console
 
-    from evictlab.report.record import RunRecord, record_path
+    from evictlab.record import RunRecord, record_path
 
     console = Console(stderr=True)
 
@@ -144,7 +147,7 @@ def demo(
     inputs: dict[str, dict[str, str]] = {"results": {}, "rows": {}, "certified": {}, "certified_rows": {}}
     contour_job = None
     if contour and not synthetic and not results:
-        from evictlab.eval.claims import CONTOUR_FULL_GRID
+        from evictlab.eval.claims.contour import CONTOUR_FULL_GRID
 
         # the grid needs only the model: it runs on a second core beside capture and solve
         grid = dict(CONTOUR_FULL_GRID) if full else {**DEMO_CONTOUR, "models": [model]}

@@ -74,7 +74,7 @@ def check_facts(facts: Any, n_tokens: int) -> list[dict[str, Any]] | None:
         if not isinstance(f, dict) or set(f) != fields:
             got = sorted(f) if isinstance(f, dict) else type(f).__name__
             raise InputError(name, f"must have exactly the fields {sorted(fields)}, got {got}",
-                             "build facts with evictlab.capture.prompts.fact_token_spans")
+                             "build facts with evictlab.tasks.synthetic.fact_token_spans")
         if f["kind"] not in FACT_KINDS:
             raise InputError(name, f"kind {f['kind']!r} is not one of {FACT_KINDS}", "use one of those kinds")
         if not isinstance(f["asked"], (bool, np.bool_)):

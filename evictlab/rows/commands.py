@@ -57,7 +57,7 @@ def synth(
     from tqdm import tqdm
 
     from evictlab.io import check_output_path, check_output_size, exclusive_lock
-    from evictlab.report.record import RunRecord
+    from evictlab.record import RunRecord
     from evictlab.rows.schema import RECORD_FILE
     from evictlab.rows.synth import SynthConfig, estimated_bytes, synthesize
 
@@ -163,7 +163,7 @@ def export(
 ) -> None:
     """Export rows as dense padded arrays (p, values, n, ids, key_index, prompt_tokens)."""
     from evictlab.io import check_output_path, exclusive_lock
-    from evictlab.report.record import RunRecord, record_path
+    from evictlab.record import RunRecord, record_path
     from evictlab.rows.export import export_npz
 
     record = RunRecord(kind="rows.export", config={"path": str(path), "limit": limit,

@@ -36,7 +36,7 @@ SUPPORTED_SCHEMA_VERSIONS = frozenset({1, 2})
 MANIFEST_FILE = "manifest.json"
 INDEX_FILE = "index.parquet"
 PROMPTS_FILE = "prompts.parquet"
-RECORD_FILE = "run_record.json"  # = evictlab.report.record.RECORD_NAME (the one run-record name)
+RECORD_FILE = "run_record.json"  # = evictlab.record.RECORD_NAME (the one run-record name)
 
 #: Names of the files a writer writes (shards by prefix), for cleaning up after a crash.
 DATASET_FILES = (MANIFEST_FILE, INDEX_FILE, PROMPTS_FILE, "shard-")

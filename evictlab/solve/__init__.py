@@ -7,6 +7,10 @@
 * :mod:`evictlab.solve.certify` -- branch and bound for the true ES(s) over all keys.
 * :mod:`evictlab.solve.reference` -- itertools / numpy references the kernels are tested against.
 * :mod:`evictlab.solve.runner` -- rows -> results Parquet (``evictlab solve``), resumable.
+* :mod:`evictlab.solve.ablation` -- the free-weight ablation re-solve of a row sample (``ablation_rows``).
+
+The single-row kernels they build on (ranking, dense output, the candidate pool, the
+free-weight solver) are :mod:`evictlab.core`'s; this package has no copies of its own.
 
 Algorithms, limits and certificates: ``docs/solvers.md``.
 """

@@ -46,7 +46,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from evictlab.solve.kernels import dense_mu, forced_error_exact, normalized_masses, rank_desc
+from evictlab.core.kernels import row_normalized, row_weighted_sum
+from evictlab.core.ranking import rank_desc
+from evictlab.solve.kernels import forced_error_exact
 
 #: Relative tolerance of the certificate (see module docstring).
 CERT_REL_TOL = 1e-9
@@ -248,7 +250,7 @@ def certify_setup(p: np.ndarray, V: np.ndarray, kmax: int) -> tuple:
     masses ``pw``, Gram matrix ``G = X X^T`` ``(n, n)`` and the suffix tables for ``k <= kmax``.
     """
     n, d = V.shape
-    mu = dense_mu(p, V)
+    mu = row_weighted_sum(p, V)
     X0 = np.empty((n, d))
     nx = np.empty(n)
     for i in range(n):
@@ -682,7 +684,7 @@ def batch_certify(
         if n > max_n or kmax == 0:
             continue
         V = values[v_start[r] : v_start[r] + n]
-        pr = normalized_masses(p, lo_, n)
+        pr = row_normalized(p[lo_ : lo_ + n])
         setup = certify_setup(pr, V, kmax)
         for b in range(B):
             s = budgets[b]

@@ -29,7 +29,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from evictlab.core.kernels import row_free_weight
+from evictlab.core.freeweight import row_free_weight
+from evictlab.core.kernels import row_candidate_pool, row_normalized, row_weighted_sum
+from evictlab.core.ranking import top_k_desc
 from evictlab.solve.revolving import rd_init, rd_next
 
 #: Steps between exact recomputations of the running sums during enumeration (drift guard).
@@ -40,86 +42,6 @@ BAL_REL_TOL = 1e-13
 
 
 # --------------------------------------------------------------------------- row helpers
-
-
-@njit(cache=True)
-def rank_desc(score: np.ndarray) -> np.ndarray:
-    """Indices sorted by ``score`` descending, ties to the larger index first, int64 ``(n,)``.
-
-    A stable mergesort of the reversed array keeps equal scores in reversed-index order.
-    """
-    n = score.shape[0]
-    rev = np.empty(n, dtype=np.float64)
-    for i in range(n):
-        rev[i] = -score[n - 1 - i]
-    o = np.argsort(rev, kind="mergesort")
-    out = np.empty(n, dtype=np.int64)
-    for i in range(n):
-        out[i] = n - 1 - o[i]
-    return out
-
-
-@njit(cache=True)
-def top_desc(score: np.ndarray, k: int) -> np.ndarray:
-    """The first ``k`` entries of :func:`rank_desc` (same tie rule), int64 ``(k,)``, O(n + k log k).
-
-    ``np.partition`` finds the k-th largest value; every key above it and, among the keys
-    equal to it, the largest indices are kept; only those k are sorted.
-    """
-    n = score.shape[0]
-    if k >= n:
-        return rank_desc(score)
-    if k <= 0:
-        return np.empty(0, dtype=np.int64)
-    kth = -np.partition(-score, k - 1)[k - 1]
-    sel = np.empty(k, dtype=np.int64)
-    m = 0
-    for i in range(n):
-        if score[i] > kth:
-            sel[m] = i
-            m += 1
-    for i in range(n - 1, -1, -1):  # ties at the threshold: larger index first
-        if m == k:
-            break
-        if score[i] == kth:
-            sel[m] = i
-            m += 1
-    sub = np.empty(k)
-    for a in range(k):
-        sub[a] = score[sel[a]]
-    # rank the k survivors; sel is not index-sorted, so sort (score desc, index desc) directly
-    order = np.argsort(sel)  # index ascending
-    sel2 = sel[order]
-    sub2 = sub[order]
-    r = rank_desc(sub2)
-    out = np.empty(k, dtype=np.int64)
-    for a in range(k):
-        out[a] = sel2[r[a]]
-    return out
-
-
-@njit(cache=True)
-def dense_mu(p: np.ndarray, V: np.ndarray) -> np.ndarray:
-    """Dense output ``mu = sum_i p_i v_i``, ``(d,)``; ``p`` ``(n,)``, ``V`` ``(n, d)``."""
-    n, d = V.shape
-    mu = np.zeros(d)
-    for i in range(n):
-        pi = p[i]
-        for t in range(d):
-            mu[t] += pi * V[i, t]
-    return mu
-
-
-@njit(cache=True)
-def normalized_masses(p: np.ndarray, lo: int, n: int) -> np.ndarray:
-    """``p[lo:lo+n] / sum`` (the row's masses divided by their sum, summed in key order), ``(n,)``."""
-    tot = 0.0
-    for i in range(n):
-        tot += p[lo + i]
-    pr = np.empty(n)
-    for i in range(n):
-        pr[i] = p[lo + i] / tot
-    return pr
 
 
 @njit(cache=True)
@@ -143,33 +65,6 @@ def forced_error_exact(p: np.ndarray, V: np.ndarray, mu: np.ndarray, kept: np.nd
     for t in range(d):
         q += acc[t] * acc[t]
     return np.sqrt(q) / P
-
-
-@njit(cache=True)
-def candidate_pool_row(order_p: np.ndarray, order_err: np.ndarray, n: int, s: int, r_m: int, r_e: int) -> np.ndarray:
-    """Pool ``C_s(r_m, r_e)`` from the two rankings, int64 ``(c,)``; ``pool[:s]`` is ``T_s``.
-
-    ``order_p``: keys by mass descending (ties: larger index first); ``order_err``: keys by
-    single-key error ``||mu - v_i||`` descending (same tie rule); both may be truncated to
-    their first ``s + r_m`` and ``s + r_m + r_e`` entries (enough to build the pool). ``n``:
-    number of keys of the row. Same order as ``evictlab.core.reference.candidate_pool``.
-    """
-    n_top = min(n, s + r_m)
-    n_extra = min(n - n_top, r_e)
-    pool = np.empty(n_top + n_extra, dtype=np.int64)
-    in_top = np.zeros(n, dtype=np.bool_)
-    for a in range(n_top):
-        pool[a] = order_p[a]
-        in_top[order_p[a]] = True
-    c = n_top
-    for a in range(order_err.shape[0]):
-        if c == n_top + n_extra:
-            break
-        j = order_err[a]
-        if not in_top[j]:
-            pool[c] = j
-            c += 1
-    return pool
 
 
 @njit(cache=True)
@@ -464,7 +359,7 @@ def batch_solve(
         kept_bal ``(N, B, smax)``, pool_size ``(N, B)``, n_subsets ``(N, B)``,
         n_swaps ``(N, B)``, entropy ``(N,)`` in nats, e_free_top ``(N, B)`` and
         e_free_opt ``(N, B)`` (free-weight errors of T_s and of the argmin, min-norm point
-        with a certified duality gap, ``evictlab.core.kernels.row_free_weight``; reused when the
+        with a certified duality gap, ``evictlab.core.freeweight.row_free_weight``; reused when the
         sets coincide),
         scale ``(N,)`` = ``max(max_i ||v_i - mu||, ||mu||)`` (the row's error scale, for zero tests).
 
@@ -495,17 +390,13 @@ def batch_solve(
         n = p_off[r + 1] - lo
         V = values[v_start[r] : v_start[r] + n]
         d = V.shape[1]
-        tot = 0.0
-        for i in range(n):
-            tot += p[lo + i]
-        pr = np.empty(n)
+        pr = row_normalized(p[lo : lo + n])
         h = 0.0
         for i in range(n):
-            pr[i] = p[lo + i] / tot
             if pr[i] > 0.0:
                 h -= pr[i] * np.log(pr[i])
         ent[r] = h
-        mu = dense_mu(pr, V)
+        mu = row_weighted_sum(pr, V)
         err = np.empty(n)
         for i in range(n):
             acc = 0.0
@@ -515,8 +406,8 @@ def batch_solve(
             err[i] = np.sqrt(acc)
         # Only the first smax + r_m keys by mass (and smax + r_m + r_e by single-key error)
         # can enter any T_s or pool; the dropped mass uses the complement of T_s.
-        order_p = top_desc(p[lo : lo + n], min(n, smax + r_m))  # raw masses: no merged ties
-        order_err = top_desc(err, min(n, smax + r_m + r_e))
+        order_p = top_k_desc(p[lo : lo + n], min(n, smax + r_m))  # raw masses: no merged ties
+        order_err = top_k_desc(err, min(n, smax + r_m + r_e))
         # error scale for zero tests: the spread of the values or their magnitude (the
         # rounding level of mu), whichever is larger
         mnorm = 0.0
@@ -536,7 +427,7 @@ def batch_solve(
                     dm += pr[i]
             dropped[r, b] = dm
             et = forced_error_exact(pr, V, mu, top)
-            pool = candidate_pool_row(order_p, order_err, n, s, r_m, r_e)
+            pool = row_candidate_pool(order_p, order_err, n, s, r_m, r_e)
             c = pool.shape[0]
             pw = np.empty(c)
             for a in range(c):

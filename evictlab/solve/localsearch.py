@@ -55,7 +55,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from evictlab.solve.kernels import dense_mu, forced_error_exact, normalized_masses
+from evictlab.core.kernels import row_normalized, row_weighted_sum
+from evictlab.solve.kernels import forced_error_exact
 
 #: A move is applied only if it lowers e(A)^2 by more than this relative amount, so
 #: rounding noise can never make the search cycle (the same rule as the balancing selector).
@@ -665,8 +666,8 @@ def batch_localsearch(
             lo = p_off[r]
             n = p_off[r + 1] - lo
             V = values[v_start[r] : v_start[r] + n]
-            pr = normalized_masses(p, lo, n)
-            mu = dense_mu(pr, V)
+            pr = row_normalized(p[lo : lo + n])
+            mu = row_weighted_sum(pr, V)
             X, XT, g = centred_rows(pr, V, mu, xbuf, xtbuf)
             # Row cache of Gram rows: the start keys of every budget (computed up front, four
             # at a time), plus room for keys that enter by moves.

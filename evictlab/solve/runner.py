@@ -38,7 +38,7 @@ import numpy as np
 import polars as pl
 
 from evictlab.errors import CorruptFileError, InputError
-from evictlab.report.record import RunRecord, record_path
+from evictlab.record import RunRecord, record_path
 from evictlab.io import (
     atomic_write_json,
     check_output_path,
@@ -180,7 +180,7 @@ def solve_batch(batch: Any, cfg: SolveConfig, model: str | None = None) -> pl.Da
     ``(row_id, s)``. Columns: :data:`RESULT_COLUMNS` (+ :data:`LS_COLUMNS` with
     ``search == "all"``, + :data:`CERT_COLUMNS` with certify).
     """
-    from evictlab.core.kernels import single_blas_thread
+    from evictlab.core.threads import single_blas_thread
     from evictlab.solve.certify import STATUS_NAMES, batch_certify
     from evictlab.solve.kernels import batch_solve
     from evictlab.solve.localsearch import batch_localsearch

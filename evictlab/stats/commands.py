@@ -84,7 +84,7 @@ def fit(
 ) -> None:
     """Fit a calibrated logistic regression on RESULTS; report held-out AUC per s; write versioned JSON."""
     from evictlab.io import check_output_file
-    from evictlab.report.record import RunRecord, record_path
+    from evictlab.record import RunRecord, record_path
     from evictlab.stats.predictors import evaluate, fit_predictor
     from evictlab.stats.results import load_results
 
@@ -117,7 +117,7 @@ def eval_(
 ) -> None:
     """ROC AUC (bootstrap 95% CI) and Brier score of a saved predictor on other results, per model and s."""
     from evictlab.io import check_output_file, write_checked_parquet
-    from evictlab.report.record import RunRecord, record_path
+    from evictlab.record import RunRecord, record_path
     from evictlab.stats.predictors import Predictor, evaluate
     from evictlab.stats.results import load_results
 

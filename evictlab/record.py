@@ -35,7 +35,7 @@ _PACKAGES = (
 RECORD_NAME = "run_record.json"
 
 #: The pinned versions, at the top of the source tree (see README, "Install").
-CONSTRAINTS = Path(__file__).resolve().parents[2] / "constraints.txt"
+CONSTRAINTS = Path(__file__).resolve().parents[1] / "constraints.txt"
 
 
 def record_path(output: str | os.PathLike[str], *, folder: bool = False) -> Path:
@@ -51,7 +51,7 @@ def record_path(output: str | os.PathLike[str], *, folder: bool = False) -> Path
 
 def git_state(cwd: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """Current git commit and dirty flag of the evictlab checkout, or nulls outside git."""
-    cwd = cwd or Path(__file__).resolve().parents[2]
+    cwd = cwd or Path(__file__).resolve().parents[1]
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, check=True

@@ -1,0 +1,89 @@
+"""What the evaluation claims share: pairing two arms on the same examples, the pooled
+interval, the "paper vs ours" wording and the fields of a claim row.
+
+Each claim row pools every (task, context, budget) comparison of one (model, method): the
+mean difference with a 95% percentile-bootstrap interval that resamples examples (an
+example = one (task, context, index), with all its budgets), and the range of the
+per-comparison means. Our numbers are never adjusted to agree; small models sit at floors,
+so the full cache's accuracy is printed beside each (docs/evaluation.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+from evictlab.eval.compare import cluster_bootstrap_mean
+from evictlab.stats.claims import weights_for
+
+INTERVAL = ("95% percentile bootstrap, resampling examples (one task, context and index, with all its budgets); "
+            "examples paired across the two arms")
+"""How the claim rows' intervals were resampled (the ``interval`` column)."""
+
+
+def versus(lo: float, hi: float, p_lo: float, p_hi: float) -> str:
+    """Where the paper's range ``[p_lo, p_hi]`` lies relative to our interval ``[lo, hi]``."""
+    if not (np.isfinite(lo) and np.isfinite(hi)):
+        return "no data"
+    if p_hi < lo:
+        return "paper below our CI"
+    if p_lo > hi:
+        return "paper above our CI"
+    if lo <= p_lo and p_hi <= hi:
+        return "paper within our CI"
+    return "paper overlaps our CI"
+
+
+def paired(results: pl.DataFrame, on: list[str], a: pl.Expr, b: pl.Expr) -> pl.DataFrame:
+    """Rows of arm ``a`` joined with arm ``b`` on ``on`` + example (suffix ``_b``)."""
+    return results.filter(a).join(results.filter(b), on=[*on, "example"], suffix="_b", how="inner")
+
+
+def full_em(results: pl.DataFrame) -> pl.DataFrame:
+    """The full cache's exact match per (model, task, context), column ``full_em``."""
+    return (results.filter(pl.col("method") == "full").group_by(["model", "task", "context"])
+            .agg(full_em=pl.col("exact_match").mean()))
+
+
+def pooled_mean(rows: pl.DataFrame, diff: str, key: str, seed: int, n_boot: int) -> tuple[float, float, float]:
+    """Mean of ``diff`` in points with its bootstrap interval, resampling examples (one task,
+    context and index) across every comparison of ``rows``."""
+    clusters = rows.select(pl.format("{}|{}|{}", "task", "context", "example")).to_series().to_list()
+    return cluster_bootstrap_mean(rows[diff].to_numpy() * 100.0, clusters, seed=seed, key=key, n_boot=n_boot)
+
+
+def detail_table(j: pl.DataFrame, on: list[str], name: str, stats: Any, results: pl.DataFrame, seed: int,
+            n_boot: int) -> pl.DataFrame:
+    """One row per comparison (``on``): the mean of ``d`` in points as ``name`` with its
+    bootstrap interval over examples, ``stats(group)``, and the full cache's exact match."""
+    rows = []
+    for k, g in j.group_by(on, maintain_order=True):
+        v, lo, hi = cluster_bootstrap_mean(g["d"].to_numpy() * 100.0, None, seed=seed, key="|".join(map(str, k)),
+                                           n_boot=n_boot)
+        rows.append({**dict(zip(on, k)), "n": g.height, name: v, f"{name}_lo": lo, f"{name}_hi": hi, **stats(g)})
+    return pl.DataFrame(rows).join(full_em(results), on=["model", "task", "context"], how="left")
+
+
+def claim_fields(model: str, g: pl.DataFrame, detail: pl.DataFrame) -> dict[str, str]:
+    """The model, rows and budgets fields of a claim row."""
+    return {"model": f"{model} ({weights_for(model, 'weights as loaded')})",
+            "rows": f"{g.height} paired examples, {detail.height} comparison{'s' if detail.height != 1 else ''} "
+                    f"({', '.join(sorted(set(detail['task'])))})",
+            "budgets": ", ".join(dict.fromkeys(detail["budget"].to_list()))}
+
+
+def full_note(detail: pl.DataFrame) -> str:
+    """The full cache's exact match over the comparisons' (task, context): a floor is said."""
+    em = detail["full_em"].drop_nulls()
+    if em.len() == 0:
+        return "full cache exact match n/a"
+    lo, hi = float(em.min()), float(em.max())
+    note = f"full cache exact match {lo:.2f}-{hi:.2f}"
+    return note + (" (at the floor: not readable as a method effect)" if hi <= 0.1 else "")
+
+
+def points_text(v: float, lo: float, hi: float) -> str:
+    """``+v [+lo, +hi] points`` (``n/a`` without data)."""
+    return "n/a" if not np.isfinite(v) else f"{v:+.1f} [{lo:+.1f}, {hi:+.1f}] points"
