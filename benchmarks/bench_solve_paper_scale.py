@@ -16,12 +16,21 @@ Wall time is what the bar (<= 10 minutes on the 2-core machine) is about; CPU ti
 solve process and the 1-minute load average before/after are reported too, because other
 jobs on a shared machine take cores away.
 
+Where the time goes: before the timed runs a tiny solve of each mode fills Numba's cache
+(after any change to a kernel file the kernels compile again, ~50 s of CPU: a timed run
+that includes it looks twice as slow; its time is printed as "warm-up"). Each timed run's
+phases come from its run record (``phases_s``: open, checks, compile, read, solve, write,
+collect, write_out, record; ``evictlab.solve.runner.PHASES``), and the share of the solve
+phase spent in the free-weight solves is measured in this process on the first 1,024 rows
+(the kernel alone against the two free-weight solves per budget it makes).
+
     .venv/bin/python benchmarks/bench_solve_paper_scale.py --work /tmp/paper [--rows 168192] [--searches pool all]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import shutil
@@ -29,6 +38,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+BUDGETS = ["4", "8", "16", "32"]
 
 
 def _evictlab() -> str:
@@ -55,6 +66,8 @@ def main() -> None:
     print(f"synth: {time.perf_counter() - t0:.1f} s wall")
     import polars as pl
 
+    _warm_up(args.work, args.dim, args.searches)
+
     times: dict[str, tuple[float, float]] = {}
     for search in args.searches:
         out = args.work / f"results-{search}.parquet"
@@ -63,7 +76,7 @@ def main() -> None:
         parts = out.with_name(out.name + ".parts")
         if parts.exists():
             shutil.rmtree(parts)
-        cmd = [_evictlab(), "solve", str(rows_dir), "--budgets", "4", "8", "16", "32", "--out", str(out),
+        cmd = [_evictlab(), "solve", str(rows_dir), "--budgets", *BUDGETS, "--out", str(out),
                "--search", search]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
@@ -86,10 +99,73 @@ def main() -> None:
                      (pl.col("es_ls") < pl.col("es_hat")).mean().alias("pool_misses"),
                      pl.col("ls_moves").mean()]
         print(df.group_by("s").agg(*aggs).sort("s"))
+        _print_phases(out, wall)
     if "pool" in times and "all" in times:
         (wp, cp), (wa, ca) = times["pool"], times["all"]
         print(f"ratio all / pool: wall {wa / wp:.2f}x, CPU {ca / cp:.2f}x "
               f"(all-key search alone: {wa - wp:.1f} s wall, {ca - cp:.1f} s CPU)")
+    _free_weight_share(rows_dir)
+
+
+def _warm_up(work: Path, dim: int, searches: list[str]) -> None:
+    """Fill Numba's cache with a tiny solve of each mode (the kernels compile here, not in a
+    timed run, after a change to a kernel file); print how long it took."""
+    tiny = work / "warmup-rows"
+    subprocess.run([_evictlab(), "rows", "synth", "--rows", "64", "--keys", "64", "--dim", str(dim), "--seed", "0",
+                    "--spread", "0", "--out", str(tiny)], check=True, capture_output=True)
+    for search in searches:
+        out = work / f"warmup-{search}.parquet"
+        t0 = time.perf_counter()
+        subprocess.run([_evictlab(), "solve", str(tiny), "--budgets", *BUDGETS, "--out", str(out), "--overwrite",
+                        "--restart", "--search", search], check=True, capture_output=True)
+        phases = json.loads(out.with_name(out.stem + ".run_record.json").read_text())["phases_s"]
+        print(f"warm-up --search {search}: {time.perf_counter() - t0:.1f} s wall, of which compile or cache load "
+              f"{phases['compile']:.1f} s (about 50 s when a kernel file changed since the last run)")
+
+
+def _print_phases(out: Path, wall: float) -> None:
+    """The run record's seconds per phase, with each phase's share of the solve's own time."""
+    phases = json.loads(out.with_name(out.stem + ".run_record.json").read_text())["phases_s"]
+    inside = sum(v for v in phases.values() if v is not None)
+    print(f"  where the time went ({inside:.1f} s inside the solve; {wall - inside:.1f} s starting the process "
+          "and importing):")
+    from evictlab.solve.runner import PHASES
+
+    for name in PHASES:
+        sec = phases.get(name)
+        if sec is not None:
+            print(f"    {name:<10} {sec:8.1f} s  {100 * sec / inside:5.1f}%")
+
+
+def _free_weight_share(rows_dir: Path, rows: int = 1024) -> None:
+    """The share of the solve kernel's time spent in its free-weight solves, on the first
+    ``rows`` rows, in this process: ``batch_solve`` against ``batch_free_weight_error`` on
+    the same kept sets (T_s and the argmin, the two free-weight solves per budget)."""
+    import numpy as np
+
+    from evictlab.core.kernels import batch_free_weight_error
+    from evictlab.core.threads import single_blas_thread
+    from evictlab.rows.reader import RowStore
+    from evictlab.solve.kernels import batch_solve
+
+    b = next(RowStore.open(rows_dir).iter_batches(rows))
+    bud = np.asarray([int(x) for x in BUDGETS], dtype=np.int64)
+    with single_blas_thread():
+        batch_solve(b.p, b.p_off, b.values, b.v_start, bud[:1], 2, 2, 64)  # compiled / loaded, not timed
+        t0 = time.perf_counter()
+        res = batch_solve(b.p, b.p_off, b.values, b.v_start, bud, 2, 2, 64)
+        t_solve = time.perf_counter() - t0
+        kept_top, kept_opt = res[4], res[5]
+        batch_free_weight_error(b.p, b.p_off, b.values, b.v_start,  # compiled / loaded, not timed
+                                np.ascontiguousarray(kept_top[:, 0, :4]))
+        t0 = time.perf_counter()
+        for j, s in enumerate(bud):
+            for kept in (kept_top, kept_opt):
+                batch_free_weight_error(b.p, b.p_off, b.values, b.v_start, np.ascontiguousarray(kept[:, j, :s]))
+        t_free = time.perf_counter() - t0
+    print(f"free-weight solves: {t_free:.2f} s of the kernel's {t_solve:.2f} s on {b.n_rows} rows "
+          f"(~{100 * min(t_free / t_solve, 1):.0f}% of the solve phase; an upper bound: the kernel skips the second "
+          "solve where the argmin is T_s)")
 
 
 if __name__ == "__main__":

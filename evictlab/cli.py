@@ -113,7 +113,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def run(argv: Sequence[str] | None = None) -> int:
     """Run ``evictlab ARGV`` and return its exit code; usage errors and signals never raise."""
+    from evictlab.cliutil import written_outputs
+
     args = list(sys.argv[1:] if argv is None else argv)
+    written_outputs(reset=True)
     with _SignalsAsInterrupt() as signals:
         try:
             code = _invoke(args)
@@ -289,6 +292,13 @@ def _caused_by_interrupt(exc: BaseException) -> bool:
 
 
 def _interrupted(signum: int | None) -> int:
+    from evictlab.cliutil import written_outputs
+
+    done = written_outputs()
+    if done:  # the command's outputs were complete before the signal: the run succeeded
+        typer.echo(f"note: interrupted after the outputs were complete ({', '.join(done)}); nothing to rerun",
+                   err=True)
+        return 0
     typer.echo(INTERRUPTED_LINE, err=True)
     return EXIT_TERMINATED if signum == signal.SIGTERM else EXIT_INTERRUPTED
 

@@ -5,6 +5,9 @@
   name (``os.replace`` is atomic on POSIX within one filesystem).
 * Reads of our own files (:func:`read_json`, :func:`read_parquet`, :func:`load_npz`) turn
   any decoding failure into one :class:`~evictlab.errors.CorruptFileError` naming the file.
+* Parquet files evictlab writes and reads back (part files, results tables, traces) carry
+  their own checksum (:func:`write_checked_parquet`, :func:`read_checked_parquet`,
+  :func:`check_parquet`): a damaged file is named in one line, never read as if intact.
 * :func:`check_output_path` applies the one rule for outputs (the parent folder must exist;
   a file is not a directory), and :func:`exclusive_lock` refuses a second writer at once.
 """
@@ -15,11 +18,14 @@ import contextlib
 import hashlib
 import json
 import os
+import re
+import struct
+import sys
 import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Literal
 
 from evictlab.errors import CorruptFileError, EvictlabError, InputError
 
@@ -170,6 +176,144 @@ def load_npz(path: str | os.PathLike[str], fix: str) -> dict[str, Any]:
             return {name: z[name] for name in z.files}
 
 
+# --------------------------------------------------------------------------------------
+# Checksummed Parquet: the SHA-256 of the file's own bytes, stored in its footer
+# --------------------------------------------------------------------------------------
+
+#: Key of the file-level key-value metadata entry holding a checked Parquet file's digest.
+PARQUET_DIGEST_KEY = "evictlab.sha256"
+_PLACEHOLDER = b"0" * 64
+# The entry as the footer (Thrift compact protocol) stores it: a binary field of 15 bytes
+# (the key), then a binary field of 64 bytes (the hex digest).
+_DIGEST_HEAD = b"\x18\x0f" + PARQUET_DIGEST_KEY.encode() + b"\x18\x40"
+_DIGEST_FIELD = re.compile(re.escape(_DIGEST_HEAD))
+# The same 19 bytes with any one byte changed: what a single flipped bit leaves of the
+# entry's head, so a damaged entry never reads as a file that has none.
+_DIGEST_NEAR = re.compile(b"|".join(re.escape(_DIGEST_HEAD[:i]) + b"." + re.escape(_DIGEST_HEAD[i + 1:])
+                                    for i in range(len(_DIGEST_HEAD))), re.DOTALL)
+_TAIL_MARGIN = 1 << 16  # bytes searched before the footer, in case its length field is damaged
+
+#: What :func:`read_checked_parquet` does with a file that carries no digest (written by an
+#: evictlab older than the checksums): read it with a one-line warning, or refuse it.
+Legacy = Literal["warn", "refuse"]
+
+
+def write_checked_parquet(df: Any, dest: str | os.PathLike[str], **write_options: Any) -> str:
+    """Write the polars frame ``df`` as Parquet at ``dest`` (atomically) with its checksum;
+    return the checksum (hex SHA-256).
+
+    The checksum is the SHA-256 of the whole file with the 64 bytes of the checksum itself
+    read as ASCII zeros; it is stored in the file's own footer, in the key-value metadata
+    entry :data:`PARQUET_DIGEST_KEY`. A whole-file digest covers every byte: each data
+    page and page header, the schema and statistics in the footer, the footer length and
+    the magic bytes, so any single flipped bit is detected (a page CRC would cover the
+    pages only, a digest of the decoded table would miss footer bytes such as statistics
+    that do not change the decoded values). Same frame, same options: same bytes.
+    """
+    dest = Path(dest)
+    with atomic_path(dest, suffix=".parquet") as tmp:
+        df.write_parquet(tmp, metadata={PARQUET_DIGEST_KEY: _PLACEHOLDER.decode()}, **write_options)
+        at = _digest_offset(tmp)
+        if at is None:  # polars' (experimental) metadata argument stopped storing the entry
+            raise RuntimeError(f"polars did not store the {PARQUET_DIGEST_KEY} metadata entry in {dest}")
+        digest = _masked_sha256(tmp, at)
+        with open(tmp, "r+b") as fh:
+            fh.seek(at)
+            fh.write(digest.encode())
+    return digest
+
+
+def _digest_offset(path: Path) -> int | None:
+    """File offset of the 64 checksum bytes of a checked Parquet file; None if the file has
+    no checksum entry; :class:`CorruptFileError` if it is not a complete Parquet file or its
+    entry is damaged (part of it is there, the whole is not)."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        if size < 12:
+            raise CorruptFileError(str(path), f"is not a complete Parquet file ({size} bytes)", "")
+        fh.seek(size - 8)
+        tail8 = fh.read(8)
+        footer_len = struct.unpack("<i", tail8[:4])[0]
+        if tail8[4:] != b"PAR1" or not 0 < footer_len <= size - 12:
+            raise CorruptFileError(str(path), "is not a complete Parquet file (bad footer)", "")
+        start = max(0, size - 8 - footer_len - _TAIL_MARGIN)
+        fh.seek(start)
+        tail = fh.read(size - start)
+    hits = [m.end() for m in _DIGEST_FIELD.finditer(tail)]
+    if len(hits) == 1 and hits[0] + 64 <= len(tail) - 8:
+        return start + hits[0]
+    if hits or _DIGEST_NEAR.search(tail):
+        raise CorruptFileError(str(path), "has a damaged checksum entry in its footer", "")
+    return None
+
+
+def _masked_sha256(path: Path, at: int, chunk: int = 1 << 20) -> str:
+    """SHA-256 of the file at ``path`` with bytes ``[at, at + 64)`` read as ASCII zeros."""
+    h = hashlib.sha256()
+    pos = 0
+    with open(path, "rb") as fh:
+        while True:
+            block = fh.read(chunk)
+            if not block:
+                break
+            lo, hi = max(at - pos, 0), min(at + 64 - pos, len(block))
+            if lo < hi:
+                block = block[:lo] + _PLACEHOLDER[lo + pos - at:hi + pos - at] + block[hi:]
+            h.update(block)
+            pos += len(block)
+    return h.hexdigest()
+
+
+def check_parquet(path: str | os.PathLike[str], fix: str) -> bool:
+    """Verify the checksum of a Parquet file written by :func:`write_checked_parquet`.
+
+    True: intact. False: the file carries no checksum (written by an evictlab older than
+    the checksums; see :func:`read_checked_parquet`). :class:`CorruptFileError` naming
+    ``path`` and ``fix``: missing, not a complete Parquet file, or any byte changed since
+    it was written.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CorruptFileError(str(path), "is missing", fix)
+    try:
+        at = _digest_offset(path)
+    except CorruptFileError as exc:
+        raise CorruptFileError(str(path), exc.problem, fix) from None
+    if at is None:
+        return False
+    with open(path, "rb") as fh:
+        fh.seek(at)
+        stored = fh.read(64)
+    if _masked_sha256(path, at).encode() != stored:
+        raise CorruptFileError(str(path), "fails its checksum (damaged or changed after it was written)", fix)
+    return True
+
+
+def warn(line: str) -> None:
+    """Print a one-line warning on stderr (the default ``notify`` of the checked readers)."""
+    print(f"warning: {line}", file=sys.stderr, flush=True)
+
+
+def read_checked_parquet(path: str | os.PathLike[str], fix: str, *, legacy: Legacy = "warn",
+                         notify: Callable[[str], None] | None = None) -> Any:
+    """Read a Parquet file written by :func:`write_checked_parquet` into a polars frame,
+    after verifying its checksum (:func:`check_parquet`); any failure is a
+    :class:`CorruptFileError` naming ``path`` and ``fix``.
+
+    A file without a checksum (an older evictlab wrote it): ``legacy="warn"`` reads it,
+    unverified, after one warning line (``notify``, default :func:`warn` on stderr);
+    ``legacy="refuse"`` refuses it (resumable part files: the caller recomputes them).
+    """
+    path = Path(path)
+    if not check_parquet(path, fix):
+        if legacy == "refuse":
+            raise CorruptFileError(str(path), "carries no checksum (written by an older evictlab), so it cannot "
+                                   "be verified", fix)
+        (notify or warn)(f"{path} carries no checksum (written by an older evictlab); it is read unverified. "
+                         f"To check it, {fix}")
+    return read_parquet(path, fix)
+
+
 def check_sha256(path: str | os.PathLike[str], expected: str, fix: str) -> None:
     """Raise :class:`CorruptFileError` unless ``path`` exists and has SHA-256 ``expected``."""
     path = Path(path)
@@ -200,6 +344,22 @@ def check_output_path(path: str | os.PathLike[str], option: str, *, directory: b
         raise InputError(option, f"{path} is a directory, not a file",
                          f"pass a file path for {option}, e.g. {path / 'results.parquet'}")
     return path
+
+
+#: Bytes a generator may write unless ``--max-gib`` raises it (``rows synth``, ``capture``,
+#: ``rows export``): 4 GiB, about ten times the paper-scale dataset.
+DEFAULT_MAX_GIB = 4.0
+
+
+def check_output_size(need: int, max_gib: float, what: str, fix: str, option: str = "--max-gib") -> None:
+    """Refuse, before any work, an output estimated at ``need`` bytes above ``max_gib`` GiB
+    (:class:`InputError` on ``option``; ``what`` names the output, ``fix`` what to change);
+    also refuse a ``max_gib`` that is not positive."""
+    if not max_gib > 0:
+        raise InputError("--max-gib", f"must be > 0, got {max_gib}", "pass e.g. --max-gib 4")
+    if need > max_gib * 2**30:
+        raise InputError(option, f"{what} would take about {need / 2**30:,.1f} GiB, above the --max-gib limit of "
+                         f"{max_gib:g} GiB", fix)
 
 
 def check_parent(path: str | os.PathLike[str], option: str) -> Path:

@@ -17,7 +17,8 @@ import polars as pl
 
 import _common
 
-from evictlab.eval.spec import GridSpec, LoopSettings, parse_list
+from evictlab.cliutil import parse_list
+from evictlab.eval.spec import GridSpec, LoopSettings
 
 
 def parser(description: str, defaults: dict[str, Any]) -> argparse.ArgumentParser:
@@ -42,10 +43,13 @@ def run(args: argparse.Namespace) -> pl.DataFrame:
     from evictlab.eval.grid import RESULTS, run_grid
 
     torch.set_num_threads(args.threads)
-    spec = GridSpec.build(models=parse_list(args.models), tasks=parse_list(args.tasks),
-                          contexts=parse_list(args.contexts), methods=parse_list(args.methods),
-                          budgets=parse_list(args.budgets), modes=parse_list(args.modes),
-                          protocols=parse_list(args.protocols), n=args.n, seed=args.seed,
+    spec = GridSpec.build(models=parse_list(args.models, "--models", "model"),
+                          tasks=parse_list(args.tasks, "--tasks", "task"),
+                          contexts=parse_list(args.contexts, "--contexts", "context length"),
+                          methods=parse_list(args.methods, "--methods", "method"),
+                          budgets=parse_list(args.budgets, "--budgets", "budget"),
+                          modes=parse_list(args.modes, "--modes", "mode"),
+                          protocols=parse_list(args.protocols, "--protocols", "protocol"), n=args.n, seed=args.seed,
                           loop=LoopSettings(chunk_size=args.chunk))
     args.grid.parent.mkdir(parents=True, exist_ok=True)
     bar: Any = None

@@ -46,7 +46,7 @@ def _one(args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> int:
     from evictlab.eval.claims.contour import contourkv_versus
     from evictlab.eval.grid import RESULTS
-    from evictlab.eval.spec import parse_list
+    from evictlab.cliutil import parse_list
     from evictlab.plots.evaluation import accuracy_vs_bytes
     from evictlab.report import markdown as md
     from evictlab.record import RunRecord
@@ -58,10 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     record = RunRecord(kind="paper-repro-contourkv", seed=args.seed, config=_common.config(args))
     jobs = []
-    for model in parse_list(args.models):
+    for model in parse_list(args.models, "--models", "model"):
         name = re.sub(r"[^A-Za-z0-9.+=-]+", "_", Path(model).name or model)  # a registry name or a model folder
         jobs.append(argparse.Namespace(**{**vars(args), "models": model, "grid": args.grid / name}))
-        if parse_list(args.masked_methods):
+        if parse_list(args.masked_methods or None, "--masked-methods", "method"):
             jobs.append(argparse.Namespace(**{**vars(args), "models": model, "grid": args.grid / f"{name}-masked",
                                               "methods": args.masked_methods, "modes": "masked"}))
     if args.jobs > 1:

@@ -48,10 +48,13 @@ LOCAL = "trimkv+global[local]"
 def _grid(args: argparse.Namespace, methods: list[str], modes: list[str], gates: Path | None,
           out: Path) -> pl.DataFrame:
     from evictlab.eval.grid import RESULTS, run_grid
-    from evictlab.eval.spec import GridSpec, LoopSettings, parse_list
+    from evictlab.cliutil import parse_list
+    from evictlab.eval.spec import GridSpec, LoopSettings
 
-    spec = GridSpec.build(models=parse_list(args.models), tasks=parse_list(args.tasks),
-                          contexts=parse_list(args.contexts), methods=methods, budgets=parse_list(args.budgets),
+    spec = GridSpec.build(models=parse_list(args.models, "--models", "model"),
+                          tasks=parse_list(args.tasks, "--tasks", "task"),
+                          contexts=parse_list(args.contexts, "--contexts", "context length"), methods=methods,
+                          budgets=parse_list(args.budgets, "--budgets", "budget"),
                           modes=modes, protocols=["query-agnostic"], n=args.n, seed=args.seed,
                           loop=LoopSettings(chunk_size=args.chunk),
                           scorer_params={"trimkv.gates": str(gates)} if gates is not None else None)

@@ -64,6 +64,49 @@ def test_contour_fit_writes_a_profile_and_refuses_bad_input(synth_rows: Path, tm
     assert not (tmp_path / "d.json").exists()
 
 
+def test_contour_fit_interrupted_exit_matches_what_happened(synth_rows: Path, tmp_path: Path, capsys,
+                                                            monkeypatch) -> None:
+    """Issue 28, item 4: a Ctrl-C after the profile was written (while the summary prints)
+    used to print "wrote", then "interrupted", exit 130, and the rerun was refused. Now a
+    finished write is success (exit 0, one note), and an interrupt before it is a clean 130
+    that leaves no --out, so the same command runs again."""
+    import rich.console
+
+    from evictlab.contour.profile import ContourProfile
+
+    out = tmp_path / "c.json"
+
+    def ctrl_c(*a, **k):  # noqa: ANN002, ANN003
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(ContourProfile, "save", ctrl_c)  # before the profile is written
+        rc, err = _run(["contour", "fit", str(synth_rows), "--out", str(out)], capsys, monkeypatch)
+    assert rc == 130 and "interrupted; rerun the same command to resume" in err and not out.exists()
+    with monkeypatch.context() as m:
+        m.setattr(rich.console.Console, "print", ctrl_c)  # after: while the summary table prints
+        rc, err = _run(["contour", "fit", str(synth_rows), "--out", str(out)], capsys, monkeypatch)
+    assert rc == 0 and out.is_file() and record_path(out).is_file(), err
+    assert "interrupted; rerun" not in err and f"interrupted after the outputs were complete ({out})" in err
+    assert json.loads(out.read_text())["format"] == "evictlab.contour"
+
+
+def test_demo_refuses_a_bogus_model_name_before_any_work(tmp_path: Path, capsys, monkeypatch) -> None:
+    """Issue 28, item 4: `demo --second-model bogus` used to capture and solve for ~90 s first."""
+    import evictlab.pipeline.command as command
+
+    def no_work(*a, **k):  # noqa: ANN002, ANN003
+        raise AssertionError("a stage ran before the model names were checked")
+
+    monkeypatch.setattr(command, "rows_and_results", no_work)
+    monkeypatch.setattr(command, "contour_start", no_work)
+    for argv, field in ((["--second-model", "bogus"], "--second-model"), (["--model", "bogus"], "--model")):
+        rc, err = _run(["demo", "--runs", str(tmp_path), *argv], capsys, monkeypatch)
+        assert rc == 2 and "interrupted" not in err
+        _one_error(err, field)
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("tiny") / "olmo2"

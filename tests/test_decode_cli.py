@@ -103,7 +103,7 @@ def test_real_entry_point_subprocess(tmp_path: Path) -> None:
     res = _subprocess("decode", "--method", "bogus", "--out", "d.json", cwd=tmp_path)
     assert res.returncode == 2
     _assert_one_line_naming(res.stderr, "--method", "decode")
-    res = _subprocess("audit", "--methods", "", "--task", "bogus", "--out", "a.parquet", cwd=tmp_path)
+    res = _subprocess("audit", "--methods", "snapkv", "--task", "bogus", "--out", "a.parquet", cwd=tmp_path)
     assert res.returncode == 2
     _assert_one_line_naming(res.stderr, "--task", "audit")
     assert not (tmp_path / "a.parquet").exists() and not (tmp_path / "d.json").exists()

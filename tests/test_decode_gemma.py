@@ -113,9 +113,9 @@ def test_full_mode_and_bytes_full_cache_count_the_window(setup) -> None:
     model, ctx, q, a, ref = setup
     full = run_sequence(model, ctx, q, _cfg(mode="full"), answer_ids=a)
     torch.testing.assert_close(full.logits, ref, rtol=1e-4, atol=1e-4)
-    total = N_CTX + N_Q + N_A
-    # Full layer: every entry; sliding layer: window - 1 (what a stock sliding cache holds).
-    assert full.bytes_full_cache == kv_bytes((total + W - 1) * 2 * 2, 16, torch.float32)
+    fed = N_CTX + N_Q + N_A - 1  # the last answer token is never fed
+    # Full layer: every entry fed; sliding layer: window - 1 (what a stock sliding cache holds).
+    assert full.bytes_full_cache == kv_bytes((fed + W - 1) * 2 * 2, 16, torch.float32)
 
 
 @pytest.mark.parametrize("scorer,allocator", [("snapkv", "uniform"), ("h2o", "adakv"), ("expected_attention", "uniform"),

@@ -127,7 +127,8 @@ def test_budget_above_the_full_cache_allocates_no_more_than_it(setup, budget: Bu
     out = run_sequence(model, ctx, q, _cfg(budget=budget), answer_ids=a)
     assert out.compressions == 0
     torch.testing.assert_close(out.logits, full.logits, rtol=1e-4, atol=1e-4)
-    full_tokens = (200 + 6 + 20) * 2 * 2  # per sequence: every token in each of 2 layers x 2 KV heads
+    # per sequence: every token fed (all but the last answer token) in each of 2 layers x 2 KV heads
+    full_tokens = (200 + 6 + 20 - 1) * 2 * 2
     assert out.budget_effective_tokens == full_tokens < out.budget_tokens
     per_entry = kv_bytes(1, 16, torch.float32)
     assert out.bytes_full_cache == 2 * full_tokens * per_entry

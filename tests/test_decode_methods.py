@@ -38,25 +38,33 @@ def real():
 
 
 @pytest.fixture(scope="module")
+def labels(real):
+    """The example's labels, as the commands pass them (``DecodeConfig.with_labels``: only
+    ``oracle_labels`` reads them, and it has no default)."""
+    return task_examples(real[1], ["needle"], 1, 128, seed=0)[0].useful
+
+
+@pytest.fixture(scope="module")
 def untrained_gates(real, tmp_path_factory: pytest.TempPathFactory):
     """Seeded, untrained gates for the real model (trimkv needs a gates folder; training
     them is `evictlab gates train`, far too slow for a test)."""
-    from evictlab.gates.files import save_gates
+    from evictlab.gates.files import geometry_meta, save_gates
     from evictlab.gates.modules import GateSpec, RetentionGates
 
     folder = tmp_path_factory.mktemp("gates")
-    save_gates(folder, RetentionGates(GateSpec.for_model(real[0]), seed=0), {"model": "smollm2-135m"})
+    save_gates(folder, RetentionGates(GateSpec.for_model(real[0]), seed=0),
+               {"model": "smollm2-135m", "geometry": geometry_meta(real[0])})
     return folder
 
 
 @pytest.mark.parametrize(("scorer", "allocator"), GRID)
-def test_method_runs_physically_within_budget(real, untrained_gates, scorer: str, allocator: str) -> None:
+def test_method_runs_physically_within_budget(real, untrained_gates, labels, scorer: str, allocator: str) -> None:
     model, tok, ctx, q, a, full = real
     params = {"predictor": str(example_predictor())} if allocator == "contourkv_pred" else {}
     sparams = {"gates": str(untrained_gates)} if scorer == "trimkv" else {}
     cfg = DecodeConfig.of(mode="physical", budget=Budget("tokens_per_cell", PER_CELL), scorer=scorer,
                        allocator=allocator, allocator_params=params, chunk_size=64, compress_every=2, window=16,
-                       sinks=4, recent=8, scorer_params=sparams)
+                       sinks=4, recent=8, scorer_params=sparams).with_labels(labels)
     out = run_sequence(model, ctx, q, cfg, answer_ids=a, tokenizer=tok)
     geo = model_geometry(model)
     n_layers, hk, d, dtype = geo.n_layers, geo.kv_heads, geo.head_dim, geo.dtype
@@ -97,14 +105,14 @@ def _kept(monkeypatch, run):  # noqa: ANN001, ANN202
 
 
 @pytest.mark.parametrize("scorer", sorted(REGISTRY))
-def test_ragged_attention_keeps_what_eager_attention_keeps(real, eager_model, untrained_gates, monkeypatch,
+def test_ragged_attention_keeps_what_eager_attention_keeps(real, eager_model, untrained_gates, labels, monkeypatch,
                                                           scorer: str) -> None:
     """Switching the loop from eager attention to ragged sdpa changes no kept set, at any
     compression (prefill chunks, decode), and the logits only by float rounding."""
     model, tok, ctx, q, a, _ = real
     cfg = DecodeConfig.of(mode="physical", budget=Budget("tokens_per_cell", PER_CELL), scorer=scorer,
                        chunk_size=64, compress_every=2, window=16, sinks=4, recent=8,
-                       scorer_params={"gates": str(untrained_gates)} if scorer == "trimkv" else {})
+                       scorer_params={"gates": str(untrained_gates)} if scorer == "trimkv" else {}).with_labels(labels)
     ragged, ragged_keep = _kept(monkeypatch, lambda: run_sequence(model, ctx, q, cfg, answer_ids=a, tokenizer=tok))
     eager, eager_keep = _kept(monkeypatch, lambda: run_sequence(eager_model, ctx, q, cfg, answer_ids=a, tokenizer=tok))
     assert len(eager_keep) >= 2 * model_geometry(model).n_layers and ragged_keep == eager_keep

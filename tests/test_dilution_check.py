@@ -265,3 +265,57 @@ def test_ctrl_c_is_one_line_and_a_rerun_finishes(rows, tmp_path: Path, capsys, m
     assert "1 already done" in stdout and "violations where the assumptions hold: 0" in stdout
     assert out.is_file()
 
+
+
+@pytest.mark.parametrize("killed_at", ["table", "record"])
+def test_killed_while_writing_the_outputs_the_rerun_finishes(rows, tmp_path: Path, capsys, monkeypatch,
+                                                             killed_at: str) -> None:
+    """Issue 28, item 3: a run killed during its final writes (after the table, before the run
+    record) used to leave the tables, no report or record, and a .parts/ folder, and the rerun
+    said "--out already exists". Now the parts stay until the record is written, and the rerun
+    finishes from them: every output written, the parts folder gone."""
+    import evictlab.io as io_mod
+    from evictlab.record import RunRecord
+
+    out = tmp_path / "t.parquet"
+    argv = ["dilution", "check", str(rows["query-agnostic"]), "--out", str(out), "--budgets", "24",
+            "--methods", "top_mass", "--chunk-blocks", "1", "--quiet"]
+    real_write, real_record = io_mod.write_checked_parquet, RunRecord.write
+
+    def kill_on_table(df, dest, **kw):  # noqa: ANN001, ANN003
+        if Path(dest) == out:
+            raise KeyboardInterrupt
+        return real_write(df, dest, **kw)
+
+    def kill_on_record(self, path, **kw):  # noqa: ANN001, ANN003
+        raise KeyboardInterrupt
+
+    if killed_at == "table":
+        monkeypatch.setattr(io_mod, "write_checked_parquet", kill_on_table)
+    else:
+        monkeypatch.setattr(RunRecord, "write", kill_on_record)
+    code, _, err = run_cli(argv, capsys, monkeypatch)
+    assert code == 130 and "rerun the same command to resume" in err
+    assert (tmp_path / "t.parquet.parts").is_dir() and not (tmp_path / "t.run_record.json").exists()
+    monkeypatch.setattr(io_mod, "write_checked_parquet", real_write)
+    monkeypatch.setattr(RunRecord, "write", real_record)
+    code, stdout, err = run_cli(argv, capsys, monkeypatch)
+    assert code == 0, err
+    for name in ("t.parquet", "t.heads.parquet", "t.bounds.parquet", "t.md", "t.run_record.json"):
+        assert (tmp_path / name).is_file(), name
+    assert (tmp_path / "t.figures").is_dir() and not (tmp_path / "t.parquet.parts").exists()
+    # and a finished check is refused again without --overwrite
+    code, _, err = run_cli(argv, capsys, monkeypatch)
+    assert code == 2 and "--overwrite" in _one_error_line(err)
+
+
+def test_budgets_no_row_can_use_are_refused(rows, tmp_path: Path, capsys, monkeypatch) -> None:
+    """Issue 28, item 7: `--budgets 5000` on rows of at most ~90 keys used to exit 0 with
+    empty tables; it is refused, as `solve` refuses s > n."""
+    n_max = int(RowStore.open(rows["query-agnostic"]).meta["n"].max())
+    out = tmp_path / "t.parquet"
+    code, _, err = run_cli(["dilution", "check", str(rows["query-agnostic"]), "--out", str(out), "--budgets",
+                            f"24,{n_max}", "--methods", "top_mass"], capsys, monkeypatch)
+    line = _one_error_line(err)
+    assert code == 2 and line.startswith(f"error: --budgets: budget {n_max} is not below any row's key count")
+    assert f"use budgets below {n_max}" in line and not out.exists() and not (tmp_path / "t.parquet.parts").exists()

@@ -305,3 +305,18 @@ def test_a_second_sweep_on_the_same_folder_is_refused_at_once(tmp_path: Path) ->
     finally:
         release.set()
         t.join(60)
+
+
+def test_a_refused_sweep_leaves_nothing_that_blocks_the_corrected_one(llama, tmp_path: Path) -> None:
+    """Issue 28, item 6: `dilution sweep --budget 4 --out D` (below the always-kept floor) used
+    to leave D/results.parts, so the corrected command was refused as "other settings"."""
+    from dataclasses import replace
+
+    cfg = replace(CFG, distractors=(0,), n=1, methods=("full", "streaming_llm"))
+    out = tmp_path / "s"
+    with pytest.raises(InputError) as e:
+        run_sweep(replace(cfg, budget="4"), out, progress=False, model=llama, tokenizer=TOK)
+    assert e.value.field == "--budget" and "always-kept" in e.value.problem
+    assert not (out / "results.parts").exists() and [p.name for p in out.iterdir()] == []
+    s = run_sweep(cfg, out, progress=False, model=llama, tokenizer=TOK)
+    assert s.units == 2 and (out / "results.parquet").is_file()

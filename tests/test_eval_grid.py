@@ -405,7 +405,7 @@ def test_short_real_model_grid(tmp_path: Path) -> None:
     ev = res.filter(pl.col("method") != "full").sort(["protocol", "mode"])
     assert ev.height == 4
     assert (ev["bytes_full"] == 30 * 3 * 2 * 64 * 4 * (ev["context_tokens"] + ev["question_tokens"]
-                                                       + ev["answer_tokens"])).all()
+                                                       + ev["answer_tokens"] - 1)).all()  # the last is never fed
     for protocol in ("query-agnostic", "query-aware"):
         p = ev.filter(pl.col("protocol") == protocol)
         assert abs(p["answer_logprob"][0] - p["answer_logprob"][1]) < 1e-3
@@ -441,3 +441,28 @@ def test_paper_repro_grid_scripts_publish_claim_rows(tmp_path: Path, tiny: Path,
     # rerun: the finished grid is only read and the rows are replaced, not duplicated
     assert enf.main([*common, "--tasks", "needle", "--methods", "snapkv+adakv", "--grid", str(tmp_path / "ge")]) == 0
     assert len(json.loads((tmp_path / "out" / "claims.json").read_text())) == len(rows)
+
+
+def test_a_refused_grid_leaves_nothing_that_blocks_the_corrected_one(tiny: Path, tmp_path: Path, capsys,
+                                                                      monkeypatch) -> None:
+    """Issue 28, item 6: a ContourKV profile of another model's geometry used to be refused
+    only after D/grid.json was written, so the corrected command was refused as "a different
+    grid". Now the allocator is checked against the model before anything is written."""
+    from evictlab.contour.fit import fit_profile
+    from evictlab.rows.synth import SynthConfig, synthesize
+
+    synthesize(tmp_path / "syn", SynthConfig(rows=50, keys=32, dim=8, seed=0))
+    profile = tmp_path / "other.json"
+    fit_profile(tmp_path / "syn").save(profile)  # fitted on a 1-layer, 1-head "model"
+    out = tmp_path / "D"
+    base = ["eval", "run", "--models", str(tiny), "--context", "160", "--n", "1", "--budgets", "24", "--quiet",
+            "--out", str(out)]
+    code, err = _main([*base, "--methods", "snapkv+contourkv", "--allocator-param", f"profile={profile}"],
+                      capsys, monkeypatch)
+    assert code == 2, err
+    _one_line(err, "--allocator-param", ["eval", "run"])
+    assert "another model geometry" in err
+    assert not out.exists() or not any(p.name == MANIFEST for p in out.iterdir())
+    code, err = _main([*base, "--methods", "snapkv"], capsys, monkeypatch)
+    assert code == 0, err
+    assert (out / RESULTS).is_file()

@@ -70,7 +70,10 @@ def group_mean(x: np.ndarray) -> np.ndarray:
 def test_registry_complete_and_protocol() -> None:
     assert set(REGISTRY) == {"streaming_llm", "h2o", "snapkv", "expected_attention", "kvzip", "compactor", "oracle",
                              "oracle_labels", "trimkv"}
-    assert scorers_on_tensors() == sorted(set(REGISTRY) - {"trimkv"})  # trimkv needs a model's gates
+    # trimkv needs a model's gates, oracle_labels a task's labels
+    assert scorers_on_tensors() == sorted(set(REGISTRY) - {"trimkv", "oracle_labels"})
+    with pytest.raises(InputError, match="oracle_labels has no labels"):
+        REGISTRY["oracle_labels"]().score(make_inputs())
     with pytest.raises(InputError, match="trimkv needs trained gates"):
         REGISTRY["trimkv"]()
     for name in scorers_on_tensors():

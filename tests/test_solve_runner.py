@@ -146,3 +146,16 @@ def test_zero_error_rows_are_flagged_not_dropped() -> None:
     nz = df.filter(~pl.col("e_top_zero"))
     assert nz["gap_closed"].null_count() == 0
     assert df["kept_pos"].to_list()[0] == df["kept"].to_list()[0]  # key_index = local index here
+
+
+def test_the_run_records_where_the_time_went(rows: Path, tmp_path: Path) -> None:
+    """Issue 28, item 12: every phase of a local solve is timed into the summary and the run
+    record (the paper-scale benchmark prints them), so a slowdown names its phase."""
+    from evictlab.solve.runner import PHASES
+
+    out = tmp_path / "t.parquet"
+    s = solve_rows(rows, out, SolveConfig(budgets=(2, 5), chunk_rows=20), progress=False)
+    assert list(s.extra["phases_s"]) == list(PHASES) and all(v >= 0 for v in s.extra["phases_s"].values())
+    assert s.extra["phases_s"]["solve"] > 0 and s.extra["phases_s"]["compile"] > 0
+    rec = json.loads(record_path(out).read_text())["phases_s"]
+    assert set(rec) == set(PHASES) - {"record"}  # (the record is written with sorted keys)

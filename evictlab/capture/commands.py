@@ -13,6 +13,7 @@ from typing import Optional
 import typer
 
 from evictlab.executor.commands import EXECUTOR_OPTIONS
+from evictlab.io import DEFAULT_MAX_GIB
 
 
 def capture(
@@ -38,6 +39,8 @@ def capture(
                               "e.g. text windows); 0 = auto: 8 on CUDA, 1 on CPU."),
     out: Path = typer.Option(..., "--out", help="Row dataset directory (created, or resumed if it exists)."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+    max_gib: float = typer.Option(DEFAULT_MAX_GIB, "--max-gib", help="Refuse a dataset that would take more disk than this "
+                                  "(GiB, estimated once the model is loaded, before anything is written)."),
     executor: str = EXECUTOR_OPTIONS["executor"],
     address: Optional[str] = EXECUTOR_OPTIONS["address"],
 ) -> None:
@@ -71,7 +74,7 @@ def capture(
     from evictlab.executor.commands import executor_for
 
     with executor_for(executor, address) as ex:
-        s = run_capture(cfg, out, progress=not quiet, executor=ex)
+        s = run_capture(cfg, out, progress=not quiet, executor=ex, max_gib=max_gib)
     typer.echo(f"{s.rows_written} rows from {s.prompts_written} prompts in {s.seconds:.1f} s "
                f"({s.rows_per_second:.0f} rows/s; {s.prompts_skipped} prompts already done); "
                f"dataset holds {s.rows_total} rows; max |mu - model| / max(1,|v|) = {s.max_verify_error:.1e}; {out}")

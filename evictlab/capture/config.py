@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from evictlab.errors import InputError
+from evictlab.errors import InputError, refuse_duplicates
 from evictlab.tasks.sources import check_source
 
 
@@ -56,21 +56,26 @@ class CaptureConfig:
 
 def parse_layers(spec: str, n_layers: int | None) -> list[int] | None:
     """``"all"`` -> None; ``"0,5,10-12"`` -> ``[0, 5, 10, 11, 12]`` (checked against n_layers)."""
+    from evictlab.cliutil import parse_list
+
     if spec.strip().lower() == "all":
         return None
-    out: set[int] = set()
+    layers: list[int] = []
     try:
-        for part in spec.split(","):
-            part = part.strip()
+        for part in parse_list(spec, "--layers", "layer"):
             if "-" in part:
                 a, b = (int(x) for x in part.split("-", 1))
                 if b < a:
                     raise ValueError(part)
-                out.update(range(a, b + 1))
+                layers += range(a, b + 1)
             else:
-                out.add(int(part))
+                layers.append(int(part))
+    except InputError:
+        raise
     except ValueError:
         raise InputError("--layers", f"cannot parse {spec!r}", "use 'all' or a list like 0,5,10-12") from None
+    refuse_duplicates(layers, "--layers", "layer")  # also a layer inside a range given again
+    out = set(layers)
     if not out or min(out) < 0:
         raise InputError("--layers", f"{spec!r} selects no valid layer", "use 'all' or layers >= 0")
     if n_layers is not None and max(out) >= n_layers:

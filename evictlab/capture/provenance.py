@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from evictlab.capture.config import CaptureConfig
+from evictlab.capture.config import CaptureConfig, parse_layers
 from evictlab.capture.forward import POSITIONS_RULE
 from evictlab.errors import InputError
 from evictlab.models.sites import find_attention_sites
@@ -78,3 +78,26 @@ def _quantisation(name: str) -> str | None:
 
     spec = MODELS.get(name)
     return spec.quantisation if spec else None
+
+
+def capture_bytes(cfg: CaptureConfig, source: dict[str, Any], head_dim: int) -> int:
+    """Bytes the dataset of ``cfg`` takes on disk, estimated (a little under: prompts are
+    taken as ``--context`` tokens) from the model's heads per layer (``source["gqa"]``): per
+    prompt and captured layer its keys and values (float32) and positions (int64) per KV
+    head, and per row its query (float32) and index entry (~100 bytes)."""
+    gqa = {int(k): v for k, v in source["gqa"].items()}
+    layers = parse_layers(cfg.layers, max(gqa) + 1) or sorted(gqa)
+    per_prompt = sum(gqa[l][1] * cfg.context * (2 * head_dim * 4 + 8) + gqa[l][0] * cfg.positions * (head_dim * 4 + 100)
+                     for l in layers)
+    return cfg.prompts * per_prompt
+
+
+def check_size(cfg: CaptureConfig, source: dict[str, Any], head_dim: int, max_gib: float | None) -> None:
+    """Refuse (:class:`InputError` on ``--prompts``) a dataset whose :func:`capture_bytes`
+    exceed ``max_gib`` GiB (None: :data:`evictlab.io.DEFAULT_MAX_GIB`), before anything is written."""
+    from evictlab.io import DEFAULT_MAX_GIB, check_output_size
+
+    check_output_size(capture_bytes(cfg, source, head_dim), DEFAULT_MAX_GIB if max_gib is None else max_gib,
+                      f"{cfg.prompts:,} prompts of {cfg.context:,} tokens with {cfg.positions} positions",
+                      "capture fewer --prompts, --positions or --layers, or a shorter --context (or raise --max-gib)",
+                      option="--prompts")

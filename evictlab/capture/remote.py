@@ -19,7 +19,7 @@ import numpy as np
 
 from evictlab.capture.config import CaptureConfig, auto_batch, parse_layers
 from evictlab.capture.forward import PromptRows, forward_len, capture_prompts, plan_groups, write_rows
-from evictlab.capture.provenance import source_info, text_provenance
+from evictlab.capture.provenance import check_size, source_info, text_provenance
 from evictlab.errors import InputError
 from evictlab.tasks.sources import PromptTokens, build_capture_prompt
 
@@ -119,9 +119,10 @@ def _device_type(device: str) -> str:
 
 
 def capture_remote(cfg: CaptureConfig, out: Path, text: dict[str, str], executor: Any, progress: bool,
-                    model_label: str | None) -> tuple[int, int, int, float]:
+                    model_label: str | None, max_gib: float | None = None) -> tuple[int, int, int, float]:
     """A remote executor: a probe task, then one task per forward group; rows are written
-    here, in prompt order."""
+    here, in prompt order. ``max_gib``: the size guard (:func:`~evictlab.capture.provenance.check_size`),
+    checked on the probe's geometry before anything is written."""
     from evictlab.executor import TaskSpec, task_bar
     from evictlab.rows.writer import RowWriter
 
@@ -131,6 +132,7 @@ def capture_remote(cfg: CaptureConfig, out: Path, text: dict[str, str], executor
     if plan.source.get("text_sha256") != text.get("text_sha256"):
         raise InputError("--source", f"the worker read another text for {cfg.source} than this machine",
                          "give every node the same source files (shared storage)")
+    check_size(cfg, plan.source, plan.head_dim, max_gib)
     written = rows_written = 0
     worst = 0.0
     with RowWriter(out, model=model_label or cfg.model, capture_mode=cfg.mode, head_dim=plan.head_dim,

@@ -36,7 +36,7 @@ from typing import Any
 
 from evictlab.capture.config import CaptureConfig, auto_batch, parse_layers
 from evictlab.capture.forward import forward_len, capture_prompts, write_rows
-from evictlab.capture.provenance import check_resume, source_info, text_provenance
+from evictlab.capture.provenance import check_resume, check_size, source_info, text_provenance
 from evictlab.capture.remote import capture_remote
 from evictlab.errors import InputError
 from evictlab.tasks.sources import PromptTokens, build_capture_prompt
@@ -57,7 +57,8 @@ class CaptureSummary:
 
 
 def run_capture(cfg: CaptureConfig, out: str | Path, *, model: Any = None, tokenizer: Any = None,
-                progress: bool = True, model_label: str | None = None, executor: Any = None) -> CaptureSummary:
+                progress: bool = True, model_label: str | None = None, executor: Any = None,
+                max_gib: float | None = None) -> CaptureSummary:
     """Capture ``cfg.prompts`` prompts into the row dataset at ``out`` (resuming if present).
 
     ``model``/``tokenizer`` may be passed pre-loaded (tests, notebooks); otherwise
@@ -65,13 +66,17 @@ def run_capture(cfg: CaptureConfig, out: str | Path, *, model: Any = None, token
     (:mod:`evictlab.executor`): None or local runs the forwards here; a Ray executor runs one
     task per forward group (:func:`capture_group`, one prompt on CPU), each loading the
     model on its worker, and this process writes the rows in prompt order, so the dataset
-    holds the same rows in the same shards as a local run.
+    holds the same rows in the same shards as a local run. ``max_gib``: refuse (before
+    anything is written, once the model's geometry is known) a dataset estimated above this
+    many GiB (:func:`~evictlab.capture.provenance.capture_bytes`; default :data:`evictlab.io.DEFAULT_MAX_GIB`).
     """
     from evictlab.io import check_output_path
     from evictlab.record import RunRecord
     from evictlab.rows.schema import RECORD_FILE
 
     cfg.check()
+    if max_gib is not None and not max_gib > 0:
+        raise InputError("--max-gib", f"must be > 0, got {max_gib}", "pass e.g. --max-gib 4")
     out = check_output_path(out, "--out", directory=True)  # before the model is loaded
     text = text_provenance(cfg)
     check_resume(out, cfg, text)
@@ -85,10 +90,11 @@ def run_capture(cfg: CaptureConfig, out: str | Path, *, model: Any = None, token
         if model is not None:
             raise InputError("model", "a pre-loaded model cannot be sent to remote workers",
                              "pass the model by name (cfg.model), or use the local executor")
-        written, skipped, rows_written, worst = capture_remote(cfg, out, text, executor, progress, model_label)
+        written, skipped, rows_written, worst = capture_remote(cfg, out, text, executor, progress, model_label,
+                                                               max_gib)
     else:
         written, skipped, rows_written, worst = _capture_local(cfg, out, text, model, tokenizer, progress,
-                                                               model_label)
+                                                               model_label, max_gib)
     seconds = time.perf_counter() - t0
     from evictlab.rows.reader import RowStore
 
@@ -102,7 +108,7 @@ def run_capture(cfg: CaptureConfig, out: str | Path, *, model: Any = None, token
 
 
 def _capture_local(cfg: CaptureConfig, out: Path, text: dict[str, str], model: Any, tokenizer: Any,
-                   progress: bool, model_label: str | None) -> tuple[int, int, int, float]:
+                   progress: bool, model_label: str | None, max_gib: float | None = None) -> tuple[int, int, int, float]:
     """The local executor: forwards here, prompt group after prompt group."""
     from tqdm.auto import tqdm
 
@@ -120,6 +126,7 @@ def _capture_local(cfg: CaptureConfig, out: Path, text: dict[str, str], model: A
         model.to(device)
     source, head_dim, n_layers = source_info(cfg, model, text)
     layers = parse_layers(cfg.layers, n_layers)
+    check_size(cfg, source, head_dim, max_gib)
     # a prompt the settings cannot build (e.g. a text shorter than --context) is refused
     # before the dataset folder exists
     built = {0: build_capture_prompt(cfg.source, cfg.context, tokenizer, cfg.seed, 0)}

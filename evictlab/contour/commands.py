@@ -29,6 +29,7 @@ def fit(
     from rich.table import Table
     from tqdm import tqdm
 
+    from evictlab.cliutil import outputs_written
     from evictlab.contour.fit import fit_profile
     from evictlab.io import check_output_file
     from evictlab.record import RunRecord, record_path
@@ -39,8 +40,12 @@ def fit(
     with tqdm(unit="row", desc="contour fit", disable=None) as bar:
         prof = fit_profile(rows, results, predictor, progress=bar.update)
     record.model = prof.model
-    prof.save(out)
+    # The run record first, the profile last: the profile (one atomic write) is the output's
+    # commit, so an interrupt before it leaves no --out (the rerun runs), and after it the run
+    # has succeeded (exit 0), whatever the summary below was doing.
     record.write(record_path(out), output=str(out))
+    prof.save(out)
+    outputs_written(out)
 
     import numpy as np
 

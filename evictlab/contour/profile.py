@@ -320,6 +320,12 @@ class ContourProfile:
         if not (np.isfinite(dropped).all() and (dropped >= -1e-9).all() and (dropped <= 1 + 1e-9).all()
                 and np.isfinite(ent).all() and (rows > 0).all()):
             raise CorruptFileError(source, "dropped masses must lie in [0, 1] and every cell needs rows", _REFIT)
+        rise = np.diff(dropped, axis=-1) > 1e-9  # a mean of non-increasing curves never rises (but for rounding)
+        if rise.any():
+            l, h, j = (int(v) for v in np.argwhere(rise)[0])
+            raise CorruptFileError(source, f"cell (layer {l}, KV head {h}): the dropped mass rises with the budget "
+                                   f"({dropped[l, h, j]:.6g} at b/n = {grid[j]:g}, {dropped[l, h, j + 1]:.6g} at "
+                                   f"{grid[j + 1]:g}); a dropped-mass profile never rises", _REFIT)
         return cls(model, geometry, grid, dropped, ent, rows, n_mean, src, d.get("selection"), d.get("predictor"),
                    str(d.get("created", "")))
 

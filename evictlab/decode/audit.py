@@ -24,7 +24,8 @@ One row per (method, mode, budget) with:
   free pages and headroom; masked buffers incl. unused capacity);
 - ``bytes_index``: index overhead (block tables, positions, masks), peak;
 - ``bytes_transient``: the paged store's reusable gather buffer (one layer), peak;
-- ``bytes_full_cache``: the full cache of the longest sequence (context+question+answer);
+- ``bytes_full_cache``: the full cache of the longest sequence at its end (context + question +
+  answer but its last token, which is never fed: what a cache without eviction holds);
 - ``freed_fraction``: share of appended K/V entries no longer held, at the last compression
   (``1 - held / appended``); exactly 0 for masked (masking frees nothing);
 - ``peak_rss``, ``peak_rss_delta``: process resident memory (psutil), peak during the run
@@ -56,22 +57,27 @@ from evictlab.models.geometry import model_geometry
 
 @dataclass(frozen=True)
 class Example:
-    """One audit example: token ids of context, question and answer (lists of ints)."""
+    """One audit example: token ids of context, question and answer (lists of ints), and
+    ``useful``: its labels for ``oracle_labels`` (:func:`evictlab.tasks.examples.useful_spec`;
+    None: the example has none, and a method that reads them is refused)."""
 
     task: str
     context_ids: list[int]
     question_ids: list[int]
     answer_ids: list[int]
+    useful: Callable[[], str | None] | None = None
 
 
 def task_examples(tokenizer: Any, tasks: Sequence[str], n: int, context_tokens: int, seed: int) -> list[Example]:
     """Seeded synthetic examples (query-agnostic split of context and question)."""
-    from evictlab.tasks.examples import encode_text, task_suite
+    from functools import partial
+
+    from evictlab.tasks.examples import encode_text, task_suite, useful_spec
 
     out = []
     for p in task_suite(list(tasks), n, context_tokens, tokenizer, seed):
         ans = encode_text(tokenizer, " " + p.answer, special=False)
-        out.append(Example(p.task, p.context_ids, p.question_ids, ans))
+        out.append(Example(p.task, p.context_ids, p.question_ids, ans, partial(useful_spec, p, tokenizer)))
     return out
 
 
@@ -206,8 +212,8 @@ def run_audit(
                 compression_trace.label(method=spec, mode=cfg.mode, budget_unit=budget.unit,
                                         budget_value=budget.value, protocol=protocol, task=ex.task, example=i)
             rss_before = _rss()
-            out = run_sequence(model, c, q, cfg, answer_ids=a, tokenizer=tokenizer,
-                               compression_trace=compression_trace)
+            out = run_sequence(model, c, q, cfg.with_labels(ex.useful or (lambda: None)), answer_ids=a,
+                               tokenizer=tokenizer, compression_trace=compression_trace)
             outs.append((out, rss_before))
             mets.append(_metrics(full, out, a))
         btok = outs[0][0].budget_tokens

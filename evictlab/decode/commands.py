@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import typer
 
+from evictlab.cliutil import outputs_written
 from evictlab.errors import InputError
 
 _DEFAULT_METHODS = "streaming_llm,h2o,snapkv,snapkv+adakv,snapkv+pyramidkv"
@@ -112,13 +113,13 @@ def _check_tasks(tasks: list[str]) -> None:
     for t in tasks:
         if t not in TASKS:
             raise InputError("--task", f"unknown task {t!r}", f"use some of: {', '.join(TASKS)}")
-    dup = sorted({t for t in tasks if tasks.count(t) > 1})
-    if dup:
-        raise InputError("--task", f"task {dup[0]} is given twice", "give each task once")
 
 
-def _trace_for(trace: Path | None, out: Path, max_subsets: int, overwrite: bool) -> Any:
+def _trace_for(ctx: Any, trace: Path | None, out: Path, max_subsets: int, overwrite: bool) -> Any:
     """A :class:`~evictlab.decode.trace.CompressionTrace` for ``--trace`` (checked like --out), or None."""
+    from evictlab.cliutil import refuse_unused
+
+    refuse_unused(ctx, "trace_max_subsets", "--trace-max-subsets", trace is not None, "--trace")
     if trace is None:
         return None
     from evictlab.decode.trace import CompressionTrace
@@ -139,6 +140,7 @@ def _loop_settings(sinks: int, recent: int, chunk: int, compress_every: int, win
 
 
 def audit(
+    ctx: typer.Context,
     model: str = typer.Option("smollm2-135m", help="registry name, local HF folder or hub id"),
     budget: list[str] = typer.Option(["64"], help="kept budget; repeat for several: 64 (tokens per cell), "
                                      "4096total, 2MiB"),
@@ -157,6 +159,7 @@ def audit(
     """Each method at the same budget, masked vs physically enforced, side by side."""
     from rich.console import Console
 
+    from evictlab.cliutil import parse_list
     from evictlab.io import check_output_file
     from evictlab.kv.budget import Budget
     from evictlab.methods import parse_assignments
@@ -165,13 +168,13 @@ def audit(
     with _as_options(AUDIT_OPTIONS):
         # Everything the user typed, checked before the model loads.
         out = check_output_file(out, "--out", overwrite=overwrite)
-        tracer = _trace_for(trace, out, trace_max_subsets, overwrite)
+        tracer = _trace_for(ctx, trace, out, trace_max_subsets, overwrite)
         _check_positive(n=n, context=context)
         if threads < 0:
             raise InputError("--threads", f"must be >= 0, got {threads}", "pass 0 (torch default) or a thread count")
-        budgets = [Budget.parse(b) for b in budget]
-        method_list = [m.strip() for m in methods.split(",") if m.strip()]
-        tasks = [t.strip() for t in task.split(",") if t.strip()]
+        budgets = [Budget.parse(b) for b in parse_list(budget, "--budget", "budget")]
+        method_list = parse_list(methods, "--methods", "method")
+        tasks = parse_list(task, "--task", "task")
         _check_tasks(tasks)
         sp = parse_assignments(scorer_param, "--scorer-param")
         ap = parse_assignments(allocator_param, "--allocator-param")
@@ -207,6 +210,7 @@ def audit(
     if tracer is not None:
         tracer.write(trace)
     _write_audit(df, out, model, record, trace)
+    outputs_written(out)
     console.print(df.select("method", "mode", "budget_per_cell", "bytes_live", "bytes_allocated",
                             "bytes_full_cache", "kl", "exact_match"))
     typer.echo(str(out))
@@ -215,7 +219,7 @@ def audit(
 def _write_audit(df: Any, out: Path, model: str, record: Any, trace: Path | None = None) -> None:
     """Figure and report first, then the table, then the run record: each file is atomic,
     and the record (written last) marks a finished audit."""
-    from evictlab.io import atomic_path, atomic_write_text
+    from evictlab.io import atomic_write_text, write_checked_parquet
     from evictlab.plots.audit import audit_bars
     from evictlab.decode.audit_report import audit_markdown
     from evictlab.record import record_path
@@ -224,14 +228,14 @@ def _write_audit(df: Any, out: Path, model: str, record: Any, trace: Path | None
     fig = audit_bars(df, stem)
     md = audit_markdown(df, model=model, config=record.config, figure=fig.png.name)
     atomic_write_text(stem.with_suffix(".md"), md)
-    with atomic_path(out, suffix=".parquet") as tmp:
-        df.write_parquet(tmp)
+    write_checked_parquet(df, out)
     record.write(record_path(out),
                  outputs=[str(out), str(fig.png), str(fig.pdf), str(stem.with_suffix(".md"))]
                  + ([] if trace is None else [str(trace)]))
 
 
 def decode(
+    ctx: typer.Context,
     model: str = typer.Option("smollm2-135m", help="registry name, local HF folder or hub id"),
     method: str = typer.Option("snapkv", help="scorer or scorer+allocator"),
     scorer_param: list[str] = _SCORER_PARAM, allocator_param: list[str] = _ALLOCATOR_PARAM,
@@ -257,7 +261,7 @@ def decode(
     with _as_options(DECODE_OPTIONS):
         # Everything the user typed, checked before the model loads.
         out = check_output_file(out, "--out", overwrite=overwrite)
-        tracer = _trace_for(trace, out, trace_max_subsets, overwrite)
+        tracer = _trace_for(ctx, trace, out, trace_max_subsets, overwrite)
         if tracer is not None and mode == "full":
             raise InputError("--trace", "--mode full compresses nothing, so there is nothing to trace",
                              "use --mode physical or masked, or drop --trace")
@@ -283,7 +287,7 @@ def decode(
 
         from evictlab.tasks.synthetic import make_task
         from evictlab.decode.loop import run_sequence
-        from evictlab.tasks.examples import tokenize_task, decode_ids, score_exact_match
+        from evictlab.tasks.examples import tokenize_task, decode_ids, score_exact_match, useful_spec
         from evictlab.kv.cache import register_ragged_attention
         from evictlab.models.loading import load_model
 
@@ -292,6 +296,7 @@ def decode(
         return_freed_memory()
         lm, tok = load_model(model, device=device, attn_implementation=register_ragged_attention())
         prompt = tokenize_task(make_task(task, context, tok, seed), tok)
+        cfg = cfg.with_labels(lambda: useful_spec(prompt, tok))  # oracle_labels: the example's labels
         dev = next(lm.parameters()).device
         ctx = torch.tensor([prompt.context_ids], device=dev)
         q = torch.tensor([prompt.question_ids], device=dev)
@@ -331,6 +336,7 @@ def decode(
         result["trace"] = str(trace)
     atomic_write_json(out, result)
     record.write(record_path(out), outputs=[str(out)] + ([] if trace is None else [str(trace)]))
+    outputs_written(out)
     if res.budget_tokens is not None and res.budget_effective_tokens is not None \
             and res.budget_effective_tokens < res.budget_tokens:
         typer.echo(f"note: the budget ({res.budget_tokens} kept entries) is above the full cache "

@@ -8,7 +8,8 @@ protocols (docs/kv.md; the protocol: :mod:`evictlab.decode.loop`, point 2).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -134,6 +135,31 @@ class DecodeConfig:
             raise InputError("budget", f"{tokens} kept tokens per sequence is below the {floor_total} always-kept "
                              f"sinks + recent entries ({geometry.cells} cells)", "raise the budget or lower sinks/recent")
         return tokens
+
+    @property
+    def needs_labels(self) -> bool:
+        """Whether the scorer reads the task's labels (``oracle_labels``: they are passed per
+        example by :meth:`with_labels`)."""
+        return self.method is not None and self.method.labels
+
+    def with_labels(self, useful: Callable[[], str | None]) -> DecodeConfig:
+        """This config for one example: a scorer that reads the task's labels gets them as
+        its ``useful`` parameter (``useful()``: the example's asked-fact token spans, e.g.
+        :func:`evictlab.tasks.examples.useful_spec`, called only then; only the scorer is
+        rebuilt); any other config is returned as is. :class:`InputError` (field ``task``)
+        when the scorer needs labels and the example has none, (field ``scorer_param``) when
+        ``useful`` was set by hand: the labels are the task's, never a default."""
+        if not self.needs_labels:
+            return self
+        assert self.method is not None
+        if "useful" in self.method.scorer_params:
+            raise InputError("scorer_param", f"{self.method.scorer_name}'s useful keys are the task's fact labels, "
+                             "set per example", "drop useful=... from the scorer parameters")
+        spans = useful()
+        if spans is None:
+            raise InputError("task", f"{self.method.scorer_name} reads the task's fact labels and this example has "
+                             "none", "use a task with facts (needle, multi_key, ...) or another method")
+        return replace(self, method=self.method.with_scorer_params(useful=spans))
 
     def to_dict(self) -> dict[str, Any]:
         """The config as a run record shows it."""

@@ -305,10 +305,11 @@ def run_sequence(
         raise InputError("answer_ids", "nothing to decode", "pass answer_ids or max_new_tokens > 0")
     g = model_geometry(model)
     total = n + m + T
-    # What a cache without eviction holds at the end: every entry on full-attention layers,
-    # the last window - 1 on sliding ones (transformers' DynamicSlidingWindowLayer, used by
-    # mode="full", keeps exactly that).
-    full_tokens = g.full_cache_tokens(total)
+    # What a cache without eviction holds at the end: every entry fed on full-attention
+    # layers, the last window - 1 on sliding ones (transformers' DynamicSlidingWindowLayer,
+    # used by mode="full", keeps exactly that). The last decode token is never fed (its
+    # logits are the run's last output), so the cache ends holding total - 1 tokens.
+    full_tokens = g.full_cache_tokens(total - 1)
     bytes_full = kv_bytes(full_tokens * b, g.head_dim, g.dtype)
     trace: list[StepTrace] = []
     tick = progress or (lambda _k: None)
@@ -357,6 +358,10 @@ def _evicting_engine(model: torch.nn.Module, cfg: DecodeConfig, context_ids: tor
     m = question_ids.shape[1]
     assert cfg.method is not None  # an evicting config carries its method
     method = cfg.method.for_model(g)
+    if method.labels and method.scorer_params.get("useful") is None:
+        raise InputError("method", f"{method.scorer_name} reads the task's fact labels and none were passed",
+                         "run it through a command that passes them (decode, audit, eval run, dilution sweep: "
+                         "DecodeConfig.with_labels)")
     loop = cfg.loop
     recon = method.reconstruction
     prompt_len = 0

@@ -215,8 +215,7 @@ class CompressionTrace:
         return pl.DataFrame(self.rows, infer_schema_length=None).select([*labels, *TRACE_COLUMNS])
 
     def write(self, path: Any) -> None:
-        """Write :meth:`table` as Parquet (atomically)."""
-        from evictlab.io import atomic_path
+        """Write :meth:`table` as Parquet (atomically, with its checksum)."""
+        from evictlab.io import write_checked_parquet
 
-        with atomic_path(path, suffix=".parquet") as tmp:
-            self.table().write_parquet(tmp)
+        write_checked_parquet(self.table(), path)

@@ -11,7 +11,9 @@ separately, where they fail, with the slack, and writes the summaries, figures a
 Outputs, for ``--out T.parquet``: ``T.parquet`` (the long table), ``T.heads.parquet`` (per
 layer, query head, kept set, s), ``T.bounds.parquet`` (one row per check), ``T.md`` (the
 report), ``T.figures/`` (PNG + PDF) and ``T.run_record.json``. The run is resumable: blocks
-are processed in chunks written to ``T.parts/`` (:mod:`evictlab.dilution.parts`).
+are processed in chunks written to ``T.parts/`` (:mod:`evictlab.dilution.parts`); the folder
+goes only after the run record, the last file, is written, so a run killed while writing its
+outputs is finished by the rerun (a ``T.parquet`` with ``T.parts/`` beside it is unfinished).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import polars as pl
 from evictlab.dilution import keptsets
 from evictlab.dilution.labels import USEFUL_PARTS, PromptLabels, prompt_labels
 from evictlab.dilution.measures import TOL, kept_measures, row_measures
-from evictlab.errors import InputError
+from evictlab.errors import InputError, refuse_duplicates
 
 __all__ = ["CHECKS", "CheckConfig", "bound_checks", "check_block", "head_table", "run_check"]
 
@@ -63,6 +65,7 @@ class CheckConfig:
         if unknown or not self.methods:
             raise InputError("--methods", f"unknown or no kept set {unknown or self.methods}",
                              f"use some of: {', '.join(keptsets.KEPT_SETS)}")
+        refuse_duplicates(self.methods, "--methods", "method")
         if self.useful not in USEFUL_PARTS:
             raise InputError("--useful", f"unknown part {self.useful!r}", f"use one of: {', '.join(USEFUL_PARTS)}")
         for name, v, lo in (("--sinks", self.sinks, 0), ("--recent", self.recent, 0),
@@ -326,6 +329,21 @@ def _job(store: Any, cfg: CheckConfig) -> dict[str, Any]:
             "version": 1}
 
 
+def _parts_dir(out: Path) -> Path:
+    return out.with_name(out.name + ".parts")
+
+
+def _check_out(out: Path, overwrite: bool) -> Path:
+    """The output rule (:func:`evictlab.io.check_output_file`), except that an ``out`` whose
+    parts folder is still there belongs to an interrupted run (killed while writing its
+    outputs): it is finished, not refused."""
+    from evictlab.io import check_output_file, check_output_path
+
+    if _parts_dir(out).is_dir():
+        return check_output_path(out, "--out", directory=False)
+    return check_output_file(out, "--out", overwrite=overwrite)
+
+
 def run_check(rows: str | Path, out: str | Path, cfg: CheckConfig, *, overwrite: bool = False,
               progress: bool = True, make_report: bool = True) -> CheckSummary:
     """Run the check of the dataset ``rows`` into ``out`` (module docstring); resumable."""
@@ -334,14 +352,19 @@ def run_check(rows: str | Path, out: str | Path, cfg: CheckConfig, *, overwrite:
     from tqdm.auto import tqdm
 
     from evictlab.dilution.parts import PartStore
-    from evictlab.io import atomic_path, check_output_file, exclusive_lock
+    from evictlab.io import exclusive_lock, write_checked_parquet
     from evictlab.record import RunRecord, record_path
     from evictlab.rows.reader import RowStore
 
     cfg.check()
-    out = check_output_file(out, "--out", overwrite=overwrite)
+    out = _check_out(Path(out), overwrite)
     store = RowStore.open(rows)
     labels = prompt_labels(store, cfg.useful)  # refuses unlabelled datasets
+    n_max = int(store.meta["n"].max())
+    too_big = [s for s in cfg.budgets if s >= n_max]  # a kept set of s keys needs rows of n > s keys
+    if too_big:
+        raise InputError("--budgets", f"budget {too_big[0]} is not below any row's key count (the rows of {rows} "
+                         f"have at most {n_max} keys)", f"use budgets below {n_max}")
     record = RunRecord(kind="dilution.check", config={"rows": str(rows), **asdict(cfg)}, model=store.manifest["model"])
     t0 = time.perf_counter()
     meta = store.meta
@@ -350,8 +373,8 @@ def run_check(rows: str | Path, out: str | Path, cfg: CheckConfig, *, overwrite:
     chunks = [blocks[i:i + cfg.chunk_blocks] for i in range(0, len(blocks), cfg.chunk_blocks)]
     keys = [f"{k:05d}" for k in range(len(chunks))]
     with exclusive_lock(out, "--out"):
-        check_output_file(out, "--out", overwrite=overwrite)  # again: another run may have finished meanwhile
-        parts = PartStore(out.with_name(out.name + ".parts"), _job(store, cfg)).open()
+        _check_out(out, overwrite)  # again: another run may have finished meanwhile
+        parts = PartStore(_parts_dir(out), _job(store, cfg)).open()
         todo = [(k, c) for k, c in zip(keys, chunks) if not parts.done(k)]
         skipped = sum(len(c) for k, c in zip(keys, chunks) if parts.done(k))
         bar = tqdm(total=len(blocks), initial=skipped, desc="dilution check", unit="block", disable=not progress)
@@ -367,17 +390,18 @@ def run_check(rows: str | Path, out: str | Path, cfg: CheckConfig, *, overwrite:
                                            pl.lit(store.manifest["capture_mode"]).alias("protocol")))
         bar.close()
         table = parts.collect(keys)
-        with atomic_path(out, suffix=".parquet") as tmp:
-            table.write_parquet(tmp)
         checks = bound_checks(table, cfg.stated_margin is not None)
         heads = head_table(table)
+        # The files beside the table first, the table next, the run record last, and only then
+        # the parts folder goes: a run killed anywhere before that leaves its parts, and the
+        # rerun finishes it (the parts are intact, the outputs are written again).
         for name, df in (("heads", heads), ("bounds", checks)):
-            with atomic_path(out.with_name(f"{out.stem}.{name}.parquet"), suffix=".parquet") as tmp:
-                df.write_parquet(tmp)
+            write_checked_parquet(df, out.with_name(f"{out.stem}.{name}.parquet"))
         if make_report:
             from evictlab.dilution.report import check_report
 
             check_report(out, table, heads, checks, cfg, store)
+        write_checked_parquet(table, out)
         violations = int(checks["violations"].sum())
         summary = CheckSummary(out=str(out), rows=store.n_rows, table_rows=table.height, blocks=len(blocks),
                                blocks_skipped=skipped, violations=violations,

@@ -18,22 +18,21 @@ app = typer.Typer(help="Attention dilution: useful mass and its bounds on labell
                   no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
 
-def _ints(text: str, option: str) -> tuple[int, ...]:
-    try:
-        vals = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise InputError(option, f"cannot parse {text!r}", "pass comma-separated integers, e.g. 32,128") from None
-    if not vals:
-        raise InputError(option, "is empty", "pass comma-separated integers, e.g. 32,128")
-    return vals
+def _ints(text: str, option: str, what: str) -> tuple[int, ...]:
+    from evictlab.cliutil import parse_ints
+
+    return tuple(parse_ints(text, option, what, example="32,128"))
 
 
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in text.split(",") if x.strip())
+def _names(text: str, option: str, what: str) -> tuple[str, ...]:
+    from evictlab.cliutil import parse_list
+
+    return tuple(parse_list(text, option, what))
 
 
 @app.command("check")
 def check(
+    ctx: typer.Context,
     rows: Path = typer.Argument(..., help="A labelled row dataset (capture of a task source, schema version 2)."),
     out: Path = typer.Option(..., "--out", help="Output table T.parquet (its parent folder must exist); "
                              "T.heads.parquet, T.bounds.parquet, T.md and T.figures/ are written beside it."),
@@ -56,12 +55,15 @@ def check(
     Rows must carry fact labels (task sources); Shakespeare and file/jsonl text rows are refused.
     Rerunning the same command after an interruption resumes it.
     """
+    from evictlab.cliutil import refuse_unused
     from evictlab.dilution.check import CheckConfig, run_check
 
-    cfg = CheckConfig(budgets=_ints(budgets, "--budgets"), methods=_names(methods), useful=useful,
+    cfg = CheckConfig(budgets=_ints(budgets, "--budgets", "budget"), methods=_names(methods, "--methods", "method"),
+                      useful=useful,
                       stated_margin=margin, sinks=sinks, recent=recent, pool_max_s=pool_max_s,
                       chunk_blocks=chunk_blocks)
     cfg.check()
+    refuse_unused(ctx, "pool_max_s", "--pool-max-s", "pool" in cfg.methods, "pool in --methods")
     _threads(threads)
     s = run_check(rows, out, cfg, overwrite=overwrite, progress=not quiet)
     typer.echo(f"{s.rows} rows, {s.table_rows} table rows ({s.blocks} blocks, {s.blocks_skipped} already done) "
@@ -122,7 +124,8 @@ def sweep(
 
     if threads < 0:
         raise InputError("--threads", f"must be >= 0, got {threads}", "pass 0 (library default) or a thread count")
-    cfg = SweepConfig(model=model, distractors=_ints(distractors, "--distractors"), n=n, methods=_names(methods),
+    cfg = SweepConfig(model=model, distractors=_ints(distractors, "--distractors", "distractor count"), n=n,
+                      methods=_names(methods, "--methods", "method"),
                       budget=budget, context=context, kind=kind, seed=seed, device=device, sinks=sinks, recent=recent,
                       chunk=chunk, window=window, compress_every=compress_every, layers=layers)
     cfg.check()

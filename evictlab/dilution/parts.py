@@ -1,41 +1,51 @@
 """Resumable outputs: units of work written as part files, collected at the end.
 
 A run writing ``OUT`` keeps its finished units in ``OUT.parts/`` (beside ``OUT``): one
-Parquet file per unit (``part-<key>.parquet``, written atomically), their SHA-256 in
-``checksums.json`` and the run's settings in ``job.json``. A rerun with the same settings
-skips every unit whose part is present and intact (a damaged part is recomputed); a rerun
-with other settings is refused (the fix names the folder to delete). When every unit is
-done the parts are concatenated into ``OUT`` (atomically) and the folder is removed, so an
-interrupted run never leaves an ``OUT`` that looks finished.
+Parquet file per unit (``part-<key>.parquet``, written atomically with its checksum in its
+own footer, :func:`evictlab.io.write_checked_parquet`) and the run's settings in
+``job.json``. A rerun with the same settings first checks every part there: an intact one
+is kept, a damaged one (or one without a checksum, from an older evictlab) is named in one
+warning line, deleted and recomputed; a rerun with other settings is refused (the fix
+names the folder to delete). When every unit is done the parts are concatenated into
+``OUT`` (atomically) and, once the run's last file is written, the folder is removed, so an
+interrupted run never leaves an ``OUT`` that looks finished without its parts beside it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 
-from evictlab.errors import InputError
-from evictlab.io import atomic_path, atomic_write_json, read_json, sha256_file
+from evictlab.errors import CorruptFileError, InputError
+from evictlab.io import atomic_write_json, read_checked_parquet, read_json, warn, write_checked_parquet
 
 _KEY = re.compile(r"^[A-Za-z0-9_.=+-]+$")
+_PART = re.compile(r"^part-(?P<key>[A-Za-z0-9_.=+-]+)\.parquet$")
+_FIX = "delete that part file and rerun the same command (the part is recomputed)"
 
 
 class PartStore:
     """The parts folder of one output (see the module docstring)."""
 
-    def __init__(self, folder: Path, job: dict[str, Any], option: str = "--out") -> None:
+    def __init__(self, folder: Path, job: dict[str, Any], option: str = "--out",
+                 notify: Callable[[str], None] | None = None) -> None:
         self.dir = Path(folder)
         self.job = json.loads(json.dumps(job, sort_keys=True, default=str))
         self.option = option
-        self._sums: dict[str, str] = {}
+        self.notify = notify or warn
+        self._done: set[str] = set()
 
     def open(self) -> PartStore:
-        """Create the folder (or check that it belongs to the same job) and load the checksums."""
+        """Create the folder (or check that it belongs to the same job) and check every part
+        already there (a damaged one is reported, deleted and recomputed)."""
+        shutil.rmtree(self._trash(), ignore_errors=True)  # left by a run killed while removing its parts
         job_file = self.dir / "job.json"
         if job_file.is_file():
             old = read_json(job_file, f"delete {self.dir}")
@@ -44,8 +54,17 @@ class PartStore:
                 raise InputError(self.option, f"{self.dir} holds the parts of a run with other settings "
                                  f"({', '.join(diff[:3])} differ)",
                                  f"rerun with the same options to resume it, or delete {self.dir} to start over")
-            sums = self.dir / "checksums.json"
-            self._sums = read_json(sums, f"delete {self.dir}") if sums.is_file() else {}
+            for f in sorted(self.dir.iterdir()):
+                m = _PART.match(f.name)
+                if m is None:
+                    continue
+                try:
+                    read_checked_parquet(f, _FIX, legacy="refuse")
+                except CorruptFileError as exc:
+                    f.unlink()
+                    self.notify(f"discarded the damaged part file {f} ({exc.problem}); it is recomputed")
+                    continue
+                self._done.add(m["key"])
         else:
             self.dir.mkdir(exist_ok=True)
             atomic_write_json(job_file, self.job)
@@ -57,19 +76,16 @@ class PartStore:
         return self.dir / f"part-{key}.parquet"
 
     def done(self, key: str) -> bool:
-        """Whether unit ``key`` has an intact part (its file exists with the recorded SHA-256)."""
-        p = self.path(key)
-        return key in self._sums and p.is_file() and sha256_file(p) == self._sums[key]
+        """Whether unit ``key`` has an intact part (checked by :meth:`open`, or written since)."""
+        return key in self._done and self.path(key).is_file()
 
     def write(self, key: str, df: pl.DataFrame) -> None:
-        """Write unit ``key``'s rows (atomically), then record its checksum."""
-        with atomic_path(self.path(key), suffix=".parquet") as tmp:
-            df.write_parquet(tmp)
-        self._sums[key] = sha256_file(self.path(key))
-        atomic_write_json(self.dir / "checksums.json", self._sums)
+        """Write unit ``key``'s rows (atomically, with their checksum)."""
+        write_checked_parquet(df, self.path(key))
+        self._done.add(key)
 
     def read(self, key: str) -> pl.DataFrame:
-        return pl.read_parquet(self.path(key))
+        return read_checked_parquet(self.path(key), _FIX, legacy="refuse")
 
     def collect(self, keys: list[str]) -> pl.DataFrame:
         """Every unit's rows, in the order of ``keys`` (all must be done)."""
@@ -77,5 +93,13 @@ class PartStore:
         frames = [f for f in frames if f.height]
         return pl.concat(frames, how="diagonal_relaxed") if frames else pl.DataFrame()
 
+    def _trash(self) -> Path:
+        return self.dir.with_name(self.dir.name + ".removing")
+
     def remove(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
+        """Remove the folder: renamed first (atomic), so a kill while deleting never leaves a
+        half-deleted parts folder that a rerun would take for a resumable one."""
+        if self.dir.exists():
+            shutil.rmtree(self._trash(), ignore_errors=True)
+            os.replace(self.dir, self._trash())
+        shutil.rmtree(self._trash(), ignore_errors=True)

@@ -129,22 +129,21 @@ class SweepConfig:
         """The loop's ``DecodeConfig`` for ``method`` (``oracle_labels`` gets the example's labels)."""
         from evictlab.decode.config import DecodeConfig
         from evictlab.kv.budget import Budget
-        from evictlab.methods import parse_method
 
         if method == FULL:
             return DecodeConfig(mode="full", loop=self.loop_settings())
-        scorer, _ = parse_method(method)
-        params = (("useful", example.useful_spec() if example is not None else "0:1"),) if scorer == ORACLE else ()
-        return DecodeConfig(mode="physical", budget=Budget.parse(self.budget), method=_method(method, params),
-                            loop=self.loop_settings())
+        cfg = DecodeConfig(mode="physical", budget=Budget.parse(self.budget), method=_method(method),
+                           loop=self.loop_settings())
+        return cfg if example is None else cfg.with_labels(example.useful_spec)
 
 
 @functools.lru_cache(maxsize=64)
-def _method(spec: str, scorer_params: tuple[tuple[str, str], ...]) -> Any:
-    """A sweep method built once per process for each (method, labels)."""
+def _method(spec: str) -> Any:
+    """A sweep method built once per process (the label ORACLE gets each example's labels
+    from :meth:`~evictlab.decode.config.DecodeConfig.with_labels`)."""
     from evictlab.methods import build_method
 
-    return build_method(spec, dict(scorer_params))
+    return build_method(spec)
 
 
 def _key(*parts: object) -> str:
@@ -371,7 +370,7 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True, m
     from evictlab.capture.config import parse_layers
     from evictlab.dilution.parts import PartStore
     from evictlab.tasks.distractors import make_example
-    from evictlab.io import atomic_path, check_output_path, exclusive_lock
+    from evictlab.io import check_output_path, exclusive_lock, write_checked_parquet
     from evictlab.models.geometry import model_geometry
     from evictlab.record import RunRecord, record_path
 
@@ -385,24 +384,34 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True, m
         torch.set_num_threads(threads)
     with exclusive_lock(out_dir / "results.parquet", "--out"):
         _check_out_dir(out_dir, overwrite)  # again under the lock: another run may have finished meanwhile
-        parts = PartStore(out_dir / "results.parts", {"config": asdict(cfg), "version": 1}).open()
-        units = [(k, i, m) for k in cfg.distractors for i in range(cfg.n) for m in cfg.methods]
-        keys = {u: _key("k", u[0], "e", u[1], u[2]) for u in units}
-        skipped = sum(parts.done(keys[u]) for u in units)
         layers: list[int] | None = None
-        if skipped < len(units):
+
+        def model_checks() -> None:
+            """Load the model and refuse what its geometry rules out (layers, a budget below
+            the always-kept floor), before any run."""
+            nonlocal model, tokenizer, layers
             if model is None:
                 from evictlab.models.loading import load_model
 
                 model, tokenizer = load_model(cfg.model, device=cfg.device)
             g = model_geometry(model)
             layers = parse_layers(cfg.layers, g.n_layers)
-            for m in cfg.methods:  # a budget below the always-kept floor is refused before any run
+            for m in cfg.methods:
                 if m != FULL:
                     try:
                         cfg.decode_config(m).budget_tokens(g, cfg.context)
                     except InputError as exc:
                         raise InputError("--budget", exc.problem, exc.fix) from None
+
+        parts_dir = out_dir / "results.parts"
+        if not parts_dir.is_dir():  # a new run: refused before its parts folder exists (a refusal leaves nothing)
+            model_checks()
+        parts = PartStore(parts_dir, {"config": asdict(cfg), "version": 1}).open()
+        units = [(k, i, m) for k in cfg.distractors for i in range(cfg.n) for m in cfg.methods]
+        keys = {u: _key("k", u[0], "e", u[1], u[2]) for u in units}
+        skipped = sum(parts.done(keys[u]) for u in units)
+        if skipped < len(units) and layers is None:
+            model_checks()
         bar = tqdm(total=len(units), initial=skipped, desc=f"dilution sweep {cfg.model}", unit="run",
                    disable=not progress)
         for k in cfg.distractors:
@@ -421,8 +430,7 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True, m
         results = parts.collect([keys[u] for u in units])
         summary, verdict = summarize(results), verdicts(results, seed=cfg.seed)
         for name, df in (("results", results), ("summary", summary), ("verdict", verdict)):
-            with atomic_path(out_dir / f"{name}.parquet", suffix=".parquet") as tmp:
-                df.write_parquet(tmp)
+            write_checked_parquet(df, out_dir / f"{name}.parquet")
         from evictlab.plots.dilution import sweep_lines
         from evictlab.dilution.report import sweep_report
 

@@ -74,8 +74,9 @@ def run(
     writes the parts (docs/cluster.md)."""
     from evictlab.errors import InputError
     from evictlab.executor import check_executor
+    from evictlab.cliutil import parse_list
     from evictlab.decode.config import LoopSettings
-    from evictlab.eval.spec import GridSpec, parse_list
+    from evictlab.eval.spec import GridSpec
     from evictlab.io import check_output_path
     from evictlab.methods import parse_assignments
     from evictlab.record import RunRecord
@@ -85,13 +86,14 @@ def run(
         out = check_output_path(out, "--out", directory=True)
         if threads < 0:
             raise InputError("--threads", f"must be >= 0, got {threads}", "pass 0 (torch default) or a thread count")
-        method_list = parse_list(methods)
+        method_list = parse_list(methods, "--methods", "method")
         evicting = any(m != "full" for m in method_list)
-        budget_list = parse_list(budgets) if budgets is not None else (["64"] if evicting else [])
+        budget_list = parse_list(budgets, "--budgets", "budget") if budgets is not None else (["64"] if evicting else [])
         spec = GridSpec.build(
-            models=parse_list(models), tasks=parse_list(tasks), contexts=parse_list(context), methods=method_list,
-            budgets=budget_list, modes=None if modes is None else parse_list(modes),
-            protocols=None if protocols is None else parse_list(protocols), n=n, seed=seed,
+            models=parse_list(models, "--models", "model"), tasks=parse_list(tasks, "--tasks", "task"),
+            contexts=parse_list(context, "--context", "context length"), methods=method_list,
+            budgets=budget_list, modes=None if modes is None else parse_list(modes, "--modes", "mode"),
+            protocols=None if protocols is None else parse_list(protocols, "--protocols", "protocol"), n=n, seed=seed,
             loop=LoopSettings(sinks=sinks, recent=recent, chunk_size=chunk, compress_every=compress_every,
                               window=window, block_size=block_size),
             scorer_params=parse_assignments(scorer_param, "--scorer-param"),
@@ -160,10 +162,11 @@ def compare(
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing --out (and the files beside it)"),
 ) -> None:
     """Paired comparisons of a finished grid: wins, ties and losses, the claims, a report."""
+    from evictlab.cliutil import outputs_written
     from evictlab.errors import InputError
     from evictlab.eval.compare import TieRule
     from evictlab.eval.grid import MANIFEST, RESULTS, read_manifest
-    from evictlab.io import check_output_file, exclusive_lock, read_parquet
+    from evictlab.io import check_output_file, exclusive_lock, read_checked_parquet
     from evictlab.record import RunRecord, record_path
 
     with as_options(COMPARE_OPTIONS):
@@ -184,10 +187,11 @@ def compare(
         rule = TieRule(kind=tie_rule, tolerance=tolerance, level=level, n_boot=n_boot, seed=seed)  # type: ignore[arg-type]
         record = RunRecord(kind="eval.compare", seed=seed, config={
             "grid": str(grid), "tie_rule": tie_rule, "tolerance": tolerance, "level": level, "n_boot": n_boot})
-        results = read_parquet(grid / RESULTS, f"rerun `evictlab eval run` into a new folder")
+        results = read_checked_parquet(grid / RESULTS, f"rerun `evictlab eval run` into a new folder")
         with exclusive_lock(out, "--out"):
             written = write_comparison(results, out, rule, manifest)
         record.write(record_path(out), outputs=[str(p) for p in written])
+        outputs_written(*written)
     typer.echo(f"{written[0]}\n{written[1]}")
 
 
@@ -201,7 +205,7 @@ def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any
     from evictlab.eval.claims.enforcement import enforcement_cost
     from evictlab.eval.claims.margin import query_aware_margin
     from evictlab.eval.compare import compare as compare_pairs
-    from evictlab.io import atomic_path, atomic_write_text
+    from evictlab.io import atomic_write_text, write_checked_parquet
     from evictlab.plots.evaluation import accuracy_vs_bytes, wtl_bars
     from evictlab.eval.report import evaluation_markdown
 
@@ -225,12 +229,10 @@ def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any
                              skipped=manifest.get("skipped", []), seed=rule.seed, n_boot=rule.n_boot)
     report = stem.with_suffix(".md")
     atomic_write_text(report, md)
-    with atomic_path(out, suffix=".parquet") as tmp:
-        pairs.write_parquet(tmp)
+    write_checked_parquet(pairs, out)
     claims_path = stem.parent / (stem.name + "_claims.parquet")
     rows = [c.to_dict() for c in (*claims_e, *claims_m, *claims_c)]
-    with atomic_path(claims_path, suffix=".parquet") as tmp:
-        pl.DataFrame(rows, schema={k: pl.Utf8 for k in ("claim_id", "claim", "paper_value", "our_value", "interval",
-                                                         "verdict", "model", "rows", "budgets", "definitions")}
-                     ).write_parquet(tmp)
+    write_checked_parquet(pl.DataFrame(rows, schema={k: pl.Utf8 for k in (
+        "claim_id", "claim", "paper_value", "our_value", "interval", "verdict", "model", "rows", "budgets",
+        "definitions")}), claims_path)
     return [out, report, claims_path, *[f.png for f in figs], *[f.pdf for f in figs]]

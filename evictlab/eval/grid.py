@@ -11,7 +11,10 @@ Layout of ``DIR`` (docs/evaluation.md):
                            cell's per-compression diagnostics, and all of them in order
     DIR/run_record.json    the run record (RunRecord), written last: marks a finished grid
 
-A rerun with the same grid resumes: cells whose part exists are not run again. A different
+Every Parquet file here carries its checksum (:func:`evictlab.io.write_checked_parquet`). A
+rerun with the same grid resumes: cells whose part exists and is intact (checksum, columns,
+one row per example) are not run again; a damaged part, or one without a checksum (an
+older evictlab), is named in one warning line, discarded and run again. A different
 grid into the same folder is refused (:class:`InputError` naming ``out``) with the fields
 that differ. A grid refused by :func:`preflight` writes nothing (the corrected command
 can use the same folder). One writer at a time (:func:`evictlab.io.exclusive_lock`). A killed run leaves
@@ -177,22 +180,55 @@ def write_manifest(spec: GridSpec, out: Path) -> None:
                                        "cells": [c.key for c in spec.cells()], "skipped": spec.skipped()})
 
 
-def _done(out: Path, cells: list[CellSpec]) -> set[str]:
+#: The fix named when a part file is damaged (it is discarded and its cell run again).
+_PART_FIX = "delete that part file and rerun the same command (the cell is run again)"
+
+
+def _part_problem(path: Path, cell: CellSpec, trace: bool) -> str | None:
+    """None if the part (``trace``: the trace part) of ``cell`` at ``path`` is intact: its
+    checksum (a part without one, from an older evictlab, is refused) and, for a results
+    part, its columns and one row per example; else why not."""
+    from evictlab.io import read_checked_parquet
+
+    try:
+        df = read_checked_parquet(path, _PART_FIX, legacy="refuse")
+    except CorruptFileError as exc:
+        return exc.problem
+    if not trace and (list(df.columns) != list(RESULT_COLUMNS) or df.height != cell.n):
+        return f"holds {df.height} rows with other columns than a cell of this grid writes"
+    return None
+
+
+def _done(out: Path, cells: list[CellSpec], notify: Callable[[str], None]) -> set[str]:
+    """The keys of the cells whose parts are present and intact; a damaged part is reported
+    (``notify``), deleted, and its cell counted as not done."""
     from evictlab.io import remove_temp_files
 
     parts = out / PARTS
     parts.mkdir(exist_ok=True)
     remove_temp_files(parts, tuple(f"{c.key}.parquet" for c in cells)
                       + tuple(f"{c.key}.trace.parquet" for c in cells if _traced(c)))
-    # a traced cell is done once both files exist (its trace is written first)
-    return {c.key for c in cells if part_path(out, c).is_file() and (not _traced(c) or trace_path(out, c).is_file())}
+    done = set()
+    for c in cells:
+        files = [(part_path(out, c), False)] + ([(trace_path(out, c), True)] if _traced(c) else [])
+        present = [(f, t) for f, t in files if f.is_file()]
+        bad = [(f, why) for f, t in present if (why := _part_problem(f, c, t)) is not None]
+        for f, why in bad:
+            f.unlink()
+            notify(f"discarded the damaged part file {f} ({why}); its cell is run again")
+        # a traced cell is done once both files exist (its trace is written first)
+        if len(present) == len(files) and not bad:
+            done.add(c.key)
+    return done
 
 
 def preflight(spec: GridSpec, cells: list[CellSpec]) -> None:
     """Checks that need each model (loaded once, cached for the run): every budget against
     its geometry (below the always-kept floors, or at or above the full cache of the
-    context: nothing to evict) and every example's length against the model's positions.
-    :class:`InputError` (fields ``budgets``, ``contexts``) before any cell runs."""
+    context: nothing to evict), every allocator against it (a ContourKV profile fitted on
+    another model) and every example's length against the model's positions.
+    :class:`InputError` (fields ``budgets``, ``contexts``, ``allocator_param``) before any
+    cell runs and before anything is written."""
     from evictlab.eval.runner import cell_examples
     from evictlab.kv.budget import Budget
     from evictlab.kv.cache import register_ragged_attention
@@ -215,6 +251,8 @@ def preflight(spec: GridSpec, cells: list[CellSpec]) -> None:
             tokens = cfg.budget_tokens(g, cell.context)
         except InputError as exc:
             raise InputError("budgets", f"{cell.budget} on {cell.model}: {exc.problem}", exc.fix) from None
+        assert cfg.method is not None
+        cfg.method.for_model(g)  # the allocator checks the model (e.g. a ContourKV profile of another geometry)
         full = g.full_cache_tokens(cell.context)
         if tokens >= full:
             raise InputError("budgets", f"{cell.budget} is {tokens} kept entries on {cell.model}, at or above the "
@@ -224,15 +262,17 @@ def preflight(spec: GridSpec, cells: list[CellSpec]) -> None:
 
 def run_grid(spec: GridSpec, out: str | Path, *, map_cells: MapCells | None = None,
              progress: Callable[[int], None] | None = None, on_start: Callable[[int, int], None] | None = None,
-             record: Any = None, check_models: CheckModels | None = None) -> GridRun:
+             record: Any = None, check_models: CheckModels | None = None,
+             notify: Callable[[str], None] | None = None) -> GridRun:
     """Run (or resume) ``spec`` into the folder ``out``; see the module docstring.
 
     ``progress`` gets 1 per finished example (local executor); ``on_start(total_examples,
     done_examples)`` is called once the pending work is known; ``record`` is a
     :class:`~evictlab.record.RunRecord` written as ``run_record.json`` at the end;
-    ``check_models`` replaces :func:`preflight` (a remote executor's, :func:`remote_cells`).
+    ``check_models`` replaces :func:`preflight` (a remote executor's, :func:`remote_cells`);
+    ``notify`` gets one-line warnings (a damaged part discarded; default: stderr).
     """
-    from evictlab.io import atomic_path, check_output_path, exclusive_lock, read_parquet
+    from evictlab.io import check_output_path, exclusive_lock, read_checked_parquet, warn, write_checked_parquet
     from evictlab.record import record_path
 
     out = check_output_path(out, "out", directory=True)
@@ -245,7 +285,7 @@ def run_grid(spec: GridSpec, out: str | Path, *, map_cells: MapCells | None = No
             # corrected command can reuse the same --out.
             check(spec, cells)
             write_manifest(spec, out)
-        done = _done(out, cells)
+        done = _done(out, cells, notify or warn)
         pending = [c for c in cells if c.key not in done]
         if resume and pending:
             check(spec, pending)
@@ -256,21 +296,17 @@ def run_grid(spec: GridSpec, out: str | Path, *, map_cells: MapCells | None = No
             if isinstance(frame, tuple):  # run_cell_traced: (results, trace)
                 frame, trace = frame
                 if _traced(cell):
-                    with atomic_path(trace_path(out, cell), suffix=".parquet") as tmp:
-                        trace.write_parquet(tmp)
+                    write_checked_parquet(trace, trace_path(out, cell))
             if list(frame.columns) != list(RESULT_COLUMNS) or frame.height != cell.n:
                 raise RuntimeError(f"cell {cell.key} returned {frame.height} rows with columns {frame.columns}")
-            with atomic_path(part_path(out, cell), suffix=".parquet") as tmp:
-                frame.write_parquet(tmp)
-        fix = f"delete that part file and rerun the same command (the cell is run again)"
-        frames = [read_parquet(part_path(out, c), fix) for c in cells]
+            write_checked_parquet(frame, part_path(out, cell))
+        frames = [read_checked_parquet(part_path(out, c), _PART_FIX, legacy="refuse") for c in cells]
         results = pl.concat(frames, how="vertical") if frames else pl.DataFrame(schema=RESULT_COLUMNS)
         if spec.trace:
-            traces = [t for c in cells if _traced(c) and (t := read_parquet(trace_path(out, c), fix)).height]
-            with atomic_path(out / TRACE, suffix=".parquet") as tmp:
-                (pl.concat(traces, how="diagonal_relaxed") if traces else pl.DataFrame()).write_parquet(tmp)
-        with atomic_path(out / RESULTS, suffix=".parquet") as tmp:
-            results.write_parquet(tmp)
+            traces = [t for c in cells if _traced(c)
+                      and (t := read_checked_parquet(trace_path(out, c), _PART_FIX, legacy="refuse")).height]
+            write_checked_parquet(pl.concat(traces, how="diagonal_relaxed") if traces else pl.DataFrame(), out / TRACE)
+        write_checked_parquet(results, out / RESULTS)
         if record is not None:
             record.write(record_path(out, folder=True), outputs=[str(out / RESULTS)], cells=len(cells), ran=len(pending),
                          resumed=len(done), rows=results.height)

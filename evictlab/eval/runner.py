@@ -232,7 +232,7 @@ def _run_cell(cell: CellSpec, progress: Callable[[int], None] | None, tracer: An
     import torch
 
     from evictlab.decode.loop import run_sequence
-    from evictlab.tasks.examples import HELDOUT_PPL
+    from evictlab.tasks.examples import HELDOUT_PPL, useful_spec
     from evictlab.kv.budget import Budget, kv_bytes
     from evictlab.kv.cache import register_ragged_attention
     from evictlab.models.geometry import model_geometry
@@ -275,8 +275,9 @@ def _run_cell(cell: CellSpec, progress: Callable[[int], None] | None, tracer: An
                              method=cell.method, mode=cell.mode, protocol=cell.protocol, budget=cell.budget,
                              example=ex.index)
             t0 = time.perf_counter()
+            ex_cfg = cfg.with_labels(lambda: useful_spec(ex, tok))  # oracle_labels: this example's labels
             with torch.no_grad():
-                out = run_sequence(lm, c, q, cfg, answer_ids=ad, tokenizer=tok, compression_trace=tracer)
+                out = run_sequence(lm, c, q, ex_cfg, answer_ids=ad, tokenizer=tok, compression_trace=tracer)
             wall = time.perf_counter() - t0
             row.update(example_metrics(ref.logits[i], out.logits[0].float().cpu(), a,
                                        scored=cell.task != HELDOUT_PPL))

@@ -53,7 +53,6 @@ __all__ = [
     "CellSpec",
     "GridSpec",
     "budget_text",
-    "parse_list",
 ]
 
 GRID_VERSION = 1
@@ -64,14 +63,6 @@ MODES: tuple[str, ...] = ("physical", "uniform", "masked")
 PROTOCOLS: tuple[str, ...] = ("query-agnostic", "query-aware")
 NO_PROTOCOL = "none"
 """The protocol of the full-cache rows: nothing is compressed, so neither applies."""
-
-
-def parse_list(text: str | Sequence[str] | None) -> list[str]:
-    """``"a, b,c"`` (or repeated options) -> ``["a", "b", "c"]``; empty items dropped."""
-    if text is None:
-        return []
-    items = [text] if isinstance(text, str) else list(text)
-    return [p.strip() for item in items for p in str(item).split(",") if p.strip()]
 
 
 def budget_text(budget: Budget) -> str:
@@ -283,22 +274,25 @@ class GridSpec:
                 raise InputError("budgets", f"{budget_text(b)} keeps every token of the {min(self.contexts)}-token "
                                  "context: nothing would be evicted", "use budgets below the shortest context")
         self.method_params()  # unknown or bad parameters are refused here
+        from evictlab.tasks.examples import HELDOUT_PPL
+
         checked: set[tuple[str, str, str | None, str]] = set()
         for cell in self.cells():  # each method's config once (parameter values, ...)
             key = (cell.method, cell.mode, cell.budget, cell.protocol)
             if not cell.is_full and key not in checked:
                 checked.add(key)
-                cell.decode_config()
+                if cell.decode_config().needs_labels and HELDOUT_PPL in self.tasks:
+                    raise InputError("methods", f"{cell.method} reads the task's fact labels and {HELDOUT_PPL} "
+                                     "has none", f"drop {HELDOUT_PPL} from the tasks, or {cell.method} from the "
+                                     "methods")
 
     def check_models(self) -> None:
         """Refuse a model that is neither a registry name, a model folder nor a hub id
         (field ``model``), without loading or pulling anything."""
-        from evictlab.models.loading import resolve
-        from evictlab.models.registry import MODELS
+        from evictlab.models.loading import check_model_name
 
         for m in self.models:
-            if m not in MODELS:
-                resolve(m)
+            check_model_name(m, "model")
 
     # ------------------------------------------------------------------ derived
     @property

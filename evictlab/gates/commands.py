@@ -84,6 +84,7 @@ def train(
     overwrite: bool = typer.Option(False, "--overwrite", help="start over in an --out that holds gates or a checkpoint"),
 ) -> None:
     """Train retention gates on a frozen model; resumable (rerun the same command after a kill)."""
+    from evictlab.cliutil import parse_list
     from evictlab.gates.data import DataSpec
     from evictlab.gates.train import DTYPES, Recipe, resolve_dtype
     from evictlab.io import exclusive_lock
@@ -100,7 +101,7 @@ def train(
                     intermediate=intermediate, bias_init=bias_init, shared=not local, seed=seed,
                     checkpoint_every=checkpoint_every, dtype=resolve_dtype(dtype, dev),
                     data=DataSpec(seq_len=seq_len, text=text, text_fraction=text_fraction,
-                                  tasks=tuple(t.strip() for t in tasks.split(",") if t.strip())))
+                                  tasks=tuple(parse_list(tasks, "--tasks", "task"))))
     out = _prepare_out(out, overwrite)
     if recipe.data.text_fraction > 0:
         from evictlab.tasks.texts import load_text_source

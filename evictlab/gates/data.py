@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from evictlab.errors import InputError
+from evictlab.errors import InputError, refuse_duplicates
 
 __all__ = ["MIN_TASK_SEQ_LEN", "TASK_SEED_BASE", "DataSpec", "TrainingData"]
 
@@ -61,6 +61,7 @@ class DataSpec:
         if bad or (self.text_fraction < 1.0 and not self.tasks):
             raise InputError("--tasks", f"unknown task(s) {bad}" if bad else "no task given",
                              f"use some of: {', '.join(TASKS)}")
+        refuse_duplicates(self.tasks, "--tasks", "task")
         if self.text_fraction < 1.0 and self.seq_len < MIN_TASK_SEQ_LEN:
             raise InputError("--seq-len", f"{self.seq_len} tokens cannot hold a synthetic task",
                              f"use --seq-len {MIN_TASK_SEQ_LEN} or more, or --text-fraction 1")

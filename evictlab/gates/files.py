@@ -33,7 +33,7 @@ from evictlab.io import atomic_path, atomic_write_json, read_json, sha256_file
 
 __all__ = [
     "CHECKPOINT_FILE", "CONFIG_FILE", "FORMAT", "FORMAT_VERSION", "LOSSES_FILE", "WEIGHTS_FILE",
-    "capture_rng", "is_finished", "load_checkpoint", "load_gates", "read_config", "restore_rng",
+    "capture_rng", "geometry_meta", "is_finished", "load_checkpoint", "load_gates", "read_config", "restore_rng",
     "save_checkpoint", "save_gates",
 ]
 
@@ -43,6 +43,38 @@ WEIGHTS_FILE = "gates.safetensors"
 CONFIG_FILE = "gates.json"
 CHECKPOINT_FILE = "checkpoint.pt"
 LOSSES_FILE = "losses.parquet"
+
+
+#: The ``geometry`` entry of ``gates.json``: its keys and their types.
+GEOMETRY_KEYS: dict[str, type] = {"n_layers": int, "q_heads": int, "kv_heads": int, "head_dim": int,
+                                  "hidden_size": int, "dtype": str}
+
+
+def geometry_meta(model: Any) -> dict[str, Any]:
+    """The ``geometry`` entry of ``gates.json`` for gates of ``model`` (a transformers model)."""
+    from evictlab.models.geometry import model_geometry, text_config
+
+    g = model_geometry(model)
+    return {"n_layers": g.n_layers, "q_heads": g.q_heads, "kv_heads": g.kv_heads, "head_dim": g.head_dim,
+            "hidden_size": int(text_config(model).hidden_size), "dtype": str(g.dtype).removeprefix("torch.")}
+
+
+def _check_geometry(cfg: dict[str, Any], path: Path, fix: str) -> None:
+    """Refuse a config whose geometry is missing, incomplete or disagrees with its spec (the
+    spec is what the weights' shapes are checked against when they are loaded)."""
+    geo = cfg.get("geometry")
+    bad = [k for k, t in GEOMETRY_KEYS.items()
+           if not isinstance(geo, dict) or not isinstance(geo.get(k), t) or isinstance(geo.get(k), bool)
+           or (t is int and geo[k] <= 0)]
+    if bad:
+        raise CorruptFileError(str(path), f"has no complete geometry ({', '.join(bad)} missing or not valid)", fix)
+    spec = cfg.get("spec")
+    if not isinstance(spec, dict):
+        raise CorruptFileError(str(path), "has no spec", fix)
+    diff = [f"{k} {geo[k]} in the geometry, {spec.get(k)!r} in the spec" for k in ("n_layers", "kv_heads", "hidden_size")
+            if geo[k] != spec.get(k)]
+    if diff:
+        raise CorruptFileError(str(path), f"disagrees with itself ({'; '.join(diff)})", fix)
 
 
 def is_finished(folder: str | os.PathLike[str]) -> bool:
@@ -88,6 +120,7 @@ def read_config(folder: str | os.PathLike[str], field: str = "gates") -> dict[st
     if cfg.get("version") != FORMAT_VERSION:
         raise CorruptFileError(str(folder / CONFIG_FILE), f"has version {cfg.get('version')!r}, this evictlab reads "
                                f"version {FORMAT_VERSION}", fix)
+    _check_geometry(cfg, folder / CONFIG_FILE, fix)
     return cfg
 
 
@@ -100,10 +133,14 @@ def load_gates(folder: str | os.PathLike[str], field: str = "gates",
     st = weights.stat() if weights.is_file() else None
     state = _read_weights(str(weights.resolve()), st.st_mtime_ns if st else 0, st.st_size if st else 0,
                           cfg.get("sha256", ""))
-    spec = GateSpec.from_dict(cfg["spec"])
+    try:
+        spec = GateSpec.from_dict(cfg["spec"])
+    except (InputError, TypeError) as exc:
+        raise CorruptFileError(str(folder / CONFIG_FILE), f"has an invalid spec ({exc})",
+                               "retrain the gates into a new folder") from None
     gates = RetentionGates(spec)
     try:
-        gates.load_state_dict(state, strict=True)
+        gates.load_state_dict(state, strict=True)  # the tensors' names and shapes against the spec
     except RuntimeError as exc:
         raise CorruptFileError(str(weights), f"does not match its spec ({str(exc).splitlines()[0]})",
                                "retrain the gates into a new folder") from None

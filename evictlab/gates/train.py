@@ -342,17 +342,15 @@ def _finish(out: Path, gates: RetentionGates, recipe: Recipe, model: torch.nn.Mo
     """Write losses.parquet, then the gates (gates.json last), then drop the checkpoint."""
     import polars as pl
 
-    from evictlab.io import atomic_path
-    from evictlab.models.geometry import model_geometry, text_config
+    from evictlab.io import write_checked_parquet
+    from evictlab.models.geometry import model_geometry
 
     g = model_geometry(model)
-    with atomic_path(out / files.LOSSES_FILE, suffix=".parquet") as tmp:
-        pl.DataFrame([asdict(h) for h in history]).write_parquet(tmp)
+    write_checked_parquet(pl.DataFrame([asdict(h) for h in history]), out / files.LOSSES_FILE)
     tail = history[-min(10, len(history)):]
     meta = {
         "model": model_name,
-        "geometry": {"n_layers": g.n_layers, "q_heads": g.q_heads, "kv_heads": g.kv_heads, "head_dim": g.head_dim,
-                     "hidden_size": int(text_config(model).hidden_size), "dtype": str(g.dtype).removeprefix("torch.")},
+        "geometry": files.geometry_meta(model),
         "recipe": recipe.to_dict(),
         "data": recipe.data.to_dict(),
         "seed": recipe.seed,

@@ -84,10 +84,9 @@ def check_command(
     stdout.print(times)
 
     if out is not None:
-        from evictlab.io import atomic_path
+        from evictlab.io import write_checked_parquet
 
-        with atomic_path(out / "trials.parquet") as tmp:
-            table.write_parquet(tmp)
+        write_checked_parquet(table, out / "trials.parquet")
         record.write(record_path(out, folder=True), summary={"tried": summary.tried, "agreed": summary.agreed,
                                                        "disagreed": summary.disagreed})
         stdout.print(f"wrote {out / 'trials.parquet'} and {out / 'run_record.json'}")

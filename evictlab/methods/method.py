@@ -118,6 +118,16 @@ class Method:
         question, never one compressed cache shared by several questions."""
         return self.future or self.labels
 
+    def with_scorer_params(self, **params: Any) -> Method:
+        """This method with its scorer rebuilt with ``params`` added (the allocator, and the
+        files it read, are kept): e.g. one example's labels for the label ORACLE."""
+        from evictlab.methods.registry import make_scorer
+
+        merged = {**self.scorer_params, **params}
+        scorer = make_scorer(self.scorer_name, **merged)
+        typed = {k: getattr(scorer, k) for k in merged}
+        return Method.of(self.scorer_name, self.allocator_name, typed, self.allocator_params, scorer, self.allocator)
+
     def record(self) -> dict[str, Any]:
         """The method as a run record shows it."""
         return {"method": self.spec, "scorer": self.scorer_name, "allocator": self.allocator_name,

@@ -38,7 +38,10 @@ def parse_spans(text: str) -> list[tuple[int, int]]:
 class OracleLabels(Scorer):
     """ORACLE (labelled): keep the useful keys, then the most recent ones.
 
-    ``useful``: the useful keys' absolute positions as ``START:END`` ranges, comma-separated.
+    ``useful``: the useful keys' absolute positions as ``START:END`` ranges, comma-separated:
+    the task's labels, which the commands pass per example
+    (:meth:`evictlab.decode.config.DecodeConfig.with_labels`). There is no default: without
+    labels the scorer refuses to score (it would silently be StreamingLLM).
     score[k] = position(k) + 1e7 if k is useful else position(k): with the sinks and the
     recency window that :func:`~evictlab.methods.base.select_keep` always keeps, the kept
     set is sinks + every useful key (while the budget allows) + the most recent keys, so the
@@ -47,14 +50,17 @@ class OracleLabels(Scorer):
     Shapes: ``positions (s,)`` -> scores ``(b, hk, s)``.
     """
 
-    useful: str = "0:1"
+    useful: str | None = None
     name: ClassVar[str] = "oracle_labels"
     needs: ClassVar[frozenset[str]] = frozenset({"labels"})
 
     def __post_init__(self) -> None:
-        self.spans = parse_spans(self.useful)
+        self.spans = None if self.useful is None else parse_spans(self.useful)
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        if self.spans is None:
+            raise InputError("useful", "oracle_labels has no labels (no useful=START:END ranges)",
+                             "pass the task's labels (DecodeConfig.with_labels)")
         b, hk, s, _ = inputs.keys.shape
         pos = inputs.positions.to(inputs.keys.device)
         hit = torch.zeros(s, dtype=torch.bool, device=pos.device)

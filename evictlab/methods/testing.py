@@ -86,15 +86,9 @@ def scorers_on_tensors() -> list[str]:
     """Names of the registered scorers that score hand-made :class:`ScoreInputs` alone, sorted:
     every scorer except those whose ``needs`` include ``"gates"`` (``trimkv`` reads a log-beta
     side table that hooks on a model fill while it runs; it is tested with a model in
-    tests/test_gates.py, tests/test_methods_global.py and tests/test_decode_methods.py)."""
+    tests/test_gates.py, tests/test_methods_global.py and tests/test_decode_methods.py) or
+    ``"labels"`` (``oracle_labels`` needs a task's labels, which it has no default for; tested
+    in tests/test_dilution_sweep.py and tests/test_oracle_labels.py)."""
     from evictlab.methods.registry import REGISTRY
 
-    def needs(cls: Any) -> frozenset[str]:
-        for f in dataclasses.fields(cls):
-            if f.name == "needs":
-                if f.default_factory is not dataclasses.MISSING:
-                    return frozenset(f.default_factory())
-                return frozenset(f.default) if f.default is not dataclasses.MISSING else frozenset()
-        return frozenset(getattr(cls, "needs", frozenset()))
-
-    return sorted(n for n, cls in REGISTRY.items() if "gates" not in needs(cls))
+    return sorted(n for n, cls in REGISTRY.items() if not {"gates", "labels"} & cls.needs)

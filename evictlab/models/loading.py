@@ -57,6 +57,17 @@ def resolve(name: str) -> tuple[str, Path | str]:
     return "hub", name
 
 
+def check_model_name(name: str, option: str = "--model") -> None:
+    """Refuse (field ``option``) a model that is neither a registry name, a model folder nor
+    a hub id, without loading or pulling anything (what a command checks before any work)."""
+    if name in MODELS:
+        return
+    try:
+        resolve(name)
+    except InputError as exc:
+        raise InputError(option, exc.problem, exc.fix) from None
+
+
 #: transformers' own implementations evictlab loads with (others must be registered first).
 ATTENTIONS = ("eager", "sdpa")
 
@@ -108,13 +119,40 @@ def load_model(
                else "check the folder holds a complete Hugging Face model")
         raise CorruptFileError(str(where), f"could not load the model ({exc})", fix) from None
     except Exception as exc:  # safetensors, json and torch raise assorted types on bad files
-        if kind != "registry":
+        if kind == "hub":
             raise
-        raise CorruptFileError(str(where), f"could not load the model ({exc})",
-                               f"delete {where} and run `evictlab models pull {name}`") from None
+        if kind == "registry":
+            raise CorruptFileError(str(where), f"could not load the model ({exc})",
+                                   f"delete {where} and run `evictlab models pull {name}`") from None
+        raise bad_weights(Path(where), exc) from None
     model.to(dev)
     model.eval()
     return model, tok
+
+
+def bad_weights(folder: Path, exc: BaseException) -> CorruptFileError:
+    """The one-line error for a local model folder whose files could not be loaded: the
+    weights file when the failure is a damaged safetensors file or a pickle that torch's
+    safe loader refuses (a blocked global: such a checkpoint could run code, and evictlab
+    never unpickles it unsafely), else the folder."""
+    kind = type(exc).__name__
+    text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else kind
+    if "Unpickl" in kind or "weights_only" in str(exc) or "GLOBAL" in str(exc):
+        files = sorted(folder.glob("*.bin")) + sorted(folder.glob("*.pt")) + sorted(folder.glob("*.pth"))
+        where = files[0] if len(files) == 1 else folder
+        # the line naming the blocked global (torch's message also suggests weights_only=False: never)
+        why = next((ln.strip() for ln in str(exc).splitlines() if "GLOBAL" in ln or "global" in ln.lower()),
+                   "a global its safe loader blocks")[:200]
+        return CorruptFileError(str(where), f"holds a pickled checkpoint that torch will not load safely ({why})",
+                                "use the model's safetensors weights from a trusted copy (a pickle with such "
+                                "globals can run code; evictlab never loads one unsafely)")
+    if "Safetensor" in kind:
+        files = sorted(folder.glob("*.safetensors"))
+        where = files[0] if len(files) == 1 else folder
+        return CorruptFileError(str(where), f"is not a readable safetensors file ({text})",
+                                "replace it with an intact copy of the model's weights")
+    return CorruptFileError(str(folder), f"could not load the model ({kind}: {text})",
+                            "check the folder holds a complete Hugging Face model (config.json, weights, tokenizer)")
 
 
 def check_device(device: str) -> "torch.device":

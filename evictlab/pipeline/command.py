@@ -8,7 +8,7 @@ from typing import List, Optional
 
 import typer
 
-from evictlab.errors import InputError
+from evictlab.errors import InputError, refuse_duplicates
 from evictlab.pipeline.analysis import analyse
 from evictlab.pipeline.config import AnalysisConfig, CaptureSpec, parse_budgets
 from evictlab.pipeline.contour import contour_finish, contour_start
@@ -120,6 +120,14 @@ def demo(
         raise InputError("--search", f"must be 'pool' or 'all', got {search!r}", "pass --search all or --search pool")
     if threads < 0:
         raise InputError("--threads", f"must be >= 0, got {threads}", "pass 0 (torch default) or a thread count")
+    if results:
+        refuse_duplicates([p.resolve() for p in results], "--results", "results file")
+    if not synthetic and not results:  # every model name, before any stage runs (nothing is pulled here)
+        from evictlab.models.loading import check_model_name
+
+        check_model_name(model, "--model")
+        if second_model.lower() not in ("", "none"):
+            check_model_name(second_model, "--second-model")
     cfg = AnalysisConfig(budgets=parse_budgets(budgets), threshold=threshold, seed=seed, n_boot=n_boot,
                          hardness_trials=hardness_trials, threads=threads, search=search)
     run_name = name or ("demo" + ("-full" if full else "") + ("-synthetic" if synthetic else ""))

@@ -73,11 +73,11 @@ class AnalysisConfig:
 
 
 def parse_budgets(text: str) -> tuple[int, ...]:
-    """``"4,8 16"`` -> ``(4, 8, 16)`` (sorted, distinct); InputError naming ``--budgets`` otherwise."""
-    try:
-        b = tuple(int(x) for x in text.replace(",", " ").split())
-    except ValueError:
-        b = ()
-    if not b or any(x < 1 for x in b):
-        raise InputError("--budgets", f"expected positive integers like '4,8,16,32', got {text!r}", "pass e.g. --budgets 4,8,16,32")
-    return tuple(sorted(set(b)))
+    """``"4,8 16"`` -> ``(4, 8, 16)`` (sorted); InputError naming ``--budgets`` otherwise (the list
+    rule of :mod:`evictlab.cliutil`: no empty entry, no budget twice)."""
+    from evictlab.cliutil import parse_ints
+
+    b = parse_ints(text.split(), "--budgets", "budget", lo=1, example="4,8,16,32")
+    if not b:
+        raise InputError("--budgets", "no budget given", "pass e.g. --budgets 4,8,16,32")
+    return tuple(sorted(b))

@@ -69,16 +69,15 @@ def contour_start(grid: dict[str, Any], work: Path, cfg: AnalysisConfig, log: An
 def contour_finish(job: ContourJob, cfg: AnalysisConfig, log: Any) -> ContourResult:
     """Wait for :func:`contour_start`'s grid, then ContourKV against the other allocators at
     matched bytes; raise StageError when the grid failed."""
-    import polars as pl
-
     from evictlab.eval.claims.contour import contourkv_versus
+    from evictlab.io import read_checked_parquet
 
     if job.proc.poll() is None:
         log("waiting for the ContourKV grid")
     code = job.proc.wait()
     if code != 0:
         raise StageError(f"`evictlab {' '.join(job.args)}` exited with status {code}; see its message above")
-    results = pl.read_parquet(job.work / "results.parquet")
+    results = read_checked_parquet(job.work / "results.parquet", f"delete {job.work} and run the demo again")
     claims, detail = contourkv_versus(results, seed=cfg.seed, n_boot=cfg.n_boot)
     return ContourResult(grid=job.grid, folder=job.work, results=results, claims=claims, detail=detail)
 

@@ -14,6 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from evictlab.io import read_checked_parquet
 from evictlab.pipeline.config import AnalysisConfig, CaptureSpec, StageError
 
 
@@ -128,18 +129,17 @@ def _label_model(path: Path, label: str) -> None:
     """Make sure the results carry a model column (synthetic rows have none)."""
     import polars as pl
 
-    df = pl.read_parquet(path)
+    df = read_checked_parquet(path, "run the demo again with --resolve")
     if "model" in df.columns and df["model"].null_count() == 0 and (df["model"] != "").all():
         return
     write_parquet(df.with_columns(pl.lit(label).alias("model")), path)
 
 
 def write_parquet(df: Any, path: Path) -> Path:
-    """Write a polars frame atomically; return ``path``."""
-    from evictlab.io import atomic_path
+    """Write a polars frame atomically, with its checksum; return ``path``."""
+    from evictlab.io import write_checked_parquet
 
-    with atomic_path(path, suffix=".parquet") as tmp:
-        df.write_parquet(tmp)
+    write_checked_parquet(df, path)
     return path
 
 
@@ -150,8 +150,6 @@ def hardness_stage(cfg: AnalysisConfig, work: Path, log: Any) -> Any:
     Exit status 1 means the exact methods disagreed: that is a result (the claims table
     reports the disagreements), not a failed stage.
     """
-    import polars as pl
-
     args = ["hardness", "check", "--trials", str(cfg.hardness_trials), "--size", str(cfg.hardness_size),
             "--seed", str(cfg.seed), "--out", str(work), "--overwrite"]
     work.mkdir(parents=True, exist_ok=True)
@@ -159,4 +157,4 @@ def hardness_stage(cfg: AnalysisConfig, work: Path, log: Any) -> Any:
     trials = work / "trials.parquet"
     if not trials.is_file():
         raise StageError(f"`evictlab {' '.join(args)}` wrote no {trials}; see its message above")
-    return pl.read_parquet(trials)
+    return read_checked_parquet(trials, f"delete {work} and run the demo again")

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Optional
 import typer
 
 from evictlab.errors import InputError
+from evictlab.io import DEFAULT_MAX_GIB
 
 if TYPE_CHECKING:
     from evictlab.rows.reader import RowStore
@@ -36,7 +37,8 @@ def synth(
     recency: Optional[float] = typer.Option(
         None, "--recency", help="Logit bonus of the last key vs the first (query kind; default 0)."),
     values: str = typer.Option("gaussian", "--values", help="gaussian or clustered."),
-    clusters: int = typer.Option(8, "--clusters", help="Clusters per block for --values clustered."),
+    clusters: Optional[int] = typer.Option(None, "--clusters", show_default=False,
+                                           help="Clusters per block (--values clustered only; default 8)."),
     rows_per_block: int = typer.Option(256, "--rows-per-block",
                                        help="Rows sharing one stored key/value block."),
     spread: float = typer.Option(0.25, "--spread",
@@ -44,6 +46,8 @@ def synth(
     rows_per_shard: int = typer.Option(16384, "--rows-per-shard", help="Rows per array shard."),
     overwrite: bool = typer.Option(False, "--overwrite",
                                    help="Replace a row dataset at --out that has other settings."),
+    max_gib: float = typer.Option(DEFAULT_MAX_GIB, "--max-gib", help="Refuse a dataset that would take more disk "
+                                  "than this (GiB, estimated before anything is written)."),
 ) -> None:
     """Write a seeded synthetic row dataset (same arguments -> identical shard files).
 
@@ -52,10 +56,10 @@ def synth(
     """
     from tqdm import tqdm
 
-    from evictlab.io import check_output_path, exclusive_lock
+    from evictlab.io import check_output_path, check_output_size, exclusive_lock
     from evictlab.record import RunRecord
     from evictlab.rows.schema import RECORD_FILE
-    from evictlab.rows.synth import SynthConfig, synthesize
+    from evictlab.rows.synth import SynthConfig, estimated_bytes, synthesize
 
     cfg = SynthConfig(rows=rows, keys=keys, dim=dim, seed=seed, kind=kind, alpha=alpha,
                       temperature=temperature, sinks=sinks, sink_boost=sink_boost,
@@ -63,6 +67,8 @@ def synth(
                       rows_per_block=rows_per_block, spread=spread,
                       rows_per_shard=rows_per_shard)
     record = RunRecord(kind="rows.synth", config=cfg.validate(), model="synthetic", seed=seed)
+    check_output_size(estimated_bytes(cfg), max_gib, f"{rows:,} rows of {keys:,} keys (d = {dim})",
+                      "generate fewer --rows or --keys (or raise --max-gib)", option="--rows")
     check_output_path(out, "--out", directory=True)
     with exclusive_lock(out, "--out"):  # also covers the run record
         with tqdm(total=rows, unit="row", desc="synth", disable=None) as bar:
@@ -151,7 +157,7 @@ def export(
     path: Path = typer.Argument(..., help="Row dataset directory."),
     out: Path = typer.Option(..., "--out", help="Output FILE.npz."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Export only the first N rows."),
-    max_gib: float = typer.Option(4.0, "--max-gib",
+    max_gib: float = typer.Option(DEFAULT_MAX_GIB, "--max-gib",
                                   help="Refuse if the dense arrays would exceed this size."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out file."),
 ) -> None:
@@ -160,8 +166,6 @@ def export(
     from evictlab.record import RunRecord, record_path
     from evictlab.rows.export import export_npz
 
-    if not max_gib > 0:
-        raise InputError("--max-gib", f"must be > 0, got {max_gib}", "pass e.g. --max-gib 4")
     record = RunRecord(kind="rows.export", config={"path": str(path), "limit": limit,
                                                    "max_gib": max_gib})
     check_output_path(out, "--out", directory=False)

@@ -32,11 +32,11 @@ import numpy as np
 import polars as pl
 
 from evictlab.errors import InputError
-from evictlab.io import check_output_path, exclusive_lock, write_npz
+from evictlab.io import DEFAULT_MAX_GIB, check_output_path, check_output_size, exclusive_lock, write_npz
 from evictlab.rows.reader import RowStore
 
 #: Refuse exports whose dense arrays would exceed this many bytes unless raised.
-DEFAULT_MAX_BYTES = 4 << 30
+DEFAULT_MAX_BYTES = int(DEFAULT_MAX_GIB * 2**30)
 
 
 def export_arrays(store: RowStore, limit: int | None = None,
@@ -50,10 +50,8 @@ def export_arrays(store: RowStore, limit: int | None = None,
     n_max = int(index["n"].max())
     d = store.head_dim
     need = N * n_max * (d + 2) * 8
-    if need > max_bytes:
-        raise InputError("--limit", f"exporting {N} rows x {n_max} keys x d={d} needs "
-                         f"{need / 2**30:.1f} GiB of dense arrays (limit {max_bytes / 2**30:.1f} GiB)",
-                         "pass a smaller --limit (or raise --max-gib)")
+    check_output_size(need, max_bytes / 2**30, f"exporting {N} rows x {n_max} keys x d={d} as dense arrays",
+                      "pass a smaller --limit (or raise --max-gib)", option="--limit")
     p = np.zeros((N, n_max), np.float64)
     values = np.zeros((N, n_max, d), np.float64)
     key_index = np.full((N, n_max), -1, np.int64)

@@ -70,7 +70,7 @@ class SynthConfig:
     sink_boost: float | None = None     # query kind only; default 6.0 (logit units)
     recency: float | None = None        # query kind only; default 0.0 (logit units)
     values: str = "gaussian"
-    clusters: int = 8
+    clusters: int | None = None         # clustered values only; default 8
     rows_per_block: int = 256
     spread: float = 0.25
     rows_per_shard: int = 16384
@@ -82,6 +82,7 @@ class SynthConfig:
     def resolved(self) -> dict[str, Any]:
         """Knobs with kind-specific defaults filled in (what the manifest records)."""
         out = asdict(self)
+        out["clusters"] = 8 if self.clusters is None else self.clusters  # recorded for every --values
         if self.kind == "query":
             out.update(
                 temperature=0.5 if self.temperature is None else self.temperature,
@@ -94,6 +95,17 @@ class SynthConfig:
         return out
 
 
+def estimated_bytes(cfg: SynthConfig) -> int:
+    """Bytes the dataset of ``cfg`` takes on disk, estimated from the shard layout (within a
+    few percent): per block of ``rows_per_block`` rows its values (and, query kind, keys) as
+    float32 and its positions as int64, per row its query (or logits) as float32 and its
+    index entry (~100 bytes)."""
+    blocks = -(-int(cfg.rows) // max(int(cfg.rows_per_block), 1))
+    per_key = cfg.dim * 4 * (2 if cfg.kind == "query" else 1) + 8
+    per_row = (cfg.dim * 4 if cfg.kind == "query" else cfg.keys * 4) + 100
+    return blocks * cfg.keys * per_key + int(cfg.rows) * per_row
+
+
 def _check(cfg: SynthConfig) -> dict[str, Any]:
     """Validate ``cfg`` (InputError naming the CLI flag) and return ``cfg.resolved()``."""
 
@@ -101,8 +113,10 @@ def _check(cfg: SynthConfig) -> dict[str, Any]:
         if not ok:
             raise InputError(field, problem, fix)
 
+    need(cfg.clusters is None or cfg.values == "clustered", "--clusters", "only applies with --values clustered",
+         "drop --clusters, or pass --values clustered")
     for name in ("rows", "keys", "dim", "rows_per_block", "rows_per_shard", "clusters"):
-        v = getattr(cfg, name)
+        v = getattr(cfg, name) if name != "clusters" else cfg.resolved()["clusters"]
         need(isinstance(v, (int, np.integer)) and v >= 1, f"--{name.replace('_', '-')}",
              f"must be a positive integer, got {v!r}", "pass an integer >= 1")
     need(isinstance(cfg.seed, (int, np.integer)) and cfg.seed >= 0, "--seed",
@@ -255,6 +269,7 @@ def synthesize(out: str | os.PathLike[str], cfg: SynthConfig,
             if progress is not None and resumed:
                 progress(resumed)
             done, block = 0, 0
+            clusters = cfg.resolved()["clusters"]
             while done < cfg.rows:
                 R = min(cfg.rows_per_block, cfg.rows - done)
                 # Committed blocks are drawn again (same random stream) but not written.
@@ -264,7 +279,7 @@ def synthesize(out: str | os.PathLike[str], cfg: SynthConfig,
                 if write:
                     w.add_prompt(block, [], source="synthetic", mode="synthetic",
                                  text=f"synthetic block {block}")
-                vals = _values(rng, L, d, cfg.values, cfg.clusters)
+                vals = _values(rng, L, d, cfg.values, clusters)
                 pos = np.full(L, -1, np.int64)
                 heads = np.zeros(R, np.int64)
                 row_pos = np.full(R, -1, np.int64)

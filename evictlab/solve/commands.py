@@ -113,22 +113,15 @@ class SolveCommand(TyperCommand):
 
 
 def _parse_budgets(values: List[str]) -> tuple[int, ...]:
-    """Budgets from ``--budgets`` values (each an integer or a comma-separated list)."""
-    out: list[int] = []
-    for tok in values:
-        for part in str(tok).split(","):
-            part = part.strip()
-            if not part:
-                continue
-            try:
-                out.append(int(part))
-            except ValueError:
-                raise InputError("--budgets", f"{part!r} is not an integer",
-                                 "write budgets as integers, e.g. --budgets 4 8 16 32") from None
-    return tuple(out)
+    """Budgets from ``--budgets`` values (each an integer or a comma-separated list; the list
+    rule of :mod:`evictlab.cliutil`: no empty entry, no budget twice)."""
+    from evictlab.cliutil import parse_ints
+
+    return tuple(parse_ints(values, "--budgets", "budget", example="4,8,16,32"))
 
 
 def solve(
+    ctx: typer.Context,
     rows: Path = typer.Argument(..., help="Row dataset directory (put it before --budgets)."),
     budgets: List[str] = typer.Option(
         ..., "--budgets",
@@ -163,11 +156,17 @@ def solve(
     With --executor ray each part is one Ray task (--threads CPUs each, 1 if 0); the results
     are the local run's, bit for bit.
     """
+    from evictlab.cliutil import outputs_written, refuse_unused
     from evictlab.executor import check_executor
     from evictlab.executor.commands import executor_for
     from evictlab.solve.runner import SolveConfig, solve_rows
 
     check_executor(executor, address)
+    for param in ("cert_max_n", "cert_max_s", "cert_nodes"):
+        refuse_unused(ctx, param, "--" + param.replace("_", "-"), certify, "--certify")
+    for param in ("ls_pairs", "ls_kicks", "ls_seed"):  # the all-key search also seeds the certificate
+        refuse_unused(ctx, param, "--" + param.replace("_", "-"), search == "all" or certify,
+                      "--search all (or --certify)")
 
     bud = _parse_budgets(budgets)
     cfg = SolveConfig(budgets=bud, r_m=pool[0], r_e=pool[1], max_swaps=max_swaps, certify=certify,
@@ -177,6 +176,7 @@ def solve(
     with executor_for(executor, address) as ex:
         summary = solve_rows(rows, out, cfg, threads=threads, overwrite=overwrite, restart=restart,
                              notify=lambda msg: typer.echo(msg, err=True), executor=ex)
+    outputs_written(out)
     resumed = f", {summary.parts_done_before} parts resumed" if summary.parts_done_before else ""
     typer.echo(f"wrote {summary.rows} rows x {len(bud)} budgets to {out}{resumed}")
 

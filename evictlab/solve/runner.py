@@ -8,13 +8,16 @@ one Parquet row per (row_id, s) with the columns of :data:`RESULT_COLUMNS` (the 
 "Solver results" in ``docs/architecture.md``).
 
 Resumability: the rows (in ``row_id`` order) are cut into chunks of ``chunk_rows``; chunk k
-is written atomically to ``<out>.parts/part-{k:05d}.parquet`` and its SHA-256 recorded in
-``checksums.json`` there. A rerun with the same job (dataset, budgets, pool, ...) first
-checks every part already written (checksum, readable, the expected rows and columns),
+is written atomically to ``<out>.parts/part-{k:05d}.parquet`` with its checksum in its own
+footer (:func:`evictlab.io.write_checked_parquet`, as ``<out>``). A rerun with the same job
+(dataset, budgets, pool, ...) first checks every part already written (checksum, readable,
+the expected rows and columns; a part without a checksum, from an older evictlab, is
+recomputed),
 discards and reports a damaged one, and computes only the missing chunks; when all are
 there they are concatenated into ``<out>`` atomically, a run record is written beside it,
 and the parts folder is removed. Interrupting a run (Ctrl-C, kill) leaves only complete
-parts. One run per ``--out``: the run holds ``<out>``'s lock (``evictlab.io``), so a second
+parts. Where the time went is recorded per phase (:data:`PHASES`, seconds) in the summary
+and the run record (``phases_s``), so a slowdown shows which phase grew. One run per ``--out``: the run holds ``<out>``'s lock (``evictlab.io``), so a second
 run on the same output is refused at once.
 """
 
@@ -24,6 +27,7 @@ import contextlib
 import hashlib
 import json
 import shutil
+import time
 from dataclasses import asdict, dataclass, field
 from math import comb
 from pathlib import Path
@@ -36,14 +40,13 @@ import polars as pl
 from evictlab.errors import CorruptFileError, InputError
 from evictlab.record import RunRecord, record_path
 from evictlab.io import (
-    atomic_path,
     atomic_write_json,
     check_output_path,
     exclusive_lock,
+    read_checked_parquet,
     read_json,
-    read_parquet,
     remove_temp_files,
-    sha256_file,
+    write_checked_parquet,
 )
 
 #: ``kappa_hat = e_top / max(es_hat, KAPPA_EPS)`` (absolute, in value units).
@@ -293,6 +296,52 @@ class SolveSummary:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+#: The phases of a local solve, in order, timed into ``SolveSummary.extra["phases_s"]`` and the
+#: run record: ``open`` (the dataset, its index, the job), ``checks`` (verifying parts already
+#: written), ``compile`` (the first call of the kernels on a one-row batch: Numba compiles them,
+#: ~50 s of CPU after any change to a kernel file, or loads them from its cache, under 1 s),
+#: ``read`` (rows from the shards, p recomputed), ``solve`` (the kernels: enumeration,
+#: selector, free-weight solves, all-key search, certificate; and the result frames),
+#: ``write`` (part files with their checksums), ``collect`` (the parts verified and read back),
+#: ``write_out`` (the results file), ``record`` (the run record).
+PHASES = ("open", "checks", "compile", "read", "solve", "write", "collect", "write_out", "record")
+
+
+def warm_kernels(cfg: SolveConfig, d: int) -> None:
+    """Run :func:`solve_batch` once on a one-row batch of head dim ``d``, so the kernels
+    ``cfg`` uses are compiled (or loaded from Numba's cache) before any row is solved, and
+    that cost is timed as its own phase."""
+    from evictlab.rows.batch import RowBatch
+
+    n = int(max(cfg.budgets)) + cfg.r_m + cfg.r_e + 2
+    rng = np.random.default_rng(0)
+    meta = pl.DataFrame({"row_id": [0], "prompt_id": [0], "layer": [0], "q_head": [0], "kv_head": [0],
+                         "position": [-1], "n": [n]}, schema={c: pl.Int64 for c in
+                                                          ("row_id", "prompt_id", "layer", "q_head", "kv_head",
+                                                           "position", "n")})
+    batch = RowBatch(p=rng.dirichlet(np.ones(n)), p_off=np.array([0, n], dtype=np.int64),
+                     values=rng.standard_normal((n, d)), v_start=np.zeros(1, dtype=np.int64),
+                     key_index=np.arange(n, dtype=np.int64), meta=meta)
+    solve_batch(batch, cfg)
+
+
+class _Clock:
+    """Seconds per phase (:data:`PHASES`)."""
+
+    def __init__(self) -> None:
+        self.s = {p: 0.0 for p in PHASES}
+        self.t = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        """Charge the time since the last lap to ``phase``."""
+        now = time.perf_counter()
+        self.s[phase] += now - self.t
+        self.t = now
+
+    def rounded(self) -> dict[str, float]:
+        return {k: round(v, 3) for k, v in self.s.items()}
+
+
 def parts_dir_for(out: Path) -> Path:
     """Folder of the part files of ``out`` (``RESULTS.parquet`` -> ``RESULTS.parquet.parts``)."""
     return out.with_name(out.name + ".parts")
@@ -329,17 +378,15 @@ def _same_job(old: Any, job: dict[str, Any]) -> str | None:
     return None
 
 
-def _check_part(path: Path, sha: str | None, ids: np.ndarray, cfg: SolveConfig) -> str | None:
+def _check_part(path: Path, ids: np.ndarray, cfg: SolveConfig) -> str | None:
     """None if the part file ``path`` holds exactly the results of rows ``ids``, else why not.
 
-    Checked without recomputing anything: the recorded SHA-256 (when recorded: a part
-    written just before a crash may lack it), readable Parquet, the columns of ``cfg``,
-    and the (row_id, s) pairs in order.
+    Checked without recomputing anything: its checksum (:func:`evictlab.io.check_parquet`;
+    a part without one, from an older evictlab, is refused), readable Parquet, the columns
+    of ``cfg``, and the (row_id, s) pairs in order.
     """
-    if sha is not None and sha256_file(path) != sha:
-        return "fails its SHA-256 checksum"
     try:
-        df = read_parquet(path, _PART_FIX)
+        df = read_checked_parquet(path, _PART_FIX, legacy="refuse")
     except CorruptFileError as exc:
         return exc.problem
     if df.columns != result_columns(cfg):
@@ -417,6 +464,7 @@ def _solve_locked(rows: Path, out: Path, cfg: SolveConfig, threads: int | None, 
     remote = executor is not None and executor.name != "local"
     record = RunRecord(kind="solve", config={**cfg.to_dict(), "rows": str(rows), "threads": threads,
                                              "executor": "ray" if remote else "local"})
+    clock = _Clock()
     store = RowStore.open(rows)
     index = store.meta.select("row_id", "n").sort("row_id")
     ids = index["row_id"].to_numpy()
@@ -430,7 +478,6 @@ def _solve_locked(rows: Path, out: Path, cfg: SolveConfig, threads: int | None, 
     job = {"dataset": _dataset_id(store), "rows": str(rows.resolve()), "n_rows": int(ids.shape[0]),
            "config": cfg.to_dict()}
     job_file = parts / "job.json"
-    sums_file = parts / "checksums.json"
     remove_temp_files(out.parent, (out.name,))
     if parts.exists() and not parts.is_dir():
         raise InputError("--out", f"{parts} (where the part files of {out.name} go) is a file",
@@ -449,7 +496,7 @@ def _solve_locked(rows: Path, out: Path, cfg: SolveConfig, threads: int | None, 
                     "pass --restart to discard them and start over")
             shutil.rmtree(parts)
     parts.mkdir(exist_ok=True)
-    remove_temp_files(parts, ("part-", job_file.name, sums_file.name))
+    remove_temp_files(parts, ("part-", job_file.name))
     atomic_write_json(job_file, job)
 
     def part_file(k: int) -> Path:
@@ -458,28 +505,22 @@ def _solve_locked(rows: Path, out: Path, cfg: SolveConfig, threads: int | None, 
     def chunk(k: int) -> np.ndarray:
         return ids[k * cfg.chunk_rows:(k + 1) * cfg.chunk_rows]
 
+    clock.lap("open")
     # Check every part already there before computing anything.
-    try:
-        sums = read_json(sums_file, "") if sums_file.is_file() else {}
-    except CorruptFileError:
-        sums = {}
-    sums = {k: v for k, v in sums.items() if isinstance(v, str)} if isinstance(sums, dict) else {}
     done: list[int] = []
     discarded: list[str] = []
     for k in range(n_parts):
         f = part_file(k)
         if not f.exists():
             continue
-        why = _check_part(f, sums.get(f.name), chunk(k), cfg)
+        why = _check_part(f, chunk(k), cfg)
         if why is None:
-            sums.setdefault(f.name, sha256_file(f))
             done.append(k)
         else:
             f.unlink()
-            sums.pop(f.name, None)
             discarded.append(f.name)
             notify(f"warning: discarded the damaged part file {f} ({why}); it is recomputed")
-    atomic_write_json(sums_file, sums)
+    clock.lap("checks")
     pending = sorted(set(range(n_parts)) - set(done))
     written = 0
     rows_done = sum(chunk(k).shape[0] for k in done)
@@ -492,17 +533,16 @@ def _solve_locked(rows: Path, out: Path, cfg: SolveConfig, threads: int | None, 
             bar: Any = task_bar("solve", initial=len(done), disable=not progress)
             results = _remote_parts(executor, tasks, TaskSpec(cpus=threads or 1), bar)
         else:
+            warm_kernels(cfg, store.head_dim)
+            clock.lap("compile")
             bar = tqdm(total=int(ids.shape[0]), initial=rows_done, unit="row", desc="solve",
                        disable=not progress)
-            results: Iterator[tuple[int, pl.DataFrame]] = _local_parts(store, pending, chunk, cfg, model, bar)
+            results: Iterator[tuple[int, pl.DataFrame]] = _local_parts(store, pending, chunk, cfg, model, bar, clock)
         try:
             for k, df in results:
-                with atomic_path(part_file(k), suffix=".parquet") as tmp:
-                    df.write_parquet(tmp)
-                # A crash here leaves a complete part without a checksum: it is checked by
-                # reading it on resume.
-                sums[part_file(k).name] = sha256_file(part_file(k))
-                atomic_write_json(sums_file, sums)
+                clock.lap("solve")  # a remote run: the wait for the part
+                write_checked_parquet(df, part_file(k))
+                clock.lap("write")
                 written += 1
                 if on_rows is not None:
                     on_rows(chunk(k).shape[0])
@@ -514,15 +554,19 @@ def _solve_locked(rows: Path, out: Path, cfg: SolveConfig, threads: int | None, 
     complete = all(part_file(k).exists() for k in range(n_parts))
     summary = SolveSummary(out=None, parts_total=n_parts, parts_done_before=len(done),
                            parts_written=written, rows=int(ids.shape[0]), complete=complete,
-                           extra={"parts_discarded": discarded})
+                           extra={"parts_discarded": discarded, "phases_s": clock.rounded()})
     if not complete:
         return summary
-    table = pl.concat([read_parquet(part_file(k), _PART_FIX) for k in range(n_parts)],
+    table = pl.concat([read_checked_parquet(part_file(k), _PART_FIX, legacy="refuse") for k in range(n_parts)],
                       how="vertical")
-    with atomic_path(out, suffix=".parquet") as tmp:
-        table.write_parquet(tmp)
+    clock.lap("collect")
+    write_checked_parquet(table, out)
+    clock.lap("write_out")
     rec = record.write(record_path(out), output=str(out), rows_out=table.height,
-                       parts=n_parts, parts_resumed=len(done), executor=record.config["executor"])
+                       parts=n_parts, parts_resumed=len(done), executor=record.config["executor"],
+                       phases_s={k: v for k, v in clock.rounded().items() if k != "record"})
+    clock.lap("record")
+    summary.extra["phases_s"] = clock.rounded()
     shutil.rmtree(parts)
     summary.out = out
     summary.record = rec
@@ -530,17 +574,20 @@ def _solve_locked(rows: Path, out: Path, cfg: SolveConfig, threads: int | None, 
 
 
 def _local_parts(store: Any, pending: list[int], chunk: Callable[[int], np.ndarray], cfg: SolveConfig,
-                 model: str | None, bar: Any) -> Iterator[tuple[int, pl.DataFrame]]:
+                 model: str | None, bar: Any, clock: _Clock) -> Iterator[tuple[int, pl.DataFrame]]:
     """The local executor: stream the pending chunks' rows in ``row_id`` order (one shard in
-    memory at a time) and solve each chunk here; yields ``(k, results)``."""
+    memory at a time) and solve each chunk here; yields ``(k, results)`` (the time reading a
+    batch is charged to ``read``, solving it to ``solve``)."""
     todo_ids = np.concatenate([chunk(k) for k in pending])
     flt = pl.col("row_id").is_in(pl.Series(todo_ids).implode())
     for k, batch in zip(pending, store.iter_batches(cfg.chunk_rows, filter=flt)):
+        clock.lap("read")
         got = batch.meta["row_id"].to_numpy()
         if not np.array_equal(np.sort(got), chunk(k)):
             raise RuntimeError(f"batch for part {k} does not hold the expected rows")
-        yield k, solve_batch(batch, cfg, model)
+        df = solve_batch(batch, cfg, model)
         bar.update(batch.n_rows)
+        yield k, df
 
 
 def _remote_parts(executor: Any, tasks: list[SolvePart], spec: Any, bar: Any) -> Iterator[tuple[int, pl.DataFrame]]:

@@ -12,6 +12,7 @@ from typing import List, Optional
 
 import typer
 
+from evictlab.cliutil import outputs_written
 from evictlab.errors import InputError
 
 predictor_app = typer.Typer(help="Dropped-mass predictors of a significant selection gap (kappa_hat > threshold).",
@@ -21,9 +22,11 @@ predictor_app = typer.Typer(help="Dropped-mass predictors of a significant selec
 def _features(spec: str) -> list[str]:
     from evictlab.stats.predictors import FEATURE_SETS, KNOWN_FEATURES
 
+    from evictlab.cliutil import parse_list
+
     if spec in FEATURE_SETS:
         return list(FEATURE_SETS[spec])
-    feats = [f.strip() for f in spec.split(",") if f.strip()]
+    feats = parse_list(spec, "--features", "feature")
     bad = [f for f in feats if f not in KNOWN_FEATURES]
     if not feats or bad:
         raise InputError("--features", f"unknown feature set or features {bad or spec!r}",
@@ -98,6 +101,7 @@ def fit(
     pred.metadata["held_out_auc"] = held.select("model", "s", "auc", "auc_lo", "auc_hi", "rows").to_dicts()
     pred.save(out)
     record.write(record_path(out), output=str(out))
+    outputs_written(out)
     _print_auc(held, f"held-out AUC of {'+'.join(feats)} (label kappa_hat > {threshold})")
     typer.echo(f"wrote {out}")
 
@@ -112,7 +116,7 @@ def eval_(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out (and its run record)."),
 ) -> None:
     """ROC AUC (bootstrap 95% CI) and Brier score of a saved predictor on other results, per model and s."""
-    from evictlab.io import atomic_path, check_output_file
+    from evictlab.io import check_output_file, write_checked_parquet
     from evictlab.record import RunRecord, record_path
     from evictlab.stats.predictors import Predictor, evaluate
     from evictlab.stats.results import load_results
@@ -128,7 +132,7 @@ def eval_(
     table = evaluate(pred, df, seed=seed, n_boot=n_boot, source=", ".join(map(str, results)), name=predictor.stem)
     _print_auc(table, f"AUC of {predictor.name} ({'+'.join(pred.features)}, label kappa_hat > {pred.threshold})")
     if out is not None:
-        with atomic_path(out, suffix=".parquet") as tmp:
-            table.write_parquet(tmp)
+        write_checked_parquet(table, out)
         record.write(record_path(out), output=str(out))
+        outputs_written(out)
         typer.echo(f"wrote {out}")

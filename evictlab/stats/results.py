@@ -12,7 +12,8 @@ from pathlib import Path
 
 import polars as pl
 
-from evictlab.errors import CorruptFileError, InputError
+from evictlab.errors import InputError
+from evictlab.io import read_checked_parquet
 
 #: Columns every statistic needs.
 REQUIRED = (
@@ -37,11 +38,9 @@ def load_results(path: str | os.PathLike[str] | list[str | os.PathLike[str]]) ->
         p = Path(p)
         if not p.exists():
             raise InputError(str(p), "no such results file", "run `evictlab solve ROWS --out RESULTS.parquet` first")
-        try:
-            frames.append(pl.read_parquet(p))
-        except Exception as exc:  # polars raises several types for a bad file
-            raise CorruptFileError(str(p), f"not a readable Parquet file ({exc.__class__.__name__})",
-                                   "re-run `evictlab solve` to rewrite it") from exc
+        # the checksum written by `evictlab solve` is verified; a file without one (an older
+        # evictlab) is read after a one-line warning
+        frames.append(read_checked_parquet(p, "re-run `evictlab solve` to rewrite it"))
     df = pl.concat(frames, how="diagonal_relaxed") if len(frames) > 1 else frames[0]
     return prepare(df, source=", ".join(str(p) for p in paths))
 

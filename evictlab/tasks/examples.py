@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from evictlab.tasks.corpus import encode, heldout_split
-from evictlab.tasks.synthetic import TASKS, TaskExample, make_task
+from evictlab.tasks.synthetic import TASKS, Fact, TaskExample, fact_token_spans, make_task
 from evictlab.errors import InputError
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "normalize_answer",
     "score_exact_match",
     "task_suite",
+    "useful_spec",
 ]
 
 def encode_text(tokenizer: Any, text: str, *, special: bool = True) -> list[int]:
@@ -65,6 +66,8 @@ class TaskPrompt:
     ``question_ids`` (``"\\n\\n" + question``, ending with an answer prefix); the model's
     continuation is compared with ``answer``. When the cache is compressed relative to the
     question is the decode loop's protocol (``DecodeConfig.query_aware``), not the prompt's.
+    ``context_text`` and ``facts`` (the inserted needles, :class:`~evictlab.tasks.synthetic.Fact`)
+    give the example's labels (:func:`useful_spec`).
     """
 
     task: str
@@ -73,6 +76,8 @@ class TaskPrompt:
     question_ids: list[int]
     answer: str
     answers: tuple[str, ...]
+    context_text: str = ""
+    facts: tuple[Fact, ...] = ()
 
 
 def tokenize_task(example: TaskExample, tokenizer: Any) -> TaskPrompt:
@@ -84,7 +89,21 @@ def tokenize_task(example: TaskExample, tokenizer: Any) -> TaskPrompt:
     ctx = encode_text(tokenizer, example.context)
     q = encode_text(tokenizer, "\n\n" + example.question, special=False)
     return TaskPrompt(task=example.task, seed=example.seed, context_ids=ctx, question_ids=q,
-                      answer=example.answer, answers=example.answers or (example.answer,))
+                      answer=example.answer, answers=example.answers or (example.answer,),
+                      context_text=example.context, facts=example.facts)
+
+
+def useful_spec(example: Any, tokenizer: Any) -> str | None:
+    """The task's labels as the ``useful`` parameter of the ``oracle_labels`` scorer: the
+    token spans, in ``example.context_ids``, of the facts the question asks for
+    (``"120:139,400:419"``, half-open); None when the example has no asked fact (a
+    ``heldout_ppl`` window). ``example``: a :class:`TaskPrompt` or :class:`EvalExample`.
+    Computed on demand (only a run of ``oracle_labels`` needs it)."""
+    asked = tuple(f for f in example.facts if f.asked)
+    if not asked:
+        return None
+    spans = fact_token_spans(tokenizer, example.context_text, asked, ids=list(example.context_ids))
+    return ",".join(f"{s['start']}:{s['end']}" for s in spans)
 
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -191,6 +210,8 @@ class EvalExample:
     and scored (``answer`` is their text). ``index`` is the example's position in its suite,
     ``seed`` the seed that built it. For ``heldout_ppl`` the "question" is the window's last
     context token and the "answer" the target tokens (there is no question to be aware of).
+    ``context_text`` and ``facts`` give the labels, as :class:`TaskPrompt`'s (none for
+    ``heldout_ppl``).
     """
 
     task: str
@@ -200,6 +221,8 @@ class EvalExample:
     question_ids: list[int]
     answer_ids: list[int]
     answer: str
+    context_text: str = ""
+    facts: tuple[Fact, ...] = ()
 
 
 def eval_examples(task: str, n: int, context_tokens: int, tokenizer: Any, seed: int, *,
@@ -221,5 +244,6 @@ def eval_examples(task: str, n: int, context_tokens: int, tokenizer: Any, seed: 
     if task not in TASKS:
         raise InputError("task", f"unknown task {task!r}", f"use one of: {', '.join(EVAL_TASKS)}")
     return [EvalExample(task, i, seed * 1_000_003 + i, p.context_ids, p.question_ids,
-                        encode_text(tokenizer, " " + p.answer, special=False), p.answer)
+                        encode_text(tokenizer, " " + p.answer, special=False), p.answer,
+                        context_text=p.context_text, facts=p.facts)
             for i, p in enumerate(task_suite([task], n, context_tokens, tokenizer, seed))]
