@@ -21,9 +21,9 @@ from evictlab.methods.base import (
     check_sizes,
     select_keep,
 )
-from evictlab.methods.method import Method
+from evictlab.methods.method import Method, build_method
 from evictlab.methods.params import parse_assignments
-from evictlab.methods.registry import ALLOCATORS, REGISTRY, build_method, make_allocator, make_scorer, parse_method
+from evictlab.methods.registry import ALLOCATORS, REGISTRY, make_allocator, make_scorer, parse_method
 
 __all__ = [
     "ALLOCATORS",

@@ -26,11 +26,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from evictlab.methods.base import Allocator, Scorer
+from evictlab.methods.params import settable_params
+from evictlab.methods.registry import REGISTRY, make_allocator, make_scorer, parse_method
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from evictlab.models.geometry import ModelGeometry
 
-__all__ = ["Method", "param_text"]
+__all__ = ["Method", "build_method", "param_text"]
 
 
 def param_text(value: Any) -> Any:
@@ -121,8 +123,6 @@ class Method:
     def with_scorer_params(self, **params: Any) -> Method:
         """This method with its scorer rebuilt with ``params`` added (the allocator, and the
         files it read, are kept): e.g. one example's labels for the label ORACLE."""
-        from evictlab.methods.registry import make_scorer
-
         merged = {**self.scorer_params, **params}
         scorer = make_scorer(self.scorer_name, **merged)
         typed = {k: getattr(scorer, k) for k in merged}
@@ -147,9 +147,6 @@ class Method:
             hit = self._bound.get(geometry)
         if hit is not None:
             return hit
-        from evictlab.methods.params import settable_params
-        from evictlab.methods.registry import REGISTRY, make_scorer
-
         self.allocator.check(geometry)
         if "rope_theta" in self.scorer_params or "rope_theta" not in settable_params(REGISTRY[self.scorer_name]):
             layers = (self.scorer,) * geometry.n_layers  # one object for every layer
@@ -168,3 +165,18 @@ class Method:
     def distinct_scorers(self) -> list[Scorer]:
         """The distinct scorer objects of a bound method (each attached once per run)."""
         return list({id(s): s for s in (self.layer_scorers or (self.scorer,))}.values())
+
+
+def build_method(spec: str, scorer_params: Mapping[str, Any] | None = None,
+                 allocator_params: Mapping[str, Any] | None = None) -> Method:
+    """The :class:`~evictlab.methods.method.Method` of ``spec`` (``SCORER`` or
+    ``SCORER+ALLOCATOR``) with each part's parameters (strings from the command line or
+    typed values): both parts built once, every parameter validated and the files they
+    name read (:class:`InputError` with field ``method``, ``scorer_param`` or
+    ``allocator_param``)."""
+    scorer_name, allocator_name = parse_method(spec)
+    scorer = make_scorer(scorer_name, **dict(scorer_params or {}))
+    allocator = make_allocator(allocator_name, **dict(allocator_params or {}))
+    typed_s = {k: getattr(scorer, k) for k in (scorer_params or {})}
+    typed_a = {k: getattr(allocator, k) for k in (allocator_params or {})}
+    return Method.of(scorer_name, allocator_name, typed_s, typed_a, scorer, allocator)

@@ -16,11 +16,10 @@ from evictlab.errors import InputError
 from evictlab.methods import allocators, contour, scorers, trimkv
 from evictlab.methods.oracle_labels import OracleLabels
 from evictlab.methods.base import Allocator, Scorer
-from evictlab.methods.method import Method
 from evictlab.methods.params import build, settable_params
 from evictlab.models.geometry import RopeSpec, rope_spec_of
 
-__all__ = ["ALLOCATORS", "REGISTRY", "build_method", "make_allocator", "make_scorer", "parse_method", "route_params"]
+__all__ = ["ALLOCATORS", "REGISTRY", "make_allocator", "make_scorer", "parse_method", "route_params"]
 
 REGISTRY: dict[str, Callable[..., Scorer]] = {
     "streaming_llm": scorers.StreamingLLM,
@@ -88,21 +87,6 @@ def _loaded(obj: Any, kind: str, name: str) -> Any:
             raise InputError(f"{kind}_param", f"{name} parameter {exc.field}={value!r}: {exc.problem}",
                              exc.fix) from None
         raise
-
-
-def build_method(spec: str, scorer_params: Mapping[str, Any] | None = None,
-                 allocator_params: Mapping[str, Any] | None = None) -> Method:
-    """The :class:`~evictlab.methods.method.Method` of ``spec`` (``SCORER`` or
-    ``SCORER+ALLOCATOR``) with each part's parameters (strings from the command line or
-    typed values): both parts built once, every parameter validated and the files they
-    name read (:class:`InputError` with field ``method``, ``scorer_param`` or
-    ``allocator_param``)."""
-    scorer_name, allocator_name = parse_method(spec)
-    scorer = make_scorer(scorer_name, **dict(scorer_params or {}))
-    allocator = make_allocator(allocator_name, **dict(allocator_params or {}))
-    typed_s = {k: getattr(scorer, k) for k in (scorer_params or {})}
-    typed_a = {k: getattr(allocator, k) for k in (allocator_params or {})}
-    return Method.of(scorer_name, allocator_name, typed_s, typed_a, scorer, allocator)
 
 
 def parse_method(spec: str) -> tuple[str, str]:
