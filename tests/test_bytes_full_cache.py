@@ -24,11 +24,11 @@ def test_masked_store_holds_exactly_the_full_cache(teacher_forced: bool) -> None
     ctx, q, ans = (torch.randint(3, 256, (1, k), generator=gen) for k in (100, 7, 5))
     kw = {"answer_ids": ans} if teacher_forced else {"max_new_tokens": 5}
     base = dict(budget=Budget.parse("24"), scorer="snapkv", sinks=2, recent=4, chunk_size=32)
-    masked = run_sequence(model, ctx, q, DecodeConfig(mode="masked", **base), **kw)
+    masked = run_sequence(model, ctx, q, DecodeConfig.of(mode="masked", **base), **kw)
     fed = 100 + 7 + 5 - 1  # the last decode token's logits are the last output: it is never fed
     assert masked.bytes_full_cache == kv_bytes(fed * g.cells, g.head_dim, g.dtype)
     assert masked.peak("bytes_live") == masked.bytes_full_cache  # masking frees nothing
-    full = run_sequence(model, ctx, q, DecodeConfig(mode="full", chunk_size=32), **kw)
+    full = run_sequence(model, ctx, q, DecodeConfig.of(mode="full", chunk_size=32), **kw)
     assert full.bytes_full_cache == masked.bytes_full_cache
     # the stock cache of the same run holds exactly `fed` entries per cell
     from transformers import DynamicCache

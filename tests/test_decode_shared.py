@@ -82,14 +82,15 @@ def _arms(gates_dir) -> list[tuple[str, str, dict, dict]]:
 @pytest.fixture(scope="module")
 def gates_dirs(tmp_path_factory: pytest.TempPathFactory):
     """Seeded untrained gates per tiny family (trimkv needs a gates folder)."""
-    from evictlab.gates.files import save_gates
+    from evictlab.gates.files import geometry_meta, save_gates
     from evictlab.gates.modules import GateSpec, RetentionGates
 
     out = {}
     for family in ("llama", "gemma3"):
         model, _ = tiny_model(family)
         folder = tmp_path_factory.mktemp(f"gates-{family}")
-        save_gates(folder, RetentionGates(GateSpec.for_model(model), seed=0), {"model": f"tiny-{family}"})
+        save_gates(folder, RetentionGates(GateSpec.for_model(model), seed=0),
+                   {"model": f"tiny-{family}", "geometry": geometry_meta(model)})
         out[family] = folder
     return out
 

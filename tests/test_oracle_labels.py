@@ -18,8 +18,8 @@ import torch
 from evictlab import cli
 from evictlab.tasks.synthetic import make_task
 from evictlab.capture.testing import save_tiny_folder, tiny_model
-from evictlab.decode.audit import Example, run_audit, task_examples
-from evictlab.decode.config import DecodeConfig
+from evictlab.decode.audit import Example, audit_configs, run_audit, task_examples
+from evictlab.decode.config import DecodeConfig, LoopSettings
 from evictlab.decode.loop import run_sequence
 from evictlab.tasks.examples import eval_examples, tokenize_task, useful_spec
 from evictlab.errors import InputError
@@ -47,13 +47,13 @@ def test_the_loop_refuses_oracle_labels_without_labels_and_keeps_them_with() -> 
     p = tokenize_task(make_task("needle", 200, None, 1), None)  # ~1000 byte tokens, a ~55-byte needle
     ctx, q = torch.tensor([p.context_ids]), torch.tensor([p.question_ids])
     ans = torch.tensor([list(b" " + p.answer.encode())])
-    cfg = DecodeConfig(mode="physical", budget=Budget.parse("96"), scorer="oracle_labels", **LOOP)
+    cfg = DecodeConfig.of(mode="physical", budget=Budget.parse("96"), scorer="oracle_labels", **LOOP)
     with pytest.raises(InputError, match="reads the task's fact labels and none were passed"):
         run_sequence(model, ctx, q, cfg, answer_ids=ans)
     lab = cfg.with_labels(lambda: useful_spec(p, None))
-    a, b = map(int, lab.scorer_params["useful"].split(":"))
+    a, b = map(int, lab.method.scorer_params["useful"].split(":"))
     out = run_sequence(model, ctx, q, lab, answer_ids=ans)
-    stream = run_sequence(model, ctx, q, DecodeConfig(mode="physical", budget=Budget.parse("96"),
+    stream = run_sequence(model, ctx, q, DecodeConfig.of(mode="physical", budget=Budget.parse("96"),
                                                       scorer="streaming_llm", **LOOP), answer_ids=ans)
     for layer, kept in enumerate(out.context_kept):
         for h in range(kept.shape[1]):
@@ -61,23 +61,23 @@ def test_the_loop_refuses_oracle_labels_without_labels_and_keeps_them_with() -> 
             assert set(range(a, b)) <= held, (layer, h)  # the needle (96 - 10 floor > its tokens)
     assert not torch.equal(out.logits, stream.logits)  # not StreamingLLM in disguise
     with pytest.raises(InputError, match="useful keys are the task's fact labels"):
-        DecodeConfig(mode="physical", budget=Budget.parse("96"), scorer="oracle_labels",
+        DecodeConfig.of(mode="physical", budget=Budget.parse("96"), scorer="oracle_labels",
                      scorer_params={"useful": "0:1"}, **LOOP).with_labels(lambda: "3:4")
-    assert DecodeConfig(mode="physical", budget=Budget.parse("96"), scorer="snapkv").with_labels(
-        lambda: None).scorer == "snapkv"  # other scorers need no labels
+    assert DecodeConfig.of(mode="physical", budget=Budget.parse("96"), scorer="snapkv").with_labels(
+        lambda: None).method.scorer_name == "snapkv"  # other scorers need no labels
 
 
 def test_audit_passes_each_examples_labels() -> None:
     model, _ = tiny_model("llama", attn_implementation=register_ragged_attention())
     examples = task_examples(None, ["needle"], 1, 200, 0)
-    base = DecodeConfig(**LOOP)
-    df = run_audit(model, examples, ["oracle_labels", "streaming_llm"], [Budget.parse("96")], base=base,
-                   modes=("physical",))
+    loop = LoopSettings(**LOOP)
+    df = run_audit(model, examples, audit_configs(["oracle_labels", "streaming_llm"], [Budget.parse("96")], loop=loop,
+                                                  modes=("physical",)))
     ev = df.filter(pl.col("mode") == "physical").sort("method")
     assert ev["kl"][0] != ev["kl"][1]  # used to be equal: the same kept entries
     bare = [Example(e.task, e.context_ids, e.question_ids, e.answer_ids) for e in examples]
     with pytest.raises(InputError, match="this example has none"):
-        run_audit(model, bare, ["oracle_labels"], [Budget.parse("96")], base=base, modes=("physical",))
+        run_audit(model, bare, audit_configs(["oracle_labels"], [Budget.parse("96")], loop=loop, modes=("physical",)))
 
 
 @pytest.fixture(scope="module")

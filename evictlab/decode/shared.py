@@ -208,7 +208,8 @@ def answer_full(ctx: SharedContext, qas: Sequence[QA]) -> list[DecodeOutput]:
         a = torch.tensor([qa.answer_ids], dtype=torch.long, device=dev)
         logits = ctx.full_answer(q, a)
         wall = time.perf_counter() - t0
-        total = ctx.length + q.shape[1] + a.shape[1]
+        # the last answer token is never fed: the cache ends holding all but it (as run_sequence)
+        total = ctx.length + q.shape[1] + a.shape[1] - 1
         outs.append(DecodeOutput(logits, a, [], None, kv_bytes(g.full_cache_tokens(total), g.head_dim, g.dtype),
                                  _rss(), wall, 0, wall))
     return outs
@@ -325,7 +326,7 @@ def answer_arm(ctx: SharedContext, cfg: DecodeConfig, qas: Sequence[QA], *, toke
 
 def _output(runner: Any, g: ModelGeometry, n: int, q: torch.Tensor, a: torch.Tensor, logits: list[torch.Tensor],
             tokens: list[torch.Tensor], trace: list[StepTrace], peak: int, wall: float, decode_s: float) -> DecodeOutput:
-    full_tokens = g.full_cache_tokens(n + q.shape[1] + a.shape[1])
+    full_tokens = g.full_cache_tokens(n + q.shape[1] + a.shape[1] - 1)  # the last answer token is never fed
     budget = runner.budget_tokens
     return DecodeOutput(torch.stack(logits, 1), torch.stack(tokens, 1), trace, budget,
                         kv_bytes(full_tokens, g.head_dim, g.dtype), peak, wall, runner.compressions, decode_s,
