@@ -13,7 +13,7 @@ import pytest
 
 from evictlab import cli
 from evictlab.capture.testing import save_tiny_folder
-from evictlab.dilution.parts import PartStore
+from evictlab.parts import PartStore
 from evictlab.errors import CorruptFileError
 from evictlab.eval.grid import PARTS, RESULTS, run_grid
 from evictlab.eval.spec import GridSpec, LoopSettings
@@ -178,13 +178,14 @@ def test_solver_output_of_an_older_evictlab_is_read_with_one_warning(tmp_path: P
 
 
 def test_dilution_parts_damaged_or_unchecked_are_recomputed(tmp_path: Path) -> None:
-    store = PartStore(tmp_path / "t.parts", {"a": 1}).open()
+    keys = ("00000", "00001", "00002")
+    store = PartStore(tmp_path / "t.parts", {"a": 1}, keys).open()
     for k in ("00000", "00001", "00002"):
         store.write(k, FRAME.with_columns(pl.lit(k).alias("key")))
     _flip(store.path("00001"), 40)
     FRAME.write_parquet(store.path("00002"))  # no checksum
     lines: list[str] = []
-    again = PartStore(tmp_path / "t.parts", {"a": 1}, notify=lines.append).open()
+    again = PartStore(tmp_path / "t.parts", {"a": 1}, keys, notify=lines.append).open()
     assert [again.done(k) for k in ("00000", "00001", "00002")] == [True, False, False]
     assert len(lines) == 2 and "part-00001.parquet (fails its checksum" in lines[0]
     assert "part-00002.parquet (carries no checksum" in lines[1]

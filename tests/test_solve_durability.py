@@ -88,9 +88,9 @@ def test_parts_of_another_job_say_what_differs(rows: Path, tmp_path: Path, refer
     out = tmp_path / "t.parquet"
     part = solve_rows(rows, out, CFG, progress=False, stop_after=2)
     assert not part.complete
-    with pytest.raises(InputError, match=r"t.parquet.parts: holds part files of a different solve "
-                                         r"job: the options differ \(budgets \[2, 5\] there, \[2\] "
-                                         r"now\).*rerun with the options recorded in job.json.*"
+    with pytest.raises(InputError, match=r"--out: .*t.parquet.parts holds the parts of a run with other "
+                                         r"settings: config.budgets \[2, 5\] there, \[2\] "
+                                         r"now.*rerun with the options recorded in job.json.*"
                                          r"--restart"):
         solve_rows(rows, out, SolveConfig(budgets=(2,), chunk_rows=20), progress=False)
     (parts_dir_for(out) / "job.json").unlink()  # a run killed while starting

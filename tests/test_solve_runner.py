@@ -100,7 +100,7 @@ def test_resume_after_interruption(rows: Path, tmp_path: Path) -> None:
     assert not part.complete and part.parts_written == 2 and not out.exists()
     assert len(list(parts_dir_for(out).glob("part-*.parquet"))) == 2
     # a different job must not mix with these parts
-    with pytest.raises(InputError, match="different solve job"):
+    with pytest.raises(InputError, match="holds the parts of a run with other settings"):
         solve_rows(rows, out, SolveConfig(budgets=(3,), chunk_rows=25), progress=False)
     again = solve_rows(rows, out, cfg, progress=False)
     assert again.complete and again.parts_done_before == 2 and again.parts_written == 2

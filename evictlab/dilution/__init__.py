@@ -7,7 +7,6 @@
 * :mod:`evictlab.dilution.check` -- ``evictlab dilution check`` (tables, bound checks, report).
 * :mod:`evictlab.dilution.sweep` -- ``evictlab dilution sweep`` (decode loop at matched bytes), on the
   needle tasks with k near-miss distractors of :mod:`evictlab.tasks.distractors`.
-* :mod:`evictlab.dilution.parts` -- resumable part files shared by both commands.
 * :mod:`evictlab.dilution.report` -- both commands' Markdown reports.
 
 Definitions and proofs: docs/theory.md section 7; usage and results: docs/dilution.md.

@@ -11,7 +11,7 @@ separately, where they fail, with the slack, and writes the summaries, figures a
 Outputs, for ``--out T.parquet``: ``T.parquet`` (the long table), ``T.heads.parquet`` (per
 layer, query head, kept set, s), ``T.bounds.parquet`` (one row per check), ``T.md`` (the
 report), ``T.figures/`` (PNG + PDF) and ``T.run_record.json``. The run is resumable: blocks
-are processed in chunks written to ``T.parts/`` (:mod:`evictlab.dilution.parts`); the folder
+are processed in chunks written to ``T.parts/`` (the part store, :mod:`evictlab.parts`); the folder
 goes only after the run record, the last file, is written, so a run killed while writing its
 outputs is finished by the rerun (a ``T.parquet`` with ``T.parts/`` beside it is unfinished).
 """
@@ -336,10 +336,11 @@ def _parts_dir(out: Path) -> Path:
 def _check_out(out: Path, overwrite: bool) -> Path:
     """The output rule (:func:`evictlab.io.check_output_file`), except that an ``out`` whose
     parts folder is still there belongs to an interrupted run (killed while writing its
-    outputs): it is finished, not refused."""
+    outputs, :func:`evictlab.parts.finished`): it is finished, not refused."""
     from evictlab.io import check_output_file, check_output_path
+    from evictlab.parts import finished
 
-    if _parts_dir(out).is_dir():
+    if out.exists() and not finished(out, _parts_dir(out)):
         return check_output_path(out, "--out", directory=False)
     return check_output_file(out, "--out", overwrite=overwrite)
 
@@ -351,8 +352,8 @@ def run_check(rows: str | Path, out: str | Path, cfg: CheckConfig, *, overwrite:
 
     from tqdm.auto import tqdm
 
-    from evictlab.dilution.parts import PartStore
-    from evictlab.io import exclusive_lock, write_checked_parquet
+    from evictlab.io import write_checked_parquet
+    from evictlab.parts import PartStore
     from evictlab.record import RunRecord, record_path
     from evictlab.rows.reader import RowStore
 
@@ -372,9 +373,10 @@ def run_check(rows: str | Path, out: str | Path, cfg: CheckConfig, *, overwrite:
     n_layers = int(meta["layer"].max()) + 1
     chunks = [blocks[i:i + cfg.chunk_blocks] for i in range(0, len(blocks), cfg.chunk_blocks)]
     keys = [f"{k:05d}" for k in range(len(chunks))]
-    with exclusive_lock(out, "--out"):
+    parts = PartStore(_parts_dir(out), _job(store, cfg), keys)
+    with parts.lock(out):
         _check_out(out, overwrite)  # again: another run may have finished meanwhile
-        parts = PartStore(_parts_dir(out), _job(store, cfg)).open()
+        parts.open()
         todo = [(k, c) for k, c in zip(keys, chunks) if not parts.done(k)]
         skipped = sum(len(c) for k, c in zip(keys, chunks) if parts.done(k))
         bar = tqdm(total=len(blocks), initial=skipped, desc="dilution check", unit="block", disable=not progress)
@@ -389,7 +391,7 @@ def run_check(rows: str | Path, out: str | Path, cfg: CheckConfig, *, overwrite:
             parts.write(k, df.with_columns(pl.lit(store.manifest["model"]).alias("model"),
                                            pl.lit(store.manifest["capture_mode"]).alias("protocol")))
         bar.close()
-        table = parts.collect(keys)
+        table = parts.collect()
         checks = bound_checks(table, cfg.stated_margin is not None)
         heads = head_table(table)
         # The files beside the table first, the table next, the run record last, and only then

@@ -13,7 +13,7 @@ Methods: ``full`` (the stock cache, nothing evicted), ``oracle_labels`` (ORACLE:
 distractors only, by the labels), and any ``scorer`` or ``scorer+allocator`` of the registry
 (query-agnostic ones; ``oracle`` and ``kvzip`` also run, labelled by their own notes).
 
-Resumable: each unit's row is a part file in ``DIR/results.parts/`` (:mod:`evictlab.dilution.parts`);
+Resumable: each unit's row is a part file in ``DIR/results.parts/`` (the part store, :mod:`evictlab.parts`);
 an example whose units are all done is skipped, so a rerun after Ctrl-C continues where it
 stopped. At the end ``DIR/results.parquet``, ``DIR/summary.parquet``,
 ``DIR/verdict.parquet``, ``DIR/report.md``, ``DIR/sweep.png|pdf`` and ``DIR/run_record.json``.
@@ -349,10 +349,12 @@ class SweepSummary:
 
 def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
     """Refuse a finished sweep folder (unless ``overwrite``) and a non-empty folder that is not a sweep's."""
+    from evictlab.parts import finished
+
     if not out_dir.is_dir() or (out_dir / "results.parts").is_dir():
         return  # a new folder, or an interrupted run to resume
     if (out_dir / "results.parquet").is_file():
-        if not overwrite:
+        if finished(out_dir / "results.parquet", out_dir / "results.parts") and not overwrite:
             raise InputError("--out", f"{out_dir} holds a finished sweep",
                              "pass --overwrite to run it again, or choose another --out")
     elif any(not p.name.endswith(".lock") for p in out_dir.iterdir()):
@@ -368,9 +370,9 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True, m
     from tqdm.auto import tqdm
 
     from evictlab.capture.config import parse_layers
-    from evictlab.dilution.parts import PartStore
     from evictlab.tasks.distractors import make_example
-    from evictlab.io import check_output_path, exclusive_lock, write_checked_parquet
+    from evictlab.io import check_output_path, write_checked_parquet
+    from evictlab.parts import PartStore
     from evictlab.models.geometry import model_geometry
     from evictlab.record import RunRecord, record_path
 
@@ -382,7 +384,10 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True, m
     record = RunRecord(kind="dilution.sweep", config=asdict(cfg), model=cfg.model, seed=cfg.seed)
     if threads:
         torch.set_num_threads(threads)
-    with exclusive_lock(out_dir / "results.parquet", "--out"):
+    units = [(k, i, m) for k in cfg.distractors for i in range(cfg.n) for m in cfg.methods]
+    keys = {u: _key("k", u[0], "e", u[1], u[2]) for u in units}
+    parts = PartStore(out_dir / "results.parts", {"config": asdict(cfg), "version": 1}, [keys[u] for u in units])
+    with parts.lock(out_dir / "results.parquet"):
         _check_out_dir(out_dir, overwrite)  # again under the lock: another run may have finished meanwhile
         layers: list[int] | None = None
 
@@ -403,12 +408,9 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True, m
                     except InputError as exc:
                         raise InputError("--budget", exc.problem, exc.fix) from None
 
-        parts_dir = out_dir / "results.parts"
-        if not parts_dir.is_dir():  # a new run: refused before its parts folder exists (a refusal leaves nothing)
+        if not parts.dir.is_dir():  # a new run: refused before its parts folder exists (a refusal leaves nothing)
             model_checks()
-        parts = PartStore(parts_dir, {"config": asdict(cfg), "version": 1}).open()
-        units = [(k, i, m) for k in cfg.distractors for i in range(cfg.n) for m in cfg.methods]
-        keys = {u: _key("k", u[0], "e", u[1], u[2]) for u in units}
+        parts.open()
         skipped = sum(parts.done(keys[u]) for u in units)
         if skipped < len(units) and layers is None:
             model_checks()
@@ -427,7 +429,7 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True, m
                     bar.update(1)
                     bar.set_postfix(k=k, example=i, method=m)
         bar.close()
-        results = parts.collect([keys[u] for u in units])
+        results = parts.collect()
         summary, verdict = summarize(results), verdicts(results, seed=cfg.seed)
         for name, df in (("results", results), ("summary", summary), ("verdict", verdict)):
             write_checked_parquet(df, out_dir / f"{name}.parquet")

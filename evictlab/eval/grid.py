@@ -11,10 +11,11 @@ Layout of ``DIR`` (docs/evaluation.md):
                            cell's per-compression diagnostics, and all of them in order
     DIR/run_record.json    the run record (RunRecord), written last: marks a finished grid
 
-Every Parquet file here carries its checksum (:func:`evictlab.io.write_checked_parquet`). A
-rerun with the same grid resumes: cells whose part exists and is intact (checksum, columns,
-one row per example) are not run again; a damaged part, or one without a checksum (an
-older evictlab), is named in one warning line, discarded and run again. A different
+Every Parquet file here carries its checksum (:func:`evictlab.io.write_checked_parquet`). The
+parts are a part store (:mod:`evictlab.parts`, :func:`part_store`): a rerun with the same
+grid resumes: cells whose part exists and is intact (checksum, columns, one row per example)
+are not run again; a damaged part, or one without a checksum (an older evictlab), is named
+in one warning line, discarded and run again. A different
 grid into the same folder is refused (:class:`InputError` naming ``out``) with the fields
 that differ. A grid refused by :func:`preflight` writes nothing (the corrected command
 can use the same folder). One writer at a time (:func:`evictlab.io.exclusive_lock`). A killed run leaves
@@ -149,77 +150,59 @@ def read_manifest(out: Path) -> dict[str, Any]:
     """The manifest of a grid folder (:class:`CorruptFileError` if damaged)."""
     from evictlab.io import read_json
 
-    d = read_json(out / MANIFEST, f"delete {out} and run the grid again")
+    return _checked_manifest(read_json(out / MANIFEST, f"delete {out} and run the grid again"), out)
+
+
+def _checked_manifest(d: Any, out: Path) -> dict[str, Any]:
     if not isinstance(d, dict) or d.get("version") != GRID_VERSION or "spec" not in d:
         raise CorruptFileError(str(out / MANIFEST), f"is not a version-{GRID_VERSION} grid manifest",
                                "run the grid into a new folder with this version of evictlab")
     return d
 
 
-def _check_folder(spec: GridSpec, out: Path) -> bool:
-    """True if ``out`` holds this grid's manifest (a resume), False if it is new or empty;
-    refuses (field ``out``) a different grid or a folder that is not a grid's."""
+def _manifest(spec: GridSpec) -> dict[str, Any]:
+    """What ``grid.json`` holds: the format version, the grid, its cells' keys, the skips."""
+    return {"version": GRID_VERSION, "spec": spec.to_dict(), "cells": [c.key for c in spec.cells()],
+            "skipped": spec.skipped()}
+
+
+def part_store(spec: GridSpec, out: Path, notify: Callable[[str], None] | None = None) -> Any:
+    """The grid's part store (:class:`evictlab.parts.PartStore`): a part per cell in
+    ``out/parts`` (``<key>.parquet``, with ``<key>.trace.parquet`` written first for a traced
+    cell), ``grid.json`` as its manifest, compared field by field of the grid (a manifest
+    written by an earlier version reads with the defaults of the fields it lacks). A results
+    part must hold the grid's columns and one row per example. A cell's key names
+    everything it is computed from, so parts without a manifest (copied in from another
+    grid) are verified and used."""
+    from evictlab.parts import PartStore
+
+    cells = {c.key: c for c in spec.cells()}
+
+    def differences(old: Any) -> list[str]:
+        return spec.differences(GridSpec.from_dict(_checked_manifest(old, out)["spec"]))
+
+    def check(key: str, df: pl.DataFrame) -> str | None:
+        if list(df.columns) != list(RESULT_COLUMNS) or df.height != cells[key].n:
+            return f"holds {df.height} rows with other columns than a cell of this grid writes"
+        return None
+
+    return PartStore(out / PARTS, _manifest(spec), {k: ("trace",) if _traced(c) else () for k, c in cells.items()},
+                     field="out", manifest=out / MANIFEST, name=lambda key, side: f"{key}{'.' + side if side else ''}.parquet",
+                     check=check, differences=differences, adopt=True, notify=notify)
+
+
+def _check_folder(out: Path) -> None:
+    """Refuse (field ``out``) a folder that is neither new nor empty nor a grid's."""
     if (out / MANIFEST).exists():
-        old = GridSpec.from_dict(read_manifest(out)["spec"])
-        diff = spec.differences(old)
-        if diff:
-            raise InputError("out", f"{out} holds a different grid ({'; '.join(diff)})",
-                             "rerun with the same arguments to resume it, or choose another --out")
-        return True
+        return
     if out.exists() and any(p.name != PARTS for p in out.iterdir() if not p.name.startswith(".")):
         raise InputError("out", f"{out} exists and is not a grid folder", "choose a new or empty folder")
-    return False
 
 
 def write_manifest(spec: GridSpec, out: Path) -> None:
-    """Create ``out`` (if needed) and its manifest: the grid, its cells' keys, the skips."""
-    from evictlab.io import atomic_write_json
-
-    out.mkdir(exist_ok=True)
-    atomic_write_json(out / MANIFEST, {"version": GRID_VERSION, "spec": spec.to_dict(),
-                                       "cells": [c.key for c in spec.cells()], "skipped": spec.skipped()})
-
-
-#: The fix named when a part file is damaged (it is discarded and its cell run again).
-_PART_FIX = "delete that part file and rerun the same command (the cell is run again)"
-
-
-def _part_problem(path: Path, cell: CellSpec, trace: bool) -> str | None:
-    """None if the part (``trace``: the trace part) of ``cell`` at ``path`` is intact: its
-    checksum (a part without one, from an older evictlab, is refused) and, for a results
-    part, its columns and one row per example; else why not."""
-    from evictlab.io import read_checked_parquet
-
-    try:
-        df = read_checked_parquet(path, _PART_FIX, legacy="refuse")
-    except CorruptFileError as exc:
-        return exc.problem
-    if not trace and (list(df.columns) != list(RESULT_COLUMNS) or df.height != cell.n):
-        return f"holds {df.height} rows with other columns than a cell of this grid writes"
-    return None
-
-
-def _done(out: Path, cells: list[CellSpec], notify: Callable[[str], None]) -> set[str]:
-    """The keys of the cells whose parts are present and intact; a damaged part is reported
-    (``notify``), deleted, and its cell counted as not done."""
-    from evictlab.io import remove_temp_files
-
-    parts = out / PARTS
-    parts.mkdir(exist_ok=True)
-    remove_temp_files(parts, tuple(f"{c.key}.parquet" for c in cells)
-                      + tuple(f"{c.key}.trace.parquet" for c in cells if _traced(c)))
-    done = set()
-    for c in cells:
-        files = [(part_path(out, c), False)] + ([(trace_path(out, c), True)] if _traced(c) else [])
-        present = [(f, t) for f, t in files if f.is_file()]
-        bad = [(f, why) for f, t in present if (why := _part_problem(f, c, t)) is not None]
-        for f, why in bad:
-            f.unlink()
-            notify(f"discarded the damaged part file {f} ({why}); its cell is run again")
-        # a traced cell is done once both files exist (its trace is written first)
-        if len(present) == len(files) and not bad:
-            done.add(c.key)
-    return done
+    """Create ``out`` (if needed), its parts folder and its manifest: the grid, its cells'
+    keys, the skips."""
+    part_store(spec, out).start()
 
 
 def preflight(spec: GridSpec, cells: list[CellSpec]) -> None:
@@ -272,42 +255,43 @@ def run_grid(spec: GridSpec, out: str | Path, *, map_cells: MapCells | None = No
     ``check_models`` replaces :func:`preflight` (a remote executor's, :func:`remote_cells`);
     ``notify`` gets one-line warnings (a damaged part discarded; default: stderr).
     """
-    from evictlab.io import check_output_path, exclusive_lock, read_checked_parquet, warn, write_checked_parquet
+    from evictlab.io import check_output_path, write_checked_parquet
     from evictlab.record import record_path
 
     out = check_output_path(out, "out", directory=True)
     cells = spec.cells()
     check = check_models or preflight
-    with exclusive_lock(out, "--out"):  # the option is named in the fix text too
-        resume = _check_folder(spec, out)
+    parts = part_store(spec, out, notify)
+    with parts.lock(out, "--out"):  # the option is named in the fix text too
+        _check_folder(out)
+        resume = parts.resume()  # a different grid is refused; every part there is verified first
         if not resume:
             # A grid refused by the checks that need the models leaves nothing behind, so the
             # corrected command can reuse the same --out.
             check(spec, cells)
-            write_manifest(spec, out)
-        done = _done(out, cells, notify or warn)
-        pending = [c for c in cells if c.key not in done]
+        parts.start()
+        todo = set(parts.pending())
+        pending = [c for c in cells if c.key in todo]
+        done = len(cells) - len(pending)
         if resume and pending:
             check(spec, pending)
         if on_start is not None:
-            on_start(len(cells) * spec.n, len(done) * spec.n)
+            on_start(len(cells) * spec.n, done * spec.n)
         mapper = map_cells or local_map(progress)
         for cell, frame in mapper(run_cell_traced if spec.trace else run_cell, pending):
+            sides = {}
             if isinstance(frame, tuple):  # run_cell_traced: (results, trace)
                 frame, trace = frame
                 if _traced(cell):
-                    write_checked_parquet(trace, trace_path(out, cell))
+                    sides["trace"] = trace
             if list(frame.columns) != list(RESULT_COLUMNS) or frame.height != cell.n:
                 raise RuntimeError(f"cell {cell.key} returned {frame.height} rows with columns {frame.columns}")
-            write_checked_parquet(frame, part_path(out, cell))
-        frames = [read_checked_parquet(part_path(out, c), _PART_FIX, legacy="refuse") for c in cells]
-        results = pl.concat(frames, how="vertical") if frames else pl.DataFrame(schema=RESULT_COLUMNS)
+            parts.write(cell.key, frame, sides)
+        results = parts.collect(empty=pl.DataFrame(schema=RESULT_COLUMNS))
         if spec.trace:
-            traces = [t for c in cells if _traced(c)
-                      and (t := read_checked_parquet(trace_path(out, c), _PART_FIX, legacy="refuse")).height]
-            write_checked_parquet(pl.concat(traces, how="diagonal_relaxed") if traces else pl.DataFrame(), out / TRACE)
+            write_checked_parquet(parts.collect("trace"), out / TRACE)
         write_checked_parquet(results, out / RESULTS)
         if record is not None:
             record.write(record_path(out, folder=True), outputs=[str(out / RESULTS)], cells=len(cells), ran=len(pending),
-                         resumed=len(done), rows=results.height)
-    return GridRun(out, len(cells), len(pending), len(done), out / RESULTS)
+                         resumed=done, rows=results.height)
+    return GridRun(out, len(cells), len(pending), done, out / RESULTS)

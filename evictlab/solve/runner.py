@@ -7,15 +7,16 @@ the dropped mass and entropy, and optionally the certified optimum over all keys
 one Parquet row per (row_id, s) with the columns of :data:`RESULT_COLUMNS` (the contract
 "Solver results" in ``docs/architecture.md``).
 
-Resumability: the rows (in ``row_id`` order) are cut into chunks of ``chunk_rows``; chunk k
-is written atomically to ``<out>.parts/part-{k:05d}.parquet`` with its checksum in its own
-footer (:func:`evictlab.io.write_checked_parquet`, as ``<out>``). A rerun with the same job
-(dataset, budgets, pool, ...) first checks every part already written (checksum, readable,
-the expected rows and columns; a part without a checksum, from an older evictlab, is
-recomputed),
-discards and reports a damaged one, and computes only the missing chunks; when all are
-there they are concatenated into ``<out>`` atomically, a run record is written beside it,
-and the parts folder is removed. Interrupting a run (Ctrl-C, kill) leaves only complete
+Resumability (the part store, :mod:`evictlab.parts`): the rows (in ``row_id`` order) are cut
+into chunks of ``chunk_rows``; chunk k is written atomically to
+``<out>.parts/part-{k:05d}.parquet`` with its checksum in its own footer
+(:func:`evictlab.io.write_checked_parquet`, as ``<out>``). A rerun with the same job
+(dataset content, budgets, pool, ...) first checks every part already written (checksum,
+readable, and here the expected rows and columns; a part without a checksum, from an older
+evictlab, is recomputed), discards and reports a damaged one, and computes only the missing
+chunks; when all are there they are concatenated into ``<out>`` atomically, a run record is
+written beside it, and the parts folder is removed (a ``<out>`` with its parts folder still
+beside it is unfinished: the same command finishes it). Interrupting a run (Ctrl-C, kill) leaves only complete
 parts. Where the time went is recorded per phase (:data:`PHASES`, seconds) in the summary
 and the run record (``phases_s``), so a slowdown shows which phase grew. One run per ``--out``: the run holds ``<out>``'s lock (``evictlab.io``), so a second
 run on the same output is refused at once.
@@ -26,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from math import comb
@@ -37,17 +37,10 @@ from typing import Any, Callable
 import numpy as np
 import polars as pl
 
-from evictlab.errors import CorruptFileError, InputError
+from evictlab.errors import InputError
+from evictlab.io import check_output_path, exclusive_lock, remove_temp_files, write_checked_parquet
+from evictlab.parts import PartStore, finished
 from evictlab.record import RunRecord, record_path
-from evictlab.io import (
-    atomic_write_json,
-    check_output_path,
-    exclusive_lock,
-    read_checked_parquet,
-    read_json,
-    remove_temp_files,
-    write_checked_parquet,
-)
 
 #: ``kappa_hat = e_top / max(es_hat, KAPPA_EPS)`` (absolute, in value units).
 KAPPA_EPS = 1e-12
@@ -356,49 +349,25 @@ def _dataset_id(store: Any) -> str:
     return h.hexdigest()[:16]
 
 
-#: The fix named when a part file of an interrupted run is damaged at the final concat.
-_PART_FIX = "delete that part file and rerun the same command (the part is recomputed)"
+def _part_check(ids: Callable[[int], np.ndarray], cfg: SolveConfig) -> Callable[[str, pl.DataFrame], str | None]:
+    """The content check of an intact part (:class:`~evictlab.parts.PartStore`'s ``check``):
+    part ``k`` holds the columns of ``cfg`` and the (row_id, s) pairs of rows ``ids(k)``, in
+    order (checked without recomputing anything)."""
 
+    def check(key: str, df: pl.DataFrame) -> str | None:
+        if df.columns != result_columns(cfg):
+            return "has other columns than this job writes"
+        rows = ids(int(key))
+        want_ids = np.repeat(rows, len(cfg.budgets))
+        want_s = np.tile(np.asarray(cfg.budgets, dtype=np.int64), rows.shape[0])
+        try:
+            ok = (np.array_equal(df["row_id"].to_numpy(), want_ids)
+                  and np.array_equal(df["s"].to_numpy(), want_s))
+        except Exception:  # noqa: BLE001 -- a column of an unexpected type
+            ok = False
+        return None if ok else "does not hold the expected (row_id, s) pairs"
 
-def _same_job(old: Any, job: dict[str, Any]) -> str | None:
-    """None if ``old`` (a parsed job.json) is ``job``, else what differs, in words.
-
-    The dataset is identified by its content digest, so a moved dataset still matches.
-    """
-    if not isinstance(old, dict):
-        return "its job.json is not a solve job"
-    if old.get("dataset") != job["dataset"] or old.get("n_rows") != job["n_rows"]:
-        return f"they were computed from a different dataset ({old.get('rows')})"
-    a, b = old.get("config"), job["config"]
-    if a != b:
-        if not isinstance(a, dict):
-            return "its job.json holds no options"
-        diff = [f"{k} {a.get(k)!r} there, {b.get(k)!r} now" for k in b if a.get(k) != b[k]]
-        return "the options differ (" + "; ".join(diff or ["unknown options"]) + ")"
-    return None
-
-
-def _check_part(path: Path, ids: np.ndarray, cfg: SolveConfig) -> str | None:
-    """None if the part file ``path`` holds exactly the results of rows ``ids``, else why not.
-
-    Checked without recomputing anything: its checksum (:func:`evictlab.io.check_parquet`;
-    a part without one, from an older evictlab, is refused), readable Parquet, the columns
-    of ``cfg``, and the (row_id, s) pairs in order.
-    """
-    try:
-        df = read_checked_parquet(path, _PART_FIX, legacy="refuse")
-    except CorruptFileError as exc:
-        return exc.problem
-    if df.columns != result_columns(cfg):
-        return "has other columns than this job writes"
-    want_ids = np.repeat(ids, len(cfg.budgets))
-    want_s = np.tile(np.asarray(cfg.budgets, dtype=np.int64), ids.shape[0])
-    try:
-        ok = (np.array_equal(df["row_id"].to_numpy(), want_ids)
-              and np.array_equal(df["s"].to_numpy(), want_s))
-    except Exception:  # noqa: BLE001 -- a column of an unexpected type
-        ok = False
-    return None if ok else "does not hold the expected (row_id, s) pairs"
+    return check
 
 
 def solve_rows(
@@ -445,7 +414,7 @@ def solve_rows(
                              "threads Numba was started with", "use fewer threads (or set NUMBA_NUM_THREADS)")
     out = check_output_path(out, "--out", directory=False)
     with exclusive_lock(out, "--out"):
-        if out.exists() and not overwrite:
+        if finished(out, parts_dir_for(out)) and not overwrite:  # a results file with its parts beside it is unfinished
             raise InputError("--out", f"{out} already exists", "pass --overwrite or choose another --out")
         if threads is not None:
             numba.set_num_threads(threads)
@@ -474,54 +443,22 @@ def _solve_locked(rows: Path, out: Path, cfg: SolveConfig, threads: int | None, 
     model = store.manifest.get("model")
     record.model = model
     n_parts = (ids.shape[0] + cfg.chunk_rows - 1) // cfg.chunk_rows
-    parts = parts_dir_for(out)
-    job = {"dataset": _dataset_id(store), "rows": str(rows.resolve()), "n_rows": int(ids.shape[0]),
-           "config": cfg.to_dict()}
-    job_file = parts / "job.json"
-    remove_temp_files(out.parent, (out.name,))
-    if parts.exists() and not parts.is_dir():
-        raise InputError("--out", f"{parts} (where the part files of {out.name} go) is a file",
-                         "remove it or choose another --out")
-    if parts.exists():
-        try:
-            why = (_same_job(read_json(job_file, ""), job) if job_file.is_file()
-                   else "it has no job.json (left by a run that was stopped while starting)")
-        except CorruptFileError:
-            why = "its job.json is damaged"
-        if why is not None:
-            if not restart:
-                raise InputError(
-                    str(parts), f"holds part files of a different solve job: {why}",
-                    f"rerun with the options recorded in {job_file.name} to resume them, or "
-                    "pass --restart to discard them and start over")
-            shutil.rmtree(parts)
-    parts.mkdir(exist_ok=True)
-    remove_temp_files(parts, ("part-", job_file.name))
-    atomic_write_json(job_file, job)
-
-    def part_file(k: int) -> Path:
-        return parts / f"part-{k:05d}.parquet"
 
     def chunk(k: int) -> np.ndarray:
         return ids[k * cfg.chunk_rows:(k + 1) * cfg.chunk_rows]
 
+    # The dataset is named by its content digest (its path is recorded, not compared: a moved
+    # dataset still resumes).
+    job = {"dataset": _dataset_id(store), "n_rows": int(ids.shape[0]), "config": cfg.to_dict()}
+    parts = PartStore(parts_dir_for(out), job, [f"{k:05d}" for k in range(n_parts)], info={"rows": str(rows.resolve())},
+                      check=_part_check(chunk, cfg), restart_option="--restart",
+                      notify=lambda line: notify(f"warning: {line}"))
+    remove_temp_files(out.parent, (out.name,))
     clock.lap("open")
-    # Check every part already there before computing anything.
-    done: list[int] = []
-    discarded: list[str] = []
-    for k in range(n_parts):
-        f = part_file(k)
-        if not f.exists():
-            continue
-        why = _check_part(f, chunk(k), cfg)
-        if why is None:
-            done.append(k)
-        else:
-            f.unlink()
-            discarded.append(f.name)
-            notify(f"warning: discarded the damaged part file {f} ({why}); it is recomputed")
+    parts.open(restart)  # every part already there is checked before anything is computed
+    done = [int(k) for k in parts.units if parts.done(k)]
     clock.lap("checks")
-    pending = sorted(set(range(n_parts)) - set(done))
+    pending = [int(k) for k in parts.pending()]
     written = 0
     rows_done = sum(chunk(k).shape[0] for k in done)
     if pending:
@@ -541,7 +478,7 @@ def _solve_locked(rows: Path, out: Path, cfg: SolveConfig, threads: int | None, 
         try:
             for k, df in results:
                 clock.lap("solve")  # a remote run: the wait for the part
-                write_checked_parquet(df, part_file(k))
+                parts.write(f"{k:05d}", df)
                 clock.lap("write")
                 written += 1
                 if on_rows is not None:
@@ -551,14 +488,13 @@ def _solve_locked(rows: Path, out: Path, cfg: SolveConfig, threads: int | None, 
         finally:
             results.close()  # cancels the tasks still out (Ray) after a break or an error
             bar.close()
-    complete = all(part_file(k).exists() for k in range(n_parts))
+    complete = not parts.pending()
     summary = SolveSummary(out=None, parts_total=n_parts, parts_done_before=len(done),
                            parts_written=written, rows=int(ids.shape[0]), complete=complete,
-                           extra={"parts_discarded": discarded, "phases_s": clock.rounded()})
+                           extra={"parts_discarded": list(parts.discarded), "phases_s": clock.rounded()})
     if not complete:
         return summary
-    table = pl.concat([read_checked_parquet(part_file(k), _PART_FIX, legacy="refuse") for k in range(n_parts)],
-                      how="vertical")
+    table = parts.collect()
     clock.lap("collect")
     write_checked_parquet(table, out)
     clock.lap("write_out")
@@ -567,7 +503,7 @@ def _solve_locked(rows: Path, out: Path, cfg: SolveConfig, threads: int | None, 
                        phases_s={k: v for k, v in clock.rounded().items() if k != "record"})
     clock.lap("record")
     summary.extra["phases_s"] = clock.rounded()
-    shutil.rmtree(parts)
+    parts.remove()
     summary.out = out
     summary.record = rec
     return summary
