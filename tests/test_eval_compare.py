@@ -12,7 +12,8 @@ from evictlab.errors import InputError
 from evictlab.eval.claims.common import versus
 from evictlab.eval.claims.enforcement import enforcement_cost
 from evictlab.eval.claims.margin import query_aware_margin
-from evictlab.eval.compare import TieRule, cluster_bootstrap_mean, compare, example_outcomes, wtl_table
+from evictlab.eval.compare import TieRule, compare, example_outcomes, paired_mean, wtl_table
+from evictlab.stats.bootstrap import Design, bootstrap_mean
 from evictlab.eval.runner import RESULT_COLUMNS
 
 
@@ -123,14 +124,16 @@ def test_tie_rule_is_validated() -> None:
         assert e.value.field == field
 
 
-def test_cluster_bootstrap_resamples_whole_examples() -> None:
+def test_whole_example_bootstrap_resamples_whole_examples() -> None:
     x = np.array([1.0, 1.0, 1.0, 0.0])
-    v, lo, hi = cluster_bootstrap_mean(x, ["a", "a", "a", "b"], seed=0, key="k", n_boot=400)
-    assert v == 0.75
+    e = bootstrap_mean(x, clusters=Design.whole_clusters(["a", "a", "a", "b"]), seed=0, key="k", n_boot=400)
+    assert e.value == 0.75
     # two clusters (means 1 and 0): a resample holds a, b or both, so the mean is 1, 0 or 0.75
-    assert lo == 0.0 and hi == 1.0
-    assert all(np.isnan(cluster_bootstrap_mean(np.array([]), None, seed=0, key="k")))  # no data: (nan, nan, nan)
-    assert cluster_bootstrap_mean(x, None, seed=1, key="k") == cluster_bootstrap_mean(x, None, seed=1, key="k")
+    assert e.lo == 0.0 and e.hi == 1.0
+    rule = TieRule(n_boot=300)
+    assert all(np.isnan(paired_mean(np.array([]), rule, "k")))  # no data: (nan, nan, nan)
+    assert paired_mean(x, rule, "k") == paired_mean(x, rule, "k")
+    assert paired_mean(x, rule, "k")[0] == float(x.mean())  # the point estimate is the plain mean, to the bits
 
 
 def test_wtl_table_is_pairs_by_task_and_budget() -> None:
@@ -176,12 +179,19 @@ def test_query_aware_margin_on_retrieval_tasks_only() -> None:
     assert len(claims) == 1 and "87.6" in claims[0].paper_value
 
 
-def test_versus_places_the_paper_relative_to_our_interval() -> None:
-    assert versus(10, 20, 14.1, 62.2) == "paper overlaps our CI"
-    assert versus(0, 5, 14.1, 62.2) == "paper above our CI"
-    assert versus(70, 90, 14.1, 62.2) == "paper below our CI"
-    assert versus(0, 100, 14.1, 62.2) == "paper within our CI"
+def test_versus_places_our_interval_against_the_paper() -> None:
+    from evictlab.stats import claims
+
+    assert versus is claims.versus  # one verdict function for the statistics and the evaluation claims
+    assert versus(10, 20, 14.1, 62.2) == "overlaps paper"
+    assert versus(0, 5, 14.1, 62.2) == "ours below paper"
+    assert versus(70, 90, 14.1, 62.2) == "ours above paper"
+    assert versus(0, 100, 14.1, 62.2) == "paper within ours"
+    assert versus(1.0, 1.2, 1.07, 1.07) == "paper within ours"  # a single paper value inside our CI
+    assert versus(1.07, 1.2, 1.07, 1.07) == "paper within ours"  # boundaries count as inside
     assert versus(float("nan"), 1, 1, 2) == "no data"
+    assert {versus(*a) for a in ((10, 20, 14.1, 62.2), (0, 5, 14.1, 62.2), (70, 90, 14.1, 62.2), (0, 100, 14.1, 62.2),
+                                 (float("nan"), 1, 1, 2))} == set(claims.VERDICTS)
 
 
 def test_compare_refuses_a_table_that_is_not_grid_results() -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from evictlab.eval.claims.contour import _boot_counts, _counts, contour_outcomes, contourkv_versus
+from evictlab.eval.claims.contour import _counts, _share, contour_outcomes, contourkv_versus, share_design
 from evictlab.eval.runner import RESULT_COLUMNS
 
 
@@ -87,6 +87,18 @@ def test_missing_arms_say_not_run() -> None:
     assert contourkv_versus(_frame(_rows("snapkv", [1], [-1])))[0] == []
 
 
+def _boot_counts(o, seed: int, key: str, n_boot: int) -> np.ndarray:
+    """(wins, ties, losses) over comparisons on each replicate of the shares' design, from the
+    engine's SignShare statistics (shares times the number of comparisons)."""
+    from evictlab.stats.bootstrap import SignShare, resample_counts, rng_for
+
+    design, outcome, comparison = share_design(o)
+    counts = np.concatenate(list(resample_counts(design, rng_for(seed, key), n_boot)))
+    n_cmp = len(set(comparison.tolist()))
+    return np.stack([np.rint(SignShare(outcome, comparison, sign).replicates(counts) * n_cmp) for sign in (1, 0, -1)],
+                    axis=1).astype(np.int64), counts
+
+
 def test_bootstrap_resamples_prompts_with_all_their_budgets() -> None:
     # example 0 wins at both budgets, example 1 loses at both: on every resample the two
     # comparisons move together (same draw of prompts), so (2,0,0), (0,2,0) or (0,0,2)
@@ -94,7 +106,7 @@ def test_bootstrap_resamples_prompts_with_all_their_budgets() -> None:
                  *[_rows("snapkv", [0, 1], [-1, -1], budget=b) for b in ("64/cell", "128/cell")])
     o = contour_outcomes(res)
     assert _counts(o).tolist() == [0, 2, 0]
-    boot = _boot_counts(o, 0, "t", 500)
+    boot, _ = _boot_counts(o, 0, "t", 500)
     assert {tuple(r) for r in boot.tolist()} == {(2, 0, 0), (0, 2, 0), (0, 0, 2)}
     assert (boot.sum(1) == 2).all()
 
@@ -107,15 +119,29 @@ def test_bootstrap_counts_match_a_direct_resample(seed: int) -> None:
         parts += [_rows("snapkv+contourkv", rng.integers(0, 2, 5).tolist(), [-1] * 5, budget=b),
                   _rows("snapkv", rng.integers(0, 2, 5).tolist(), [-1] * 5, budget=b)]
     o = contour_outcomes(_frame(*parts))
-    boot = _boot_counts(o, seed, "k", 300)
-    # the same draws, applied row by row: resample example indices, recount each comparison
-    from evictlab.stats.bootstrap import rng_for
-
-    draws = rng_for(seed, "k").integers(0, 5, size=(300, 5))
-    outcome = {(r["budget"], r["example"]): r["outcome"] for r in o.to_dicts()}
-    for d, got in zip(draws, boot):
-        sums = [sum(outcome[(b, int(e))] for e in d) for b in ("32/cell", "64/cell", "128/cell")]
+    boot, counts = _boot_counts(o, seed, "k", 300)
+    # the same draws, applied row by row: each example's multiplicity, recount each comparison
+    rows = o.to_dicts()
+    for c, got in zip(counts, boot):
+        mult = {r["example"]: int(m) for r, m in zip(rows, c)}
+        assert all(int(m) == mult[r["example"]] for r, m in zip(rows, c))  # an example moves with all its rows
+        assert sum(mult.values()) == 5  # the group's examples, drawn as many as there are
+        sums = [sum(r["outcome"] * m for r, m in zip(rows, c) if r["budget"] == b)
+                for b in ("32/cell", "64/cell", "128/cell")]
         assert got.tolist() == [sum(s > 0 for s in sums), sum(s == 0 for s in sums), sum(s < 0 for s in sums)]
+
+
+def test_the_share_interval_is_the_engines_percentile_interval() -> None:
+    from evictlab.stats.bootstrap import percentile_interval
+
+    rng = np.random.default_rng(5)
+    parts = [_rows("snapkv+contourkv", rng.integers(0, 2, 6).tolist(), [-1] * 6, budget=b) for b in ("32/cell", "64/cell")]
+    parts += [_rows("snapkv", rng.integers(0, 2, 6).tolist(), [-1] * 6, budget=b) for b in ("32/cell", "64/cell")]
+    o = contour_outcomes(_frame(*parts))
+    e = _share(o, 0, 3, "k", 400)
+    boot, _ = _boot_counts(o, 3, "k", 400)
+    assert e.value == _counts(o)[0] / 2
+    assert (e.lo, e.hi) == percentile_interval(boot[:, 0] / 2, 0.95)
 
 
 def test_traced_grid_writes_the_per_compression_diagnostics(tmp_path) -> None:

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from evictlab.stats.bootstrap import (
-    AUC, Design, Mean, Median, bootstrap, bootstrap_mean, icc_oneway, rank_icc, resample_counts,
-    resample_counts_reference, rng_for, roc_auc,
+    AUC, Design, Mean, Median, SignShare, bootstrap, bootstrap_mean, icc_oneway, percentile_interval, rank_icc,
+    resample_counts, resample_counts_reference, rng_for, roc_auc,
 )
 from evictlab.stats.ceilings import design_for, summarize
 from evictlab.stats.results import prepare
@@ -196,3 +196,59 @@ def test_whole_leaves_keep_a_rows_budgets_together(engine) -> None:
         per_row = c.reshape(-1, 6, 4)
         assert (per_row == per_row[:, :, :1]).all()  # equal counts across a row's budgets
         assert (c.reshape(-1, 3, 8).sum(axis=2) % 8 == 0).all()  # prompts drawn whole-sized
+
+
+@pytest.mark.parametrize("engine", [resample_counts, resample_counts_reference])
+def test_whole_clusters_distribution_matches_hand_computation(engine) -> None:
+    # example a = rows {1, 1, 1}, example b = {0}: two examples drawn with replacement, each
+    # with all its rows: (a, a) p 1/4 -> mean 1; (a, b) or (b, a) p 1/2 -> 3/4; (b, b) p 1/4 -> 0
+    x = np.array([1.0, 1.0, 1.0, 0.0])
+    design = Design.whole_clusters(["a", "a", "a", "b"])
+    counts = np.concatenate(list(engine(design, rng_for(0, "whole"), 40_000)))
+    assert (counts[:, :3] == counts[:, :1]).all()  # the rows of a drawn example move together
+    means = Mean(x).replicates(counts)
+    for v, p in ((1.0, 0.25), (0.75, 0.5), (0.0, 0.25)):
+        freq = float(np.mean(np.isclose(means, v)))
+        assert abs(freq - p) < 5 * np.sqrt(p * (1 - p) / means.size), (v, freq)
+    assert design.describe() == "cluster bootstrap: example (2 examples)"
+
+
+@pytest.mark.parametrize("engine", [resample_counts, resample_counts_reference])
+def test_strata_are_kept_and_their_clusters_resampled_inside(engine) -> None:
+    # strata S = {e0, e1}, T = {e2, e3}, one row per example: each stratum draws two of its
+    # own examples (multiplicities (2,0), (1,1), (0,2) with p 1/4, 1/2, 1/4), independently,
+    # and always holds exactly two draws: 9 combinations with p = product
+    design = Design.whole_clusters([0, 1, 2, 3], strata=["S", "S", "T", "T"])
+    counts = np.concatenate(list(engine(design, rng_for(1, "strata"), 40_000)))
+    assert (counts[:, :2].sum(1) == 2).all() and (counts[:, 2:].sum(1) == 2).all()
+    p1 = {(2, 0): 0.25, (1, 1): 0.5, (0, 2): 0.25}
+    for a, pa in p1.items():
+        for b, pb in p1.items():
+            freq = float(np.mean((counts[:, 0] == a[0]) & (counts[:, 2] == b[0])))
+            p = pa * pb
+            assert abs(freq - p) < 5 * np.sqrt(p * (1 - p) / counts.shape[0]), (a, b, freq)
+    assert design.describe() == "cluster bootstrap within strata (stratum: 2): example (4 examples); whole clusters"
+
+
+def test_strata_must_leave_something_to_resample() -> None:
+    with pytest.raises(Exception, match="nothing to resample"):
+        Design.nested([[0, 0, 1]], ["group"], whole_leaves=True, strata=1)
+
+
+def test_sign_share_recounts_each_group_on_every_replicate() -> None:
+    # comparisons c (examples 0, 1: +1, -1) and d (examples 0, 1: +1, +1)
+    outcome = np.array([1, -1, 1, 1])
+    groups = np.array(["c", "c", "d", "d"])
+    won = SignShare(outcome, groups, 1)
+    assert won.point() == 0.5 and SignShare(outcome, groups, 0).point() == 0.5
+    counts = np.array([[2, 0, 2, 0], [0, 2, 0, 2], [1, 1, 1, 1]], dtype=np.int32)
+    # c's sums +2, -2, 0; d's +2, +2, +2
+    assert won.replicates(counts).tolist() == [1.0, 0.5, 0.5]
+    assert SignShare(outcome, groups, -1).replicates(counts).tolist() == [0.0, 0.5, 0.0]
+
+
+def test_percentile_interval_is_the_quantiles_of_the_level() -> None:
+    reps = np.arange(1001, dtype=float)
+    assert percentile_interval(reps, 0.95) == pytest.approx((25.0, 975.0), abs=1e-9)
+    assert percentile_interval(reps, 0.5) == pytest.approx((250.0, 750.0), abs=1e-9)
+    assert all(np.isnan(percentile_interval(np.array([]))))

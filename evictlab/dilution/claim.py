@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import polars as pl
 
+from evictlab.report.markdown import ci
 from evictlab.stats.claims import ClaimRow
 
 __all__ = ["PAPER_VALUE", "beats_full_claims"]
@@ -53,7 +54,7 @@ def beats_full_claims(verdict: pl.DataFrame, weights: str = "weights quantised (
                 "eviction can beat the full cache (paper B, attention dilution)"
                 + (" - ORACLE that evicts distractors only (labels)" if oracle else " - query-agnostic methods"),
                 PAPER_VALUE,
-                f"best em diff {best['em_diff']:+.3f} [{best['em_diff_lo']:+.3f}, {best['em_diff_hi']:+.3f}] "
+                f"best em diff {ci(best['em_diff'], best['em_diff_lo'], best['em_diff_hi'], 3, signed=True)} "
                 f"({best['method']}, k={best['distractors']}; em full {best['em_full']:.2f}); beats full: {wins}",
                 verdict_text, f"{model} ({weights})",
                 f"{int(g['n'].max())} examples per cell, k in {ks}, kinds {sorted(set(g['kind'].to_list()))}",

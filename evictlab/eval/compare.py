@@ -10,7 +10,8 @@ context, protocol, budget). Pairs (:func:`compare`):
 - ``kind="full"``: an arm against the full cache on the same examples.
 
 Examples are matched by their index (same seed, same n); rows of one example are never
-treated as independent of each other: every interval resamples examples.
+treated as independent of each other: every interval resamples examples (the resampling
+engine, :mod:`evictlab.stats.bootstrap`).
 
 **The tie rule** (:class:`TieRule`, written in every row's ``rule`` column):
 
@@ -39,9 +40,9 @@ import polars as pl
 
 from evictlab.errors import InputError
 from evictlab.eval.spec import FULL
-from evictlab.stats.bootstrap import rng_for
+from evictlab.stats.bootstrap import bootstrap_mean
 
-__all__ = ["PAIR_COLUMNS", "TieRule", "cluster_bootstrap_mean", "compare", "example_outcomes", "wtl_table"]
+__all__ = ["PAIR_COLUMNS", "TieRule", "compare", "example_outcomes", "paired_mean", "wtl_table"]
 
 GROUP = ("model", "task", "context", "protocol", "budget")
 MODE_PAIRS: tuple[tuple[str, str], ...] = (("physical", "uniform"), ("masked", "uniform"), ("physical", "masked"))
@@ -112,33 +113,13 @@ def example_outcomes(em_a: np.ndarray, em_b: np.ndarray, lp_a: np.ndarray, lp_b:
     return out
 
 
-def cluster_bootstrap_mean(x: np.ndarray, clusters: Sequence[Any] | None, *, seed: int, key: str,
-                           n_boot: int = 2000, level: float = 0.95) -> tuple[float, float, float]:
-    """Mean of ``x`` with a percentile-bootstrap interval that resamples ``clusters``
-    (whole examples, with all their rows) rather than rows; ``clusters=None``: every value
-    is its own cluster (the paired bootstrap over examples). Returns ``(mean, lo, hi)``,
-    NaNs for an empty ``x``. Seeded by ``seed`` and ``key`` (CRC-32): a pure function."""
-    x = np.asarray(x, dtype=np.float64)
-    if x.size == 0:
-        return float("nan"), float("nan"), float("nan")
-    ids = np.arange(x.size) if clusters is None else np.unique(np.asarray(clusters, dtype=object).astype(str),
-                                                              return_inverse=True)[1]
-    k = int(ids.max()) + 1
-    sums = np.bincount(ids, weights=x, minlength=k)
-    counts = np.bincount(ids, minlength=k).astype(np.float64)
-    point = float(x.mean())
-    if k == 1:
-        return point, point, point
-    rng = rng_for(seed, key)
-    stats = np.empty(n_boot)
-    step = max(1, 2_000_000 // k)
-    for start in range(0, n_boot, step):
-        b = min(step, n_boot - start)
-        draw = rng.integers(0, k, size=(b, k))
-        stats[start:start + b] = sums[draw].sum(1) / counts[draw].sum(1)
-    a = (1 - level) / 2
-    lo, hi = np.quantile(stats, [a, 1 - a])
-    return point, float(lo), float(hi)
+def paired_mean(d: np.ndarray, rule: TieRule, key: str) -> tuple[float, float, float]:
+    """``(mean, lo, hi)`` of the paired differences ``d`` (one per example) with the percentile
+    interval of ``rule`` (its level, resamples and seed): the paired bootstrap over examples
+    of the resampling engine (:func:`evictlab.stats.bootstrap.bootstrap_mean`, keyed by ``key``)."""
+    e = bootstrap_mean(np.asarray(d, dtype=np.float64), seed=rule.seed, key=key, n_boot=rule.n_boot,
+                       level=rule.level)
+    return e.value, e.lo, e.hi
 
 
 def _verdict(rule: TieRule, wins: int, losses: int, em: tuple[float, float, float],
@@ -165,11 +146,10 @@ def _pair_row(kind: str, key: dict[str, Any], a: pl.DataFrame, b: pl.DataFrame, 
     kl_a, kl_b = j["kl"].to_numpy(), j["kl_b"].to_numpy()
     o = example_outcomes(em_a, em_b, lp_a, lp_b, rule.tolerance)
     tag = "|".join(str(v) for v in (kind, *key.values(), a["method"][0], a["mode"][0], b["method"][0], b["mode"][0]))
-    boot = dict(seed=rule.seed, n_boot=rule.n_boot, level=rule.level)
     scored = not (np.isnan(em_a).all() or np.isnan(em_b).all())
-    d_em = cluster_bootstrap_mean(em_a - em_b, None, key=tag + "|em", **boot) if scored else (np.nan,) * 3
-    d_lp = cluster_bootstrap_mean(lp_a - lp_b, None, key=tag + "|logprob", **boot)
-    d_kl = cluster_bootstrap_mean(kl_a - kl_b, None, key=tag + "|kl", **boot)
+    d_em = paired_mean(em_a - em_b, rule, tag + "|em") if scored else (np.nan,) * 3
+    d_lp = paired_mean(lp_a - lp_b, rule, tag + "|logprob")
+    d_kl = paired_mean(kl_a - kl_b, rule, tag + "|kl")
     wins, ties, losses = int((o > 0).sum()), int((o == 0).sum()), int((o < 0).sum())
     ema, emb = _mean(em_a), _mean(em_b)
     regime = "n/a" if not scored else "floor" if ema == emb == 0 else "ceiling" if ema == emb == 1 else "open"

@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import polars as pl
 
-from evictlab.eval.compare import cluster_bootstrap_mean, wtl_table
-from evictlab.report.markdown import claims_table, table
+from evictlab.eval.compare import wtl_table
+from evictlab.report.markdown import ci, claims_table, table
+from evictlab.stats.bootstrap import bootstrap_mean
 from evictlab.stats.claims import weights_for
 
 __all__ = ["FLOOR", "evaluation_markdown", "full_cache_table", "protocol_bytes_table"]
@@ -23,8 +23,10 @@ FLOOR = 0.1
 """A full cache whose exact match is at most this is "at the floor" on that task and length."""
 
 
-def _ci(v: float, lo: float, hi: float, d: int = 2) -> str:
-    return "n/a" if not np.isfinite(v) else f"{v:.{d}f} [{lo:.{d}f}, {hi:.{d}f}]"
+def _ci_column(df: pl.DataFrame, name: str, digits: int) -> pl.Series:
+    """Column ``name`` with its interval (``name_lo``, ``name_hi``) as text (:func:`ci`)."""
+    return pl.Series(name, [ci(v, lo, hi, digits) for v, lo, hi in zip(df[name], df[f"{name}_lo"], df[f"{name}_hi"])],
+                     dtype=pl.Utf8)
 
 
 def full_cache_table(results: pl.DataFrame, *, seed: int = 0, n_boot: int = 2000) -> pl.DataFrame:
@@ -35,10 +37,10 @@ def full_cache_table(results: pl.DataFrame, *, seed: int = 0, n_boot: int = 2000
     full = results.filter(pl.col("method") == "full")
     for (model, task, context), g in full.group_by(["model", "task", "context"], maintain_order=True):
         em = g["exact_match"].cast(pl.Float64).drop_nulls().to_numpy()
-        est = cluster_bootstrap_mean(em, None, seed=seed, key=f"full|{model}|{task}|{context}", n_boot=n_boot)
-        regime = "n/a" if em.size == 0 else "floor" if est[0] <= FLOOR else "ceiling" if est[0] == 1 else "open"
+        est = bootstrap_mean(em, seed=seed, key=f"full|{model}|{task}|{context}", n_boot=n_boot)
+        regime = "n/a" if em.size == 0 else "floor" if est.value <= FLOOR else "ceiling" if est.value == 1 else "open"
         rows.append({"model": model, "task": task, "context": context, "n": g.height,
-                     "exact_match [95% CI]": _ci(*est) if em.size else "n/a (perplexity)",
+                     "exact_match [95% CI]": est.fmt(2) if em.size else "n/a (perplexity)",
                      "answer_logprob": g["answer_logprob"].mean(), "answer_ppl": g["ppl"].mean(), "regime": regime,
                      "context_tokens": g["context_tokens"].mean()})
     return pl.DataFrame(rows)
@@ -170,11 +172,7 @@ def evaluation_markdown(results: pl.DataFrame, pairs: pl.DataFrame, *, rule: str
                       "log-probability and KL (differences A - B, 95% CI):", "",
                       table(flat.select("model", "task", "context", "protocol", "budget", "a_method", "a_mode",
                                         "b_method", "b_mode", "regime", "full_em",
-                                        pl.format("{} [{}, {}]", pl.col("d_logprob").round(3),
-                                                  pl.col("d_logprob_lo").round(3),
-                                                  pl.col("d_logprob_hi").round(3)).alias("d_logprob"),
-                                        pl.format("{} [{}, {}]", pl.col("d_kl").round(4), pl.col("d_kl_lo").round(4),
-                                                  pl.col("d_kl_hi").round(4)).alias("d_kl"), "verdict")), ""]
+                                        _ci_column(flat, "d_logprob", 3), _ci_column(flat, "d_kl", 4), "verdict")), ""]
     if figures:
         lines += ["## Figures", ""]
         for path, caption in figures:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -41,11 +42,21 @@ def table(rows: Iterable[dict[str, Any]] | Any, columns: Sequence[str] | None = 
     return "\n".join(lines) + "\n"
 
 
-def ci(v: float, lo: float, hi: float, digits: int = 3) -> str:
-    """``v [lo, hi]`` or ``n/a``."""
-    if v is None or (isinstance(v, float) and math.isnan(v)):
+def ci(v: float | None, lo: float | None, hi: float | None, digits: int = 3, *, signed: bool = False,
+       unit: str = "") -> str:
+    """A number with its interval, the one format every report and command prints:
+    ``v [lo, hi]`` with ``digits`` decimals (``signed``: ``+v [+lo, +hi]``), then ``unit``
+    (e.g. ``" points"``); ``n/a`` without a finite value; the value alone (with ``unit``)
+    when the interval is not finite (e.g. no resample had both classes)."""
+    def finite(x: Any) -> bool:
+        return isinstance(x, numbers.Real) and math.isfinite(x)
+
+    if not finite(v):
         return "n/a"
-    return f"{v:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
+    f = f"{{:{'+' if signed else ''}.{digits}f}}"
+    if not (finite(lo) and finite(hi)):
+        return f.format(v) + unit
+    return f"{f.format(v)} [{f.format(lo)}, {f.format(hi)}]{unit}"
 
 
 def figure(path: str | os.PathLike[str], caption: str, relative_to: str | os.PathLike[str]) -> str:

@@ -33,6 +33,7 @@ import numpy as np
 import polars as pl
 
 from evictlab.errors import InputError
+from evictlab.report.markdown import ci
 from evictlab.stats.bootstrap import Estimate, Mean, Median, Stat, bootstrap
 from evictlab.stats.ceilings import CLUSTER_LEVELS, Clusters, group_indices
 from evictlab.stats.claims import ClaimRow, weights_for
@@ -158,10 +159,7 @@ def summarize_beyond_pool(
 
 
 def _fmt(r: dict[str, object], name: str, d: int = 3) -> str:
-    v, lo, hi = (float(r[name + s]) for s in ("", "_lo", "_hi"))  # type: ignore[arg-type]
-    if not np.isfinite(v):
-        return "n/a"
-    return f"{v:.{d}f} [{lo:.{d}f}, {hi:.{d}f}]"
+    return ci(*(float(r[name + s]) for s in ("", "_lo", "_hi")), d)  # type: ignore[arg-type]
 
 
 def ceiling_verdict(r: dict[str, object], paper: tuple[float, float] = PAPER_RANGE) -> str:

@@ -11,12 +11,17 @@ following a :class:`Design`:
   with replacement (a prompt drawn twice gets two independent row resamples);
 - ``Design.nested([model, prompt, row])``: the same recursion over more levels (models, then
   prompts within the drawn models, then rows within the drawn prompts, then observations
-  of the drawn rows), for claims pooled across models.
+  of the drawn rows), for claims pooled across models;
+- ``Design.whole_clusters(example)``: draw as many clusters as there are, with replacement,
+  each bringing all its observations (an example with every comparison it is in);
+- ``strata=k``: the k outermost levels are strata, kept whole in every replicate (each
+  stratum resamples its own clusters), e.g. one (model, task, context) group's examples.
 
 A statistic is then computed from the count vector without materialising the resample
 (weighted order statistics for the median, a weighted mean, the Mann-Whitney statistic
 with multiplicities for AUC), so all statistics of one group share one set of replicates.
-The interval is the percentile interval of the replicates.
+The interval is the percentile interval of the replicates (:func:`percentile_interval`, the
+one place a level becomes quantiles); :func:`evictlab.report.markdown.ci` prints it.
 
 Every resample comes from ``numpy.random.default_rng`` seeded from the caller's seed and a
 stable key (CRC-32 of the group's name), so a confidence interval is a pure function of
@@ -30,6 +35,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -55,13 +61,11 @@ class Estimate:
     n: int
     method: str = ROW_METHOD
 
-    def fmt(self, digits: int = 3) -> str:
-        """``0.031 [0.027, 0.036]`` (or ``n/a`` when there is no data)."""
-        if not np.isfinite(self.value):
-            return "n/a"
-        if not (np.isfinite(self.lo) and np.isfinite(self.hi)):
-            return f"{self.value:.{digits}f}"
-        return f"{self.value:.{digits}f} [{self.lo:.{digits}f}, {self.hi:.{digits}f}]"
+    def fmt(self, digits: int = 3, **kw: Any) -> str:
+        """``0.031 [0.027, 0.036]`` (or ``n/a`` when there is no data): :func:`evictlab.report.markdown.ci`."""
+        from evictlab.report.markdown import ci
+
+        return ci(self.value, self.lo, self.hi, digits, **kw)
 
 
 # --------------------------------------------------------------------------- designs
@@ -75,7 +79,8 @@ class Design:
     cluster must lie inside one level-(k-1) cluster (labels are made nested on construction,
     so equal labels under different parents are different clusters). ``names[k]`` is the
     level's name for :meth:`describe`. No level: the ordinary row bootstrap. With
-    ``whole_leaves`` the last stage takes every observation of a drawn innermost cluster.
+    ``whole_leaves`` the last stage takes every observation of a drawn innermost cluster;
+    the first ``strata`` levels are strata, taken whole (never resampled).
     """
 
     n: int
@@ -84,6 +89,23 @@ class Design:
     #: True: the observations of a drawn innermost cluster are all included, not resampled
     #: (a drawn attention row brings its observations at every budget s).
     whole_leaves: bool = False
+    #: The number of outermost levels that are strata: every replicate holds each of their
+    #: clusters once, and the levels below are resampled within each.
+    strata: int = 0
+
+    def __post_init__(self) -> None:
+        if self.strata < 0 or self.strata > len(self.codes) or (self.strata == len(self.codes) and self.whole_leaves
+                                                                and self.strata):
+            raise InputError("strata", f"{self.strata} strata of {len(self.codes)} levels leave nothing to resample",
+                             "keep at least one resampled level below the strata")
+
+    def whole(self) -> np.ndarray:
+        """Per depth of the design's tree (the root's children first), whether every node
+        takes each child once instead of drawing (the strata, and ``whole_leaves`` last)."""
+        w = np.zeros(len(self.codes) + 1, dtype=np.bool_)
+        w[:self.strata] = True
+        w[-1] = self.whole_leaves
+        return w
 
     @classmethod
     def rows(cls, n: int) -> "Design":
@@ -92,7 +114,7 @@ class Design:
 
     @classmethod
     def nested(cls, labels: Sequence[np.ndarray | Sequence[object]], names: Sequence[str] | None = None,
-               whole_leaves: bool = False) -> "Design":
+               whole_leaves: bool = False, strata: int = 0) -> "Design":
         """Clusters given by one label array per level, outermost first (any hashable labels).
 
         Labels are combined with the levels above them, so prompt 0 of model A and prompt 0
@@ -115,7 +137,17 @@ class Design:
             _, code = np.unique(pair, return_inverse=True)
             prev = code.reshape(-1).astype(np.int64)
             codes.append(prev)
-        return cls(n, tuple(codes), names, whole_leaves)
+        return cls(n, tuple(codes), names, whole_leaves, strata)
+
+    @classmethod
+    def whole_clusters(cls, labels: np.ndarray | Sequence[object], name: str = "example",
+                       strata: np.ndarray | Sequence[object] | None = None, strata_name: str = "stratum") -> "Design":
+        """Clusters drawn with replacement, each with all its observations (no resampling
+        inside a cluster); with ``strata`` labels, every stratum is kept and its own
+        clusters are drawn (as many as it has)."""
+        if strata is None:
+            return cls.nested([labels], [name], whole_leaves=True)
+        return cls.nested([strata, labels], [strata_name, name], whole_leaves=True, strata=1)
 
     @classmethod
     def from_codes(cls, codes: Sequence[np.ndarray], names: Sequence[str], whole_leaves: bool = False) -> "Design":
@@ -140,6 +172,12 @@ class Design:
             return ROW_METHOD
         counts = ", ".join(f"{self.clusters(k)} {name}{'' if self.clusters(k) == 1 else 's'}"
                            for k, name in enumerate(self.names))
+        if self.strata:
+            inner = ", ".join(f"{self.clusters(k)} {self.names[k]}{'' if self.clusters(k) == 1 else 's'}"
+                              for k in range(self.strata, len(self.names)))
+            return (f"cluster bootstrap within strata ({' > '.join(self.names[:self.strata])}: "
+                    f"{self.clusters(self.strata - 1)}): {' > '.join(self.names[self.strata:])} ({inner})"
+                    + ("; whole clusters" if self.whole_leaves else ""))
         text = f"cluster bootstrap: {' > '.join(self.names)} ({counts})"
         if self.clusters(0) == 1 and len(self.names) > 1:
             text += f"; one {self.names[0]} only, so no between-{self.names[0]} variation"
@@ -150,7 +188,7 @@ class Design:
         mask = np.asarray(mask, dtype=bool)
         if not self.codes:
             return Design(int(mask.sum()))
-        return Design.nested([c[mask] for c in self.codes], self.names, self.whole_leaves)
+        return Design.nested([c[mask] for c in self.codes], self.names, self.whole_leaves, self.strata)
 
 
 @dataclass(frozen=True)
@@ -211,7 +249,7 @@ def resample_counts(design: Design, rng: np.random.Generator, n_boot: int) -> It
     while done < n_boot:
         b = min(per, n_boot - done)
         out = np.zeros((b, n), dtype=np.int32)
-        resample_counts_kernel(first, n_child, depth_off, order, design.whole_leaves, np.int64(rng.integers(0, 2**62)),
+        resample_counts_kernel(first, n_child, depth_off, order, design.whole(), np.int64(rng.integers(0, 2**62)),
                                out)
         yield out
         done += b
@@ -225,13 +263,13 @@ def resample_counts_reference(design: Design, rng: np.random.Generator, n_boot: 
     """
     n = design.n
     tree = _tree(design)
+    whole = design.whole()
     per = max(1, _CHUNK_ELEMS // max(n, 1))
     done = 0
     while done < n_boot:
         b = min(per, n_boot - done)
         rep = np.arange(b, dtype=np.int64)
         node = np.zeros(b, dtype=np.int64)
-        depths = len(tree.first)
         for d, (first, n_child) in enumerate(zip(tree.first, tree.n_child)):
             k = n_child[node]
             if np.all(n_child == 1):
@@ -239,7 +277,7 @@ def resample_counts_reference(design: Design, rng: np.random.Generator, n_boot: 
                 continue
             width = np.repeat(k, k)
             rep = np.repeat(rep, k)
-            if d == depths - 1 and design.whole_leaves:  # every observation of a drawn cluster
+            if whole[d]:  # every child of a drawn node (a stratum's clusters, a cluster's observations)
                 offset = np.arange(width.size) - np.repeat(np.cumsum(k) - k, k)
                 node = np.repeat(first[node], k) + offset
             else:
@@ -390,9 +428,49 @@ class RatioOfMedians(Stat):
             return self._num.replicates(counts) / self._den.replicates(counts)
 
 
+class SignShare(Stat):
+    """Share of groups whose summed ``outcome`` has sign ``sign`` (+1, 0 or -1): e.g. per
+    comparison the example outcomes (+1 win, 0 tie, -1 loss) summed, and the share of
+    comparisons won (more example wins than losses). A replicate sums each observation's
+    outcome times its multiplicity, so a comparison is decided again on every resample of
+    its examples. Meant for designs where every group is in every replicate (groups inside
+    strata, their examples resampled whole)."""
+
+    def __init__(self, outcome: np.ndarray, groups: np.ndarray | Sequence[object], sign: int) -> None:
+        x = np.asarray(outcome, dtype=np.float64)
+        _, g = np.unique(np.asarray(groups), return_inverse=True)
+        g = g.reshape(-1)
+        self.mask = np.ones(x.size, bool)
+        self.n = x.size
+        self._sign = int(np.sign(sign))
+        self._groups = int(g.max()) + 1 if x.size else 0
+        self._by_group = np.zeros((x.size, self._groups))  # outcome in its group's column
+        self._by_group[np.arange(x.size), g] = x
+        self._sums = np.bincount(g, weights=x, minlength=self._groups)
+
+    def point(self) -> float:
+        return float(np.mean(np.sign(self._sums) == self._sign)) if self._groups else float("nan")
+
+    def replicates(self, counts: np.ndarray) -> np.ndarray:
+        s = counts.astype(np.float64) @ self._by_group  # (b, groups): each group's resampled sum
+        return (np.sign(s) == self._sign).mean(axis=1)
+
+
 def rng_for(seed: int, key: str = "") -> np.random.Generator:
     """A generator seeded by ``seed`` and a stable hash of ``key`` (not Python's ``hash``)."""
     return np.random.default_rng([int(seed), zlib.crc32(key.encode("utf-8"))])
+
+
+def percentile_interval(replicates: np.ndarray, level: float = 0.95) -> tuple[float, float]:
+    """The percentile interval at ``level`` of bootstrap ``replicates``: their
+    ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles (numpy's default, linear
+    interpolation); NaNs when there are none. Every interval evictlab reports comes from here."""
+    vals = np.asarray(replicates, dtype=np.float64)
+    if vals.size == 0:
+        return float("nan"), float("nan")
+    a = (1.0 - level) / 2.0
+    lo, hi = np.quantile(vals, [a, 1.0 - a])
+    return float(lo), float(hi)
 
 
 def _check(n_boot: int, level: float) -> None:
@@ -421,7 +499,6 @@ def bootstrap(stats: Mapping[str, Stat], design: Design, *, seed: int, key: str 
         for counts in resample_counts(design, rng_for(seed, key), n_boot):
             for name, st in live.items():
                 reps[name].append(st.replicates(counts))
-    a = (1.0 - level) / 2.0
     out: dict[str, Estimate] = {}
     for name, st in stats.items():
         point = st.point()
@@ -436,8 +513,8 @@ def bootstrap(stats: Mapping[str, Stat], design: Design, *, seed: int, key: str 
         if vals.size == 0:
             out[name] = Estimate(point, float("nan"), float("nan"), st.n, method)
             continue
-        lo, hi = np.quantile(vals, [a, 1.0 - a])
-        out[name] = Estimate(point, float(lo), float(hi), st.n, method)
+        lo, hi = percentile_interval(vals, level)
+        out[name] = Estimate(point, lo, hi, st.n, method)
     return out
 
 

@@ -3,9 +3,10 @@
 Each function returns a list of :class:`ClaimRow`; the pipeline's report and the
 ``paper_repro/`` scripts render them with :mod:`evictlab.report.markdown`. A row states the
 claim, the paper's value, our value with its 95% bootstrap CI, how that interval was
-resampled (``interval``: prompts, or models then prompts for pooled rows), where the
-paper's value lies relative to our CI, the model, the number of rows, the budgets, and the
-definitions used (ours are marked).
+resampled (``interval``: prompts, or models then prompts for pooled rows), where our CI
+lies against the paper's value (:func:`versus`, one vocabulary: :data:`VERDICTS`), the
+model, the number of rows, the budgets, and the definitions used (ours are marked). Numbers
+with their interval are printed by :func:`evictlab.report.markdown.ci`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any
 
 import numpy as np
 import polars as pl
+
+from evictlab.report.markdown import ci
 
 WEIGHTS_NOTE = "weights quantised (Q4 GGUF)"
 #: How the registry's models are stored (docs/capture.md); printed next to every number.
@@ -52,21 +55,29 @@ class ClaimRow:
         return asdict(self)
 
 
-def _fmt(v: float, lo: float, hi: float, d: int = 3) -> str:
-    if not np.isfinite(v):
-        return "n/a"
-    return f"{v:.{d}f} [{lo:.{d}f}, {hi:.{d}f}]"
+#: The "paper vs ours" verdicts (:func:`versus`; docs/statistics.md, "Paper vs ours").
+VERDICTS: tuple[str, ...] = ("ours below paper", "ours above paper", "paper within ours", "overlaps paper", "no data")
 
 
-def _versus(lo: float, hi: float, p_lo: float, p_hi: float) -> str:
-    """Where the paper's range [p_lo, p_hi] lies relative to our CI [lo, hi]."""
+def versus(lo: float, hi: float, p_lo: float, p_hi: float) -> str:
+    """The one "paper vs ours" verdict: where our interval ``[lo, hi]`` lies against the
+    paper's value or range ``[p_lo, p_hi]`` (``p_lo == p_hi`` for a single value).
+
+    ``ours below paper`` / ``ours above paper``: our interval lies entirely below / above it;
+    ``paper within ours``: our interval holds the paper's value (its whole range);
+    ``overlaps paper``: the two overlap, part of the paper's range outside ours;
+    ``no data``: we have no finite interval. Boundaries count as inside.
+    """
     if not (np.isfinite(lo) and np.isfinite(hi)):
-        return "no data"
+        return VERDICTS[4]
     if hi < p_lo:
-        return "ours below paper"
+        return VERDICTS[0]
     if lo > p_hi:
-        return "ours above paper"
-    return "overlaps paper"
+        return VERDICTS[1]
+    if lo <= p_lo and p_hi <= hi:
+        return VERDICTS[2]
+    return VERDICTS[3]
+
 
 
 def _rows_text(summary: pl.DataFrame) -> str:
@@ -84,8 +95,8 @@ def selection_ceiling(summary: pl.DataFrame, weights_note: str = WEIGHTS_NOTE) -
         out.append(ClaimRow(
             "ceiling", "best subset closes only a median 2-5% of the top-mass gap",
             "0.021-0.047 (s=4..32, 5 models, 168,192 rows)",
-            _fmt(r["gap_closed_median"], r["gap_closed_median_lo"], r["gap_closed_median_hi"]),
-            _versus(r["gap_closed_median_lo"], r["gap_closed_median_hi"], 0.021, 0.047),
+            ci(r["gap_closed_median"], r["gap_closed_median_lo"], r["gap_closed_median_hi"]),
+            versus(r["gap_closed_median_lo"], r["gap_closed_median_hi"], 0.021, 0.047),
             f"{r['model']} ({weights_for(r['model'], weights_note)})", f"{r['rows_used']:,} used, {r['rows_e_top_zero']} e(T_s)=0 excluded",
             f"s={r['s']}", f"g(s)=(e(T_s)-ES_hat)/e(T_s); {POOL_NOTE}; median, 95% percentile bootstrap CI",
             r.get("interval", "")))
@@ -108,8 +119,8 @@ def penalty_trend(summary: pl.DataFrame, weights_note: str = WEIGHTS_NOTE,
             out.append(ClaimRow(
                 "penalty", "forced-weight penalty pi(s) at T_s",
                 f"{p:.2f}" if p is not None else "(not reported)",
-                _fmt(r["pi_top_median"], r["pi_top_median_lo"], r["pi_top_median_hi"]) + f"; at argmin {r['pi_opt_median']:.3f}",
-                _versus(r["pi_top_median_lo"], r["pi_top_median_hi"], p, p) if p is not None else "-",
+                ci(r["pi_top_median"], r["pi_top_median_lo"], r["pi_top_median_hi"]) + f"; at argmin {r['pi_opt_median']:.3f}",
+                versus(r["pi_top_median_lo"], r["pi_top_median_hi"], p, p) if p is not None else "-",
                 f"{m} ({weights_for(m, weights_note)})", f"{r['rows_used']:,} used, {r['pi_nonfinite']} non-finite ratios excluded",
                 f"s={r['s']}" + (f" (s/d={r['s'] / head_dims[m]:.3g})" if m in head_dims else ""),
                 "pi(s)=median e(A)/e_free(A), e_free = distance to convex hull of kept values (ours), A=T_s",
@@ -159,7 +170,7 @@ def auc_range(auc: pl.DataFrame, weights_note: str = WEIGHTS_NOTE, threshold: fl
     for r in auc.iter_rows(named=True):
         out.append(ClaimRow(
             "auc", f"dropped mass predicts kappa_hat > {threshold}", "AUC 0.76-0.89",
-            _fmt(r["auc"], r["auc_lo"], r["auc_hi"]), _versus(r["auc_lo"], r["auc_hi"], 0.76, 0.89),
+            ci(r["auc"], r["auc_lo"], r["auc_hi"]), versus(r["auc_lo"], r["auc_hi"], 0.76, 0.89),
             f"{r['model']} ({weights_for(r['model'], weights_note)})", f"{r['rows']:,} ({r['positives']:,} positive), {r['rows_e_top_zero']} e(T_s)=0 excluded",
             f"s={r['s']}", f"score={r['predictor']}; label kappa_hat=e(T_s)/max(ES_hat,eps)>{threshold}; {POOL_NOTE}; ROC AUC, bootstrap CI",
             r.get("interval", "")))
@@ -174,7 +185,7 @@ def certified(summary: pl.DataFrame, weights_note: str = WEIGHTS_NOTE) -> list[C
             continue
         out.append(ClaimRow(
             "certified", "(beyond the paper) the candidate pool contains the optimum", "- (paper enumerates a pool)",
-            _fmt(r["cert_beats_pool_frac"], r["cert_beats_pool_frac_lo"], r["cert_beats_pool_frac_hi"]) + " of rows: ES(s) < ES_hat(s)",
+            ci(r["cert_beats_pool_frac"], r["cert_beats_pool_frac_lo"], r["cert_beats_pool_frac_hi"]) + " of rows: ES(s) < ES_hat(s)",
             "-", f"{r['model']} ({weights_for(r['model'], weights_note)})",
             f"{r['rows_certified']:,} certified of {r['rows']:,} (short rows, n <= 48)", f"s={r['s']}",
             f"ES(s) over all keys by branch and bound (proved); {POOL_NOTE}", r.get("cert_interval", "")))

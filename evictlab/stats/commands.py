@@ -62,12 +62,14 @@ def _print_auc(table, title: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from evictlab.report.markdown import ci
+
     t = Table(title=title)
     for col in ("model", "s", "rows", "positives", "AUC [95% CI]", "Brier"):
         t.add_column(col, justify="right")
     for r in table.iter_rows(named=True):
-        ci = f"{r['auc']:.3f} [{r['auc_lo']:.3f}, {r['auc_hi']:.3f}]" if r["auc"] == r["auc"] else "n/a (one class)"
-        t.add_row(r["model"], r["s"], str(r["rows"]), str(r["positives"]), ci,
+        auc = ci(r["auc"], r["auc_lo"], r["auc_hi"]) if r["auc"] == r["auc"] else "n/a (one class)"
+        t.add_row(r["model"], r["s"], str(r["rows"]), str(r["positives"]), auc,
                   "" if r["brier"] != r["brier"] else f"{r['brier']:.4f}")
     Console().print(t)
 

@@ -100,7 +100,7 @@ def _below(state: np.ndarray, w: np.int64) -> np.int64:
 
 @njit(cache=True)
 def resample_counts_kernel(first: np.ndarray, n_child: np.ndarray, depth_off: np.ndarray, order: np.ndarray,
-                           whole_leaves: bool, seed: np.int64, out: np.ndarray) -> None:
+                           whole: np.ndarray, seed: np.int64, out: np.ndarray) -> None:
     """Fill ``out`` (int32 ``(b, n)``, zeroed) with ``b`` replicates of a nested design.
 
     The design is a tree stored depth by depth: the nodes of depth d are
@@ -109,9 +109,10 @@ def resample_counts_kernel(first: np.ndarray, n_child: np.ndarray, depth_off: np
     is the root; the children of the last depth are observations, ``order`` maps them to
     count columns. Each drawn node draws ``n_child`` of its children uniformly with
     replacement (the recursion of :func:`evictlab.stats.bootstrap.resample_counts`, whose
-    numpy version is the reference); with ``whole_leaves`` the last depth takes every
-    child instead. Draws: xorshift64* seeded by ``seed`` with Lemire's unbiased range
-    reduction (same seed, same counts, on every machine).
+    numpy version is the reference), except at a depth d with ``whole[d]`` (bool, one per
+    depth), where every node takes each of its children once (strata at the top, whole
+    clusters at the bottom), drawing nothing. Draws: xorshift64* seeded by ``seed`` with
+    Lemire's unbiased range reduction (same seed, same counts, on every machine).
     """
     state = np.empty(1, np.uint64)
     state[0] = np.uint64(seed) | np.uint64(1)
@@ -139,7 +140,7 @@ def resample_counts_kernel(first: np.ndarray, n_child: np.ndarray, depth_off: np
                 w = n_child[node]
                 f = first[node]
                 for c in range(w):
-                    child = f + c if (last and whole_leaves) else f + _below(state, w)
+                    child = f + c if whole[d] else f + _below(state, w)
                     if last:
                         out[r, order[child]] += 1
                     else:

@@ -33,6 +33,7 @@ import numpy as np
 import polars as pl
 
 from evictlab.errors import InputError
+from evictlab.report.markdown import ci
 from evictlab.stats.bootstrap import Median, RatioOfMedians, bootstrap
 from evictlab.stats.ceilings import CLUSTER_LEVELS, design_for
 
@@ -89,6 +90,11 @@ class Explanation:
     verdict: str
 
 
+def _pi(r: dict[str, float]) -> str:
+    """A row's pi with its interval."""
+    return ci(r["pi"], r["pi_lo"], r["pi_hi"], 2)
+
+
 def _log_gap(a: float, b: float) -> float:
     return abs(math.log(a / b)) if a > 0 and b > 0 else float("inf")
 
@@ -122,9 +128,8 @@ def explain(table: pl.DataFrame, paper: dict[int, float] = PAPER_PI, paper_head_
                         matched_sd.append(_log_gap(ra["pi"], rb["pi"]))
                         ok = ra["pi_lo"] <= rb["pi_hi"] and rb["pi_lo"] <= ra["pi_hi"]
                         overlaps.append(ok)
-                        findings.append(f"same s/d = {ra['s_over_d']:.4g}: {a} (s={sa}) pi {ra['pi']:.2f} "
-                                        f"[{ra['pi_lo']:.2f}, {ra['pi_hi']:.2f}] vs {b} (s={sb}) {rb['pi']:.2f} "
-                                        f"[{rb['pi_lo']:.2f}, {rb['pi_hi']:.2f}]: intervals {'overlap' if ok else 'do not overlap'}")
+                        findings.append(f"same s/d = {ra['s_over_d']:.4g}: {a} (s={sa}) pi {_pi(ra)} vs {b} (s={sb}) "
+                                        f"{_pi(rb)}: intervals {'overlap' if ok else 'do not overlap'}")
                     if sa == sb:
                         matched_s.append(_log_gap(ra["pi"], rb["pi"]))
     sd_ok = bool(matched_sd) and (not matched_s or np.mean(matched_sd) < np.mean(matched_s)) and all(overlaps)
@@ -140,8 +145,8 @@ def explain(table: pl.DataFrame, paper: dict[int, float] = PAPER_PI, paper_head_
             hit = [r for (mm, _), r in rows.items() if mm == m and math.isclose(r["s_over_d"], x)]
             if hit:
                 r = hit[0]
-                findings.append(f"at the paper's s/d = {s_p}/{paper_head_dim}: {m} (s={r['s']}) pi {r['pi']:.2f} "
-                                f"[{r['pi_lo']:.2f}, {r['pi_hi']:.2f}] vs paper {pi_p:.2f}")
+                findings.append(f"at the paper's s/d = {s_p}/{paper_head_dim}: {m} (s={r['s']}) pi {_pi(r)} "
+                                f"vs paper {pi_p:.2f}")
     closest, best = None, float("inf")
     for name in DEFINITIONS:
         sub = {(r["model"], r["s"]): r["pi"] for r in table.filter(pl.col("definition") == name).iter_rows(named=True)}

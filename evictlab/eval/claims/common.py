@@ -1,5 +1,6 @@
 """What the evaluation claims share: pairing two arms on the same examples, the pooled
-interval, the "paper vs ours" wording and the fields of a claim row.
+interval (the resampling engine, :mod:`evictlab.stats.bootstrap`), the "paper vs ours"
+verdict (:func:`evictlab.stats.claims.versus`, the one vocabulary) and the fields of a claim row.
 
 Each claim row pools every (task, context, budget) comparison of one (model, method): the
 mean difference with a 95% percentile-bootstrap interval that resamples examples (an
@@ -12,28 +13,18 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import polars as pl
 
-from evictlab.eval.compare import cluster_bootstrap_mean
-from evictlab.stats.claims import weights_for
+from evictlab.report.markdown import ci
+from evictlab.stats.bootstrap import Design, bootstrap_mean
+from evictlab.stats.claims import versus, weights_for
+
+__all__ = ["INTERVAL", "claim_fields", "detail_table", "full_em", "full_note", "paired", "points_text", "pooled_mean",
+           "versus"]
 
 INTERVAL = ("95% percentile bootstrap, resampling examples (one task, context and index, with all its budgets); "
             "examples paired across the two arms")
 """How the claim rows' intervals were resampled (the ``interval`` column)."""
-
-
-def versus(lo: float, hi: float, p_lo: float, p_hi: float) -> str:
-    """Where the paper's range ``[p_lo, p_hi]`` lies relative to our interval ``[lo, hi]``."""
-    if not (np.isfinite(lo) and np.isfinite(hi)):
-        return "no data"
-    if p_hi < lo:
-        return "paper below our CI"
-    if p_lo > hi:
-        return "paper above our CI"
-    if lo <= p_lo and p_hi <= hi:
-        return "paper within our CI"
-    return "paper overlaps our CI"
 
 
 def paired(results: pl.DataFrame, on: list[str], a: pl.Expr, b: pl.Expr) -> pl.DataFrame:
@@ -49,9 +40,11 @@ def full_em(results: pl.DataFrame) -> pl.DataFrame:
 
 def pooled_mean(rows: pl.DataFrame, diff: str, key: str, seed: int, n_boot: int) -> tuple[float, float, float]:
     """Mean of ``diff`` in points with its bootstrap interval, resampling examples (one task,
-    context and index) across every comparison of ``rows``."""
-    clusters = rows.select(pl.format("{}|{}|{}", "task", "context", "example")).to_series().to_list()
-    return cluster_bootstrap_mean(rows[diff].to_numpy() * 100.0, clusters, seed=seed, key=key, n_boot=n_boot)
+    context and index, each with all its rows) across every comparison of ``rows``."""
+    clusters = rows.select(pl.format("{}|{}|{}", "task", "context", "example")).to_series().to_numpy()
+    e = bootstrap_mean(rows[diff].to_numpy() * 100.0, seed=seed, key=key, n_boot=n_boot,
+                       clusters=Design.whole_clusters(clusters))
+    return e.value, e.lo, e.hi
 
 
 def detail_table(j: pl.DataFrame, on: list[str], name: str, stats: Any, results: pl.DataFrame, seed: int,
@@ -60,9 +53,9 @@ def detail_table(j: pl.DataFrame, on: list[str], name: str, stats: Any, results:
     bootstrap interval over examples, ``stats(group)``, and the full cache's exact match."""
     rows = []
     for k, g in j.group_by(on, maintain_order=True):
-        v, lo, hi = cluster_bootstrap_mean(g["d"].to_numpy() * 100.0, None, seed=seed, key="|".join(map(str, k)),
-                                           n_boot=n_boot)
-        rows.append({**dict(zip(on, k)), "n": g.height, name: v, f"{name}_lo": lo, f"{name}_hi": hi, **stats(g)})
+        e = bootstrap_mean(g["d"].to_numpy() * 100.0, seed=seed, key="|".join(map(str, k)), n_boot=n_boot)
+        rows.append({**dict(zip(on, k)), "n": g.height, name: e.value, f"{name}_lo": e.lo, f"{name}_hi": e.hi,
+                     **stats(g)})
     return pl.DataFrame(rows).join(full_em(results), on=["model", "task", "context"], how="left")
 
 
@@ -86,4 +79,4 @@ def full_note(detail: pl.DataFrame) -> str:
 
 def points_text(v: float, lo: float, hi: float) -> str:
     """``+v [+lo, +hi] points`` (``n/a`` without data)."""
-    return "n/a" if not np.isfinite(v) else f"{v:+.1f} [{lo:+.1f}, {hi:+.1f}] points"
+    return ci(v, lo, hi, 1, signed=True, unit=" points")

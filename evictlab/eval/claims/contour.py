@@ -10,7 +10,7 @@ import numpy as np
 import polars as pl
 
 from evictlab.eval.claims.common import full_em, full_note, versus
-from evictlab.eval.compare import cluster_bootstrap_mean
+from evictlab.stats.bootstrap import Design, bootstrap_mean
 from evictlab.stats.claims import ClaimRow, weights_for
 
 CONTOUR_ALLOCATORS = ("contourkv", "contourkv_pred")
@@ -78,34 +78,29 @@ def _counts(o: pl.DataFrame) -> np.ndarray:
     return np.array([(s > 0).sum(), (s == 0).sum(), (s < 0).sum()], dtype=np.int64)
 
 
-def _boot_counts(o: pl.DataFrame, seed: int, key: str, n_boot: int) -> np.ndarray:
-    """Bootstrap of :func:`_counts`: ``(n_boot, 3)``, resampling prompts (each (model, task,
-    context) group's example indices drawn with replacement, the same draw for every
-    budget, scorer and method pair of that prompt)."""
-    from evictlab.stats.bootstrap import rng_for
+def share_design(o: pl.DataFrame) -> tuple[Any, Any, Any]:
+    """``(design, outcome, comparison)`` of the shares' bootstrap over the outcome rows ``o``:
+    prompts resampled within each (model, task, context) group (its example indices drawn
+    with replacement, each with all its rows: the same draw for every budget, scorer and
+    method pair of that prompt), the groups kept (strata); ``comparison`` labels each row's
+    comparison (:data:`_COMPARISON`)."""
+    from evictlab.stats.bootstrap import Design
 
-    rng = rng_for(seed, key)
-    o = o.with_columns(pl.struct(_COMPARISON).hash(seed=0).alias("_cmp"))
-    out = np.zeros((n_boot, 3), dtype=np.int64)
-    for _, g in o.group_by(["model", "task", "context"], maintain_order=True):
-        ex = np.unique(g["example"].to_numpy())
-        pos = {int(e): i for i, e in enumerate(ex)}
-        cmp_ids, cmp_idx = np.unique(g["_cmp"].to_numpy(), return_inverse=True)
-        m = np.zeros((cmp_ids.size, ex.size))
-        np.add.at(m, (cmp_idx, [pos[int(e)] for e in g["example"].to_numpy()]), g["outcome"].to_numpy())
-        draw = rng.integers(0, ex.size, size=(n_boot, ex.size))
-        weights = np.stack([np.bincount(d, minlength=ex.size) for d in draw])  # (n_boot, examples)
-        s = weights @ m.T  # (n_boot, comparisons): each comparison's win - loss count on the resample
-        out += np.stack([(s > 0).sum(1), (s == 0).sum(1), (s < 0).sum(1)], axis=1)
-    return out
+    group = o.select(pl.format("{}|{}|{}", "model", "task", "context")).to_series().to_numpy()
+    design = Design.whole_clusters(o["example"].to_numpy(), "prompt", strata=group, strata_name="model, task, context")
+    return design, o["outcome"].to_numpy(), o.select(pl.struct(_COMPARISON).hash(seed=0)).to_series().to_numpy()
 
 
-def _share(o: pl.DataFrame, which: int, seed: int, key: str, n_boot: int) -> tuple[float, float, float]:
-    """Share of comparisons won (``which=0``), tied (1) or lost (2), with its prompt-clustered interval."""
-    c = _counts(o)
-    total = max(int(c.sum()), 1)
-    b = _boot_counts(o, seed, key, n_boot)[:, which] / total
-    return float(c[which] / total), float(np.quantile(b, 0.025)), float(np.quantile(b, 0.975))
+def _share(o: pl.DataFrame, which: int, seed: int, key: str, n_boot: int, level: float = 0.95) -> Any:
+    """Share of comparisons won (``which=0``), tied (1) or lost (2) (:func:`_counts` over their
+    number) with its percentile interval from the resampling engine (an
+    :class:`~evictlab.stats.bootstrap.Estimate`; design :func:`share_design`): every
+    comparison is decided again on every replicate."""
+    from evictlab.stats.bootstrap import SignShare, bootstrap
+
+    design, outcome, comparison = share_design(o)
+    stat = SignShare(outcome, comparison, (1, 0, -1)[which])
+    return bootstrap({"share": stat}, design, seed=seed, key=key, n_boot=n_boot, level=level)["share"]
 
 
 def _wtl_text(c: np.ndarray) -> str:
@@ -163,12 +158,12 @@ def contourkv_versus(results: pl.DataFrame, *, tolerance: float = 0.1, seed: int
 
     for (method_alloc, base_alloc), g in o.group_by(["allocator", "baseline_allocator"], maintain_order=True):
         c = _counts(g)
-        v, lo, hi = _share(g, 0, seed, f"contour|{method_alloc}|{base_alloc}", n_boot)
+        share = _share(g, 0, seed, f"contour|{method_alloc}|{base_alloc}", n_boot)
         claims.append(ClaimRow(
             claim_id=f"contourkv:{method_alloc}_vs_{base_alloc}",
             claim=f"{method_alloc} beats {base_alloc} at matched bytes (same scorer)",
             paper_value="n/a (the paper compares against methods; see the rows below)",
-            our_value=f"{_wtl_text(c)}; share won {v:.2f} [{lo:.2f}, {hi:.2f}]; {full_note_of(g)}",
+            our_value=f"{_wtl_text(c)}; share won {share.fmt(2)}; {full_note_of(g)}",
             verdict="no paper value", **where, **rows_text(g), interval=CONTOUR_INTERVAL, definitions=defs))
 
     def share_row(sub: pl.DataFrame, which: int, claim_id: str, claim: str, paper: tuple[Any, ...],
@@ -180,12 +175,11 @@ def contourkv_versus(results: pl.DataFrame, *, tolerance: float = 0.1, seed: int
         if sub.height == 0:
             return _not_run(claim_id, claim, paper_text, label.replace(" vs ", " and "))
         word = ("won", "tied")[which]
-        v, lo, hi = _share(sub, which, seed, f"contour|{claim_id}", n_boot)
+        share = _share(sub, which, seed, f"contour|{claim_id}", n_boot)
         return ClaimRow(
             claim_id=claim_id, claim=claim, paper_value=f"{paper_text} (share {word} {count / total:.2f})",
-            our_value=f"{label}: {_wtl_text(_counts(sub))}; share {word} {v:.2f} [{lo:.2f}, {hi:.2f}]; "
-                      f"{full_note_of(sub)}",
-            verdict=versus(lo, hi, count / total, count / total), **where, **rows_text(sub),
+            our_value=f"{label}: {_wtl_text(_counts(sub))}; share {word} {share.fmt(2)}; {full_note_of(sub)}",
+            verdict=versus(share.lo, share.hi, count / total, count / total), **where, **rows_text(sub),
             interval=CONTOUR_INTERVAL, definitions=defs + extra)
 
     def same_scorer(scorer: str, baseline: str) -> pl.DataFrame:
@@ -204,20 +198,20 @@ def contourkv_versus(results: pl.DataFrame, *, tolerance: float = 0.1, seed: int
     if sk.height:
         per = sk.group_by(["model", "task"], maintain_order=True).agg(
             (pl.col("outcome") > 0).mean().alias("ours"), (pl.col("outcome") < 0).mean().alias("theirs"))
-        clusters = sk.select(pl.format("{}|{}|{}|{}", "model", "task", "context", "example")).to_series().to_list()
-        w = cluster_bootstrap_mean((sk["outcome"].to_numpy() > 0).astype(float), clusters, seed=seed,
-                                   key="contour|snapkv|win", n_boot=n_boot)
-        lz = cluster_bootstrap_mean((sk["outcome"].to_numpy() < 0).astype(float), clusters, seed=seed,
-                                    key="contour|snapkv|loss", n_boot=n_boot)
+        clusters = Design.whole_clusters(
+            sk.select(pl.format("{}|{}|{}|{}", "model", "task", "context", "example")).to_series().to_numpy())
+        w = bootstrap_mean((sk["outcome"].to_numpy() > 0).astype(float), clusters=clusters, seed=seed,
+                           key="contour|snapkv|win", n_boot=n_boot)
+        lz = bootstrap_mean((sk["outcome"].to_numpy() < 0).astype(float), clusters=clusters, seed=seed,
+                            key="contour|snapkv|loss", n_boot=n_boot)
         claims.append(ClaimRow(
             claim_id="contourkv:vs_snapkv_retrieval_128",
             claim="on retrieval at 128 per cell, ContourKV wins far more examples than SnapKV",
             paper_value=f"win rate {c_lo:.2f}-{c_hi:.2f} (ContourKV) vs {s_lo:.2f}-{s_hi:.2f} (SnapKV)",
             our_value=(f"snapkv+contourkv vs snapkv: per (model, task) win rate {per['ours'].min():.2f}-"
                        f"{per['ours'].max():.2f} vs {per['theirs'].min():.2f}-{per['theirs'].max():.2f}; pooled "
-                       f"{w[0]:.2f} [{w[1]:.2f}, {w[2]:.2f}] vs {lz[0]:.2f} [{lz[1]:.2f}, {lz[2]:.2f}]; "
-                       f"{full_note_of(sk)}"),
-            verdict=f"ContourKV's: {versus(w[1], w[2], c_lo, c_hi)}; SnapKV's: {versus(lz[1], lz[2], s_lo, s_hi)}",
+                       f"{w.fmt(2)} vs {lz.fmt(2)}; {full_note_of(sk)}"),
+            verdict=f"ContourKV's: {versus(w.lo, w.hi, c_lo, c_hi)}; SnapKV's: {versus(lz.lo, lz.hi, s_lo, s_hi)}",
             **where, **rows_text(sk),
             interval="95% percentile bootstrap resampling prompts (model, task, context, example index)",
             definitions=defs + "; win rate = share of examples won under the per-example rule"))
