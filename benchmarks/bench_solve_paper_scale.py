@@ -3,10 +3,10 @@
 1. Synthesise 168,192 attention rows with 1,000 keys each, d = 64 (256 rows share one
    key/value block, as rows of one (prompt, layer, KV head) do), unless ``--rows-dir``
    already holds them:
-       evictlab rows synth --rows 168192 --keys 1000 --dim 64 --seed 0 --spread 0 --out DIR
+       evictlab rows synth --count 168192 --keys 1000 --dim 64 --seed 0 --spread 0 --out DIR
 2. Solve s in {4, 8, 16, 32} with the default pool (r_m = r_e = 2), timed from the start
    of the command to the results file and run record on disk:
-       evictlab solve DIR --budgets 4 8 16 32 --out OUT --overwrite --restart
+       evictlab solve DIR --keep 4 8 16 32 --out OUT --overwrite --restart
 3. With ``--search all`` (the default of this script: ``--searches pool all``), the same
    command with ``--search all`` (all-key local search, default shortlist and no kicks)
    runs next in the same process, and the ratio of the two wall and CPU times is printed:
@@ -60,7 +60,7 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     # synth finishes an interrupted dataset and does nothing when it is complete
     t0 = time.perf_counter()
-    subprocess.run([_evictlab(), "rows", "synth", "--rows", str(args.rows), "--keys", str(args.keys),
+    subprocess.run([_evictlab(), "rows", "synth", "--count", str(args.rows), "--keys", str(args.keys),
                     "--dim", str(args.dim), "--seed", "0", "--spread", "0", "--out", str(rows_dir)],
                    check=True)
     print(f"synth: {time.perf_counter() - t0:.1f} s wall")
@@ -76,7 +76,7 @@ def main() -> None:
         parts = out.with_name(out.name + ".parts")
         if parts.exists():
             shutil.rmtree(parts)
-        cmd = [_evictlab(), "solve", str(rows_dir), "--budgets", *BUDGETS, "--out", str(out),
+        cmd = [_evictlab(), "solve", str(rows_dir), "--keep", *BUDGETS, "--out", str(out),
                "--search", search]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
@@ -111,12 +111,12 @@ def _warm_up(work: Path, dim: int, searches: list[str]) -> None:
     """Fill Numba's cache with a tiny solve of each mode (the kernels compile here, not in a
     timed run, after a change to a kernel file); print how long it took."""
     tiny = work / "warmup-rows"
-    subprocess.run([_evictlab(), "rows", "synth", "--rows", "64", "--keys", "64", "--dim", str(dim), "--seed", "0",
+    subprocess.run([_evictlab(), "rows", "synth", "--count", "64", "--keys", "64", "--dim", str(dim), "--seed", "0",
                     "--spread", "0", "--out", str(tiny)], check=True, capture_output=True)
     for search in searches:
         out = work / f"warmup-{search}.parquet"
         t0 = time.perf_counter()
-        subprocess.run([_evictlab(), "solve", str(tiny), "--budgets", *BUDGETS, "--out", str(out), "--overwrite",
+        subprocess.run([_evictlab(), "solve", str(tiny), "--keep", *BUDGETS, "--out", str(out), "--overwrite",
                         "--restart", "--search", search], check=True, capture_output=True)
         phases = json.loads(out.with_name(out.stem + ".run_record.json").read_text())["phases_s"]
         print(f"warm-up --search {search}: {time.perf_counter() - t0:.1f} s wall, of which compile or cache load "

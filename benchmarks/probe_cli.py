@@ -102,7 +102,7 @@ class Fixtures:
     def rows(self) -> Path:
         rows = self.work / "rows"
         if not (rows / "manifest.json").is_file():
-            res = cli("rows", "synth", "--rows", "6000", "--keys", "64", "--dim", "8", "--seed", "1",
+            res = cli("rows", "synth", "--count", "6000", "--keys", "64", "--dim", "8", "--seed", "1",
                       "--rows-per-block", "50", "--out", str(rows), cwd=self.work)
             assert res.returncode == 0, res.stderr
         return rows
@@ -121,7 +121,7 @@ class Fixtures:
 
 def probe_solve_kill_resume(fx: Fixtures, d: Path) -> None:
     """kill -9 at random moments of a solve; each rerun finishes, bit-identical to a clean run."""
-    args = ["solve", str(fx.rows()), "--budgets", "4", "8", "--chunk-rows", "500"]
+    args = ["solve", str(fx.rows()), "--keep", "4", "8", "--chunk-rows", "500"]
     clean = d / "clean.parquet"
     assert cli(*args, "--out", str(clean), cwd=d).returncode == 0
     rng = random.Random(0)
@@ -139,7 +139,7 @@ def probe_solve_kill_resume(fx: Fixtures, d: Path) -> None:
 
 def probe_solve_damaged_part(fx: Fixtures, d: Path) -> None:
     """A flipped bit in a solver part of an interrupted run: named, recomputed, equal to clean."""
-    args = ["solve", str(fx.rows()), "--budgets", "4", "--chunk-rows", "500"]
+    args = ["solve", str(fx.rows()), "--keep", "4", "--chunk-rows", "500"]
     clean = d / "clean.parquet"
     assert cli(*args, "--out", str(clean), cwd=d).returncode == 0
     out = d / "r.parquet"
@@ -160,7 +160,7 @@ def probe_solve_damaged_part(fx: Fixtures, d: Path) -> None:
 def probe_dilution_check_kill(fx: Fixtures, d: Path) -> None:
     """kill -9 at random moments of a dilution check, including its final writes; each rerun
     finishes and the table equals a clean run's; nothing half-written looks complete."""
-    args = ["dilution", "check", str(fx.labelled()), "--budgets", "24,48", "--methods", "top_mass,snapkv",
+    args = ["dilution", "check", str(fx.labelled()), "--keep", "24,48", "--methods", "top_mass,snapkv",
             "--chunk-blocks", "1", "--quiet"]
     clean = d / "clean.parquet"
     first = cli(*args, "--out", str(clean), cwd=d)
@@ -196,7 +196,7 @@ def probe_contour_fit_interrupt(fx: Fixtures, d: Path) -> None:
 
 def probe_eval_damaged_files(fx: Fixtures, d: Path) -> None:
     """A flipped bit in an eval part (resumed run) and in results.parquet (eval compare)."""
-    args = ["eval", "run", "--models", str(fx.tiny()), "--context", "160", "--n", "2", "--budgets", "24",
+    args = ["eval", "run", "--models", str(fx.tiny()), "--context", "160", "--n", "2", "--budget", "24",
             "--methods", "snapkv,h2o", "--sinks", "2", "--recent", "8", "--chunk", "64", "--quiet"]
     assert cli(*args, "--out", str(d / "clean"), cwd=d).returncode == 0
     assert cli(*args, "--out", str(d / "g"), cwd=d).returncode == 0
@@ -214,7 +214,7 @@ def probe_oracle_labels(fx: Fixtures, d: Path) -> None:
     """oracle_labels is not StreamingLLM in disguise (eval run), and is refused without labels."""
     import polars as pl
 
-    args = ["eval", "run", "--models", str(fx.tiny()), "--context", "160", "--n", "3", "--budgets", "24",
+    args = ["eval", "run", "--models", str(fx.tiny()), "--context", "160", "--n", "3", "--budget", "24",
             "--sinks", "2", "--recent", "8", "--chunk", "64", "--quiet"]
     assert cli(*args, "--methods", "oracle_labels,streaming_llm", "--out", str(d / "g"), cwd=d).returncode == 0
     res = pl.read_parquet(d / "g" / "results.parquet")
@@ -249,7 +249,7 @@ def probe_hostile_models(fx: Fixtures, d: Path) -> None:
                      ["audit", "--model", f, "--context", "64", "--n", "1", "--out", str(d / "a.parquet")],
                      ["capture", "--model", f, "--context", "64", "--positions", "2", "--prompts", "1",
                       "--out", str(d / "rows")],
-                     ["eval", "run", "--models", f, "--context", "160", "--n", "1", "--budgets", "24",
+                     ["eval", "run", "--models", f, "--context", "160", "--n", "1", "--budget", "24",
                       "--out", str(d / "g")],
                      ["dilution", "sweep", "--model", f, "--distractors", "0", "--n", "1", "--methods", "full",
                       "--out", str(d / "s")]):
@@ -268,16 +268,16 @@ def probe_refusals_leave_nothing(fx: Fixtures, d: Path) -> None:
               "full,streaming_llm", "--budget", "40", "--context", "64", "--sinks", "2", "--recent", "8",
               "--out", str(d / "s"), "--quiet", cwd=d)
     assert res.returncode == 0, res.stderr
-    one_error(cli("rows", "synth", "--rows", "99999999999999", "--keys", "1000", "--dim", "64", "--seed", "0",
-                  "--out", str(d / "big"), cwd=d, timeout=60), "--rows")
-    one_error(cli("dilution", "check", str(fx.labelled()), "--budgets", "5000", "--out", str(d / "t.parquet"), cwd=d),
-              "--budgets")
+    one_error(cli("rows", "synth", "--count", "99999999999999", "--keys", "1000", "--dim", "64", "--seed", "0",
+                  "--out", str(d / "big"), cwd=d, timeout=60), "--count")
+    one_error(cli("dilution", "check", str(fx.labelled()), "--keep", "5000", "--out", str(d / "t.parquet"), cwd=d),
+              "--keep")
     one_error(cli("demo", "--second-model", "bogus", "--runs", str(d / "runs"), cwd=d, timeout=60), "--second-model")
 
 
 def probe_two_runs_at_once(fx: Fixtures, d: Path) -> None:
     """A second writer on the same --out is refused at once while the first runs."""
-    args = ["solve", str(fx.rows()), "--budgets", "4", "8", "--chunk-rows", "500", "--out", str(d / "r.parquet")]
+    args = ["solve", str(fx.rows()), "--keep", "4", "8", "--chunk-rows", "500", "--out", str(d / "r.parquet")]
     first = subprocess.Popen([sys.executable, "-m", "evictlab.cli", *args], cwd=d, env=ENV, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.time() + 60
@@ -308,7 +308,7 @@ def probe_real_oracle(fx: Fixtures, d: Path) -> None:
     """(--real) The issue's eval probe: oracle_labels and streaming_llm differ on SmolLM2."""
     import polars as pl
 
-    res = cli("eval", "run", "--context", "128", "--n", "1", "--budgets", "32", "--methods",
+    res = cli("eval", "run", "--context", "128", "--n", "1", "--budget", "32", "--methods",
               "oracle_labels,streaming_llm", "--threads", "1", "--quiet", "--out", str(d / "evo"), cwd=d, timeout=1200)
     assert res.returncode == 0, res.stderr[-2000:]
     r = pl.read_parquet(d / "evo" / "results.parquet")

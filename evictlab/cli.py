@@ -134,6 +134,8 @@ def run(argv: Sequence[str] | None = None) -> int:
 
 
 def _invoke(args: list[str]) -> int:
+    from evictlab.cliutil import renamed_options
+
     command = typer.main.get_command(app)
     group, path, rest = _resolve(command, args)
     if _is_group(group) and not rest:
@@ -143,6 +145,11 @@ def _invoke(args: list[str]) -> int:
         typer.echo(ctx.get_help(), err=True)
         return _usage_error(f"{' '.join(path)}: no command given",
                             _help_fix(path, "name one of the commands listed above", "them"), ctx=None)
+    # Old spellings of renamed options still work this release, with one note each.
+    rest, notes = renamed_options(" ".join(path[1:]), rest)
+    for note in notes:
+        typer.echo(note, err=True)
+    args = [*path[1:], *rest]
     # standalone_mode=False: errors come back to us as exceptions, an Exit as its code.
     rv = command.main(args=args, prog_name=PROG, standalone_mode=False)
     return rv if isinstance(rv, int) and not isinstance(rv, bool) else 0

@@ -13,6 +13,12 @@
   complete on disk; an interrupt after that point (Ctrl-C while the summary prints) no
   longer reports the run as interrupted: it exits 0 with one note (:mod:`evictlab.cli`).
 
+* **One vocabulary** (docs/architecture.md, "CLI conventions"): ``--budget`` is always a KV
+  budget text, ``--keep`` the keys kept per attention row, ``--protocol`` the protocol,
+  ``--store`` how the KV cache is held, ``--quiet`` (:data:`QUIET`) silences progress. Option
+  spellings renamed to it (:data:`RENAMED`) keep working for one release: the entry point
+  rewrites them (:func:`renamed_options`) and prints one ``note:`` line each on stderr.
+
 Errors are :class:`~evictlab.errors.InputError` naming the option (exit code 2 through the CLI).
 """
 
@@ -21,9 +27,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import typer
+
 from evictlab.errors import InputError, refuse_duplicates
 
-__all__ = ["outputs_written", "parse_ints", "parse_list", "refuse_unused", "written_outputs"]
+__all__ = ["QUIET", "RENAMED", "outputs_written", "parse_ints", "parse_list", "refuse_unused", "renamed_options",
+           "written_outputs"]
 
 #: Outputs the running command has declared complete (:func:`outputs_written`).
 _WRITTEN: list[str] = []
@@ -100,3 +109,53 @@ def written_outputs(reset: bool = False) -> list[str]:
     if reset:
         _WRITTEN.clear()
     return out
+
+
+# --------------------------------------------------------------------------------------
+# One vocabulary: renamed spellings, --quiet
+# --------------------------------------------------------------------------------------
+
+#: Options renamed to the one vocabulary in this release, per command (its words after
+#: ``evictlab``): old spelling -> the tokens that replace it (an old flag may become an option
+#: with its value: ``--query-aware`` -> ``--protocol query-aware``). The old spellings work
+#: until the next release, each with one ``note:`` line on stderr; then this table goes.
+RENAMED: dict[str, dict[str, tuple[str, ...]]] = {
+    "solve": {"--budgets": ("--keep",)},
+    "demo": {"--budgets": ("--keep",)},
+    "dilution check": {"--budgets": ("--keep",)},
+    "capture": {"--mode": ("--protocol",)},
+    "decode": {"--mode": ("--store",), "--query-aware": ("--protocol", "query-aware")},
+    "audit": {"--query-aware": ("--protocol", "query-aware")},
+    "eval run": {"--budgets": ("--budget",), "--modes": ("--store",), "--protocols": ("--protocol",)},
+    "rows synth": {"--rows": ("--count",)},
+}
+
+
+def renamed_options(command: str, args: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``args`` (after the command's words) with every old spelling of :data:`RENAMED` for
+    ``command`` replaced, and one note per old spelling used. ``--old=VALUE`` becomes
+    ``--new=VALUE``; nothing after a ``--`` is touched."""
+    table = RENAMED.get(command, {})
+    out: list[str] = []
+    used: list[str] = []
+    for i, tok in enumerate(args):
+        if tok == "--":
+            out += list(args[i:])
+            break
+        name, eq, value = tok.partition("=")
+        new = table.get(name)
+        if new is None:
+            out.append(tok)
+            continue
+        if name not in used:
+            used.append(name)
+        out += [f"{new[0]}={value}"] if eq and len(new) == 1 else list(new)
+    notes = [f"note: `evictlab {command} {old}` is now {' '.join(table[old])}; the old spelling works in this "
+             "release only" for old in used]
+    return out, notes
+
+
+#: The ``--quiet`` option of every long command (one declaration, one help text): no progress
+#: bars or progress lines on stderr; results, warnings and errors still print.
+QUIET: Any = typer.Option(False, "--quiet", help="no progress bar or progress lines on stderr (results, warnings "
+                          "and errors still print)")

@@ -1,7 +1,7 @@
 """Errors that name the offending field and say how to fix it.
 
 Every check on user input raises :class:`InputError` (a ``ValueError``) with three parts:
-the field (``"p[3]"``, ``"--budgets"``, ``"index.parquet"``), what is wrong, and the fix.
+the field (``"p[3]"``, ``"--keep"``, ``"index.parquet"``), what is wrong, and the fix.
 The CLI prints the message without a traceback.
 """
 

@@ -25,8 +25,10 @@ def parser(description: str, defaults: dict[str, Any]) -> argparse.ArgumentParse
     p = _common.parser(description, needs_results=False)
     p.add_argument("--grid", type=Path, default=Path(defaults["grid"]),
                    help=f"grid folder, run or resumed there (default {defaults['grid']})")
+    # the spellings of `evictlab eval run` (--budget, --store, --protocol); the old plural ones still parse
+    flags = {"budgets": ("--budget", "--budgets"), "modes": ("--store", "--modes"), "protocols": ("--protocol", "--protocols")}
     for name in ("models", "tasks", "contexts", "budgets", "methods", "modes", "protocols"):
-        p.add_argument(f"--{name}", default=",".join(map(str, defaults[name])),
+        p.add_argument(*flags.get(name, (f"--{name}",)), dest=name, default=",".join(map(str, defaults[name])),
                        help=f"comma-separated (default {','.join(map(str, defaults[name]))})")
     p.add_argument("--n", type=int, default=defaults["n"], help=f"examples per task (default {defaults['n']})")
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk (default 256)")
@@ -47,9 +49,9 @@ def run(args: argparse.Namespace) -> pl.DataFrame:
                           tasks=parse_list(args.tasks, "--tasks", "task"),
                           contexts=parse_list(args.contexts, "--contexts", "context length"),
                           methods=parse_list(args.methods, "--methods", "method"),
-                          budgets=parse_list(args.budgets, "--budgets", "budget"),
-                          modes=parse_list(args.modes, "--modes", "mode"),
-                          protocols=parse_list(args.protocols, "--protocols", "protocol"), n=args.n, seed=args.seed,
+                          budgets=parse_list(args.budgets, "--budget", "budget"),
+                          modes=parse_list(args.modes, "--store", "store"),
+                          protocols=parse_list(args.protocols, "--protocol", "protocol"), n=args.n, seed=args.seed,
                           loop=LoopSettings(chunk_size=args.chunk))
     args.grid.parent.mkdir(parents=True, exist_ok=True)
     bar: Any = None

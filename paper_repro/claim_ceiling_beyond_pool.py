@@ -3,8 +3,8 @@
 The paper's ceiling is a pool optimum, a lower bound on what selection can do. This script
 reads solver results made with the all-key search (and, where available, the certificate):
 
-    evictlab solve ROWS --budgets 4 8 16 32 --search all --out R.parquet            # any n
-    evictlab solve ROWS --budgets 2 4 8 --search all --certify --out C.parquet      # n <= 256
+    evictlab solve ROWS --keep 4 8 16 32 --search all --out R.parquet            # any n
+    evictlab solve ROWS --keep 2 4 8 --search all --certify --out C.parquet      # n <= 256
 
 and writes, per (model, s), the median gap closed by the pool, the all-key search and the
 certified optimum on the same rows with prompt-clustered bootstrap CIs (prompts, then

@@ -54,7 +54,7 @@ def _grid(args: argparse.Namespace, methods: list[str], modes: list[str], gates:
     spec = GridSpec.build(models=parse_list(args.models, "--models", "model"),
                           tasks=parse_list(args.tasks, "--tasks", "task"),
                           contexts=parse_list(args.contexts, "--contexts", "context length"), methods=methods,
-                          budgets=parse_list(args.budgets, "--budgets", "budget"),
+                          budgets=parse_list(args.budgets, "--budget", "budget"),
                           modes=modes, protocols=["query-agnostic"], n=args.n, seed=args.seed,
                           loop=LoopSettings(chunk_size=args.chunk),
                           scorer_params={"trimkv.gates": str(gates)} if gates is not None else None)
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default="smollm2-135m")
     p.add_argument("--tasks", default="needle_word,heldout_ppl")
     p.add_argument("--contexts", default="256")
-    p.add_argument("--budgets", default="32")
+    p.add_argument("--budget", "--budgets", dest="budgets", default="32")
     p.add_argument("--n", type=int, default=4, help="examples per task (default 4)")
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk (default 256)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per process (default 1)")

@@ -156,9 +156,9 @@ def test_sliding_window_model_capture(tmp_path: Path) -> None:
 
 
 def test_config_errors() -> None:
-    with pytest.raises(InputError, match="--mode"):
+    with pytest.raises(InputError, match="--protocol"):
         replace(CFG, source="shakespeare", mode="query-aware").check()
-    with pytest.raises(InputError, match="--mode"):
+    with pytest.raises(InputError, match="--protocol"):
         replace(CFG, mode="sideways").check()
     with pytest.raises(InputError, match="--source"):
         replace(CFG, source="wikipedia").check()

@@ -61,10 +61,10 @@ USAGE_ERRORS = {
     "unknown subcommand": (["rows", "bogus"], "'bogus'"),
     "unknown option": (["solve", "ds", "--budget", "4"], "--budget"),
     "missing argument": (["solve"], "rows"),
-    "missing option": (["rows", "synth", "--rows", "3", "--keys", "4", "--dim", "2", "--seed", "1"], "--out"),
-    "bad type": (["rows", "synth", "--rows", "abc"], "--rows"),
+    "missing option": (["rows", "synth", "--count", "3", "--keys", "4", "--dim", "2", "--seed", "1"], "--out"),
+    "bad type": (["rows", "synth", "--count", "abc"], "--count"),
     "out of range": (["predictor", "eval", "p.json", "r.parquet", "--n-boot", "0"], "--n-boot"),
-    "too few values": (["solve", "ds", "--budgets", "4", "--out", "t.parquet", "--pool", "1"], "--pool"),
+    "too few values": (["solve", "ds", "--keep", "4", "--out", "t.parquet", "--pool", "1"], "--pool"),
     "extra argument": (["hardness", "decide", "a.json", "b.json"], "b.json"),
     "no command": ([], "evictlab"),
     "group without command": (["hardness"], "evictlab hardness"),
@@ -88,7 +88,7 @@ def test_usage_error_is_one_line_exit_2(entry, case, tmp_path):
 # Bad values the commands themselves refuse (InputError): the one line names the option.
 INPUT_ERRORS = {
     "bad choice": (["hardness", "decide", "x.json", "--method", "bogus"], "--method"),
-    "bad choice (rows synth)": (["rows", "synth", "--rows", "3", "--keys", "4", "--dim", "2", "--seed", "1",
+    "bad choice (rows synth)": (["rows", "synth", "--count", "3", "--keys", "4", "--dim", "2", "--seed", "1",
                                  "--out", "s", "--kind", "bogus"], "--kind"),
     "bad number": (["hardness", "check", "--trials", "0"], "--trials"),
     "bad value": (["predictor", "fit", "r.parquet", "--out", "p.json", "--features", "nope"], "--features"),
@@ -186,11 +186,11 @@ def _assert_interrupted(proc: subprocess.Popen, code: int) -> None:
 @pytest.mark.slow
 def test_sigint_during_solve_is_one_line_exit_130(tmp_path):
     """Ctrl-C inside the Numba kernels (a SystemError chained to the KeyboardInterrupt)."""
-    r = run(MODULE, "rows", "synth", "--rows", "40000", "--keys", "256", "--dim", "16", "--seed", "1",
+    r = run(MODULE, "rows", "synth", "--count", "40000", "--keys", "256", "--dim", "16", "--seed", "1",
             "--out", "ds", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     parts = tmp_path / "t.parquet.parts"
-    proc = _start(["solve", "ds", "--budgets", "4", "8", "16", "--out", "t.parquet", "--chunk-rows", "1024"],
+    proc = _start(["solve", "ds", "--keep", "4", "8", "16", "--out", "t.parquet", "--chunk-rows", "1024"],
                   tmp_path)
     _wait_for(lambda: parts.is_dir() and any(parts.glob("part-*.parquet")), proc, timeout=600)
     time.sleep(0.2)  # inside the next chunk's kernels
@@ -203,7 +203,7 @@ def test_sigint_during_solve_is_one_line_exit_130(tmp_path):
 @pytest.mark.slow
 def test_sigterm_during_rows_synth_is_one_line_exit_143(tmp_path):
     out = tmp_path / "s"
-    proc = _start(["rows", "synth", "--rows", "200000", "--keys", "512", "--dim", "16", "--seed", "3",
+    proc = _start(["rows", "synth", "--count", "200000", "--keys", "512", "--dim", "16", "--seed", "3",
                    "--kind", "logits", "--rows-per-shard", "4096", "--out", "s"], tmp_path)
     _wait_for(lambda: out.is_dir() and any(out.glob("shard-*.npz")), proc, timeout=300)
     proc.send_signal(signal.SIGTERM)

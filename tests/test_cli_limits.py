@@ -24,12 +24,12 @@ def _refused(capsys, option: str, needle: str, *args: str) -> str:
 
 def test_rows_synth_refuses_a_dataset_above_max_gib_at_once(capsys, tmp_path: Path) -> None:
     """Used to run for ten minutes (memory growing) until killed."""
-    line = _refused(capsys, "--rows", "above the --max-gib limit of 4 GiB", "rows", "synth", "--rows",
+    line = _refused(capsys, "--count", "above the --max-gib limit of 4 GiB", "rows", "synth", "--count",
                     "99999999999999", "--keys", "1000", "--dim", "64", "--seed", "0", "--out", str(tmp_path / "d"))
     assert "raise --max-gib" in line
-    _refused(capsys, "--rows", "limit of 0.001 GiB", "rows", "synth", "--rows", "100000", "--keys", "64", "--dim", "8",
+    _refused(capsys, "--count", "limit of 0.001 GiB", "rows", "synth", "--count", "100000", "--keys", "64", "--dim", "8",
              "--seed", "0", "--max-gib", "0.001", "--out", str(tmp_path / "d"))
-    _refused(capsys, "--max-gib", "must be > 0", "rows", "synth", "--rows", "10", "--keys", "8", "--dim", "4",
+    _refused(capsys, "--max-gib", "must be > 0", "rows", "synth", "--count", "10", "--keys", "8", "--dim", "4",
              "--seed", "0", "--max-gib", "0", "--out", str(tmp_path / "d"))
     assert list(tmp_path.iterdir()) == []
 

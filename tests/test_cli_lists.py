@@ -52,16 +52,16 @@ def test_parse_list_rule() -> None:
                                             "--out", "{tmp}/rows"]),
     ("--methods", "h2o is given twice", ["dilution", "check", "{tmp}/norows", "--methods", "h2o,h2o",
                                          "--out", "{tmp}/t.parquet"]),
-    ("--budgets", "empty entry", ["dilution", "check", "{tmp}/norows", "--budgets", "32,",
+    ("--keep", "empty entry", ["dilution", "check", "{tmp}/norows", "--keep", "32,",
                                   "--out", "{tmp}/t.parquet"]),
     ("--distractors", "4 is given twice", ["dilution", "sweep", "--distractors", "0,4,4", "--out", "{tmp}/s"]),
     ("--layers", "layer 3 is given twice", ["dilution", "sweep", "--layers", "3,3", "--out", "{tmp}/s"]),
     ("--tasks", "needle is given twice", ["gates", "train", "--tasks", "needle,needle", "--out", "{tmp}/gates"]),
     ("--features", "dropped_mass is given twice", ["predictor", "fit", "{tmp}/r.parquet", "--features",
                                                    "dropped_mass,dropped_mass", "--out", "{tmp}/p.json"]),
-    ("--budgets", "empty entry", ["solve", "{tmp}/norows", "--budgets", "4,,8", "--out", "{tmp}/r.parquet"]),
-    ("--budgets", "4 is given twice", ["solve", "{tmp}/norows", "--budgets", "4", "4", "--out", "{tmp}/r.parquet"]),
-    ("--budgets", "8 is given twice", ["demo", "--budgets", "4,8,8", "--runs", "{tmp}"]),
+    ("--keep", "empty entry", ["solve", "{tmp}/norows", "--keep", "4,,8", "--out", "{tmp}/r.parquet"]),
+    ("--keep", "4 is given twice", ["solve", "{tmp}/norows", "--keep", "4", "4", "--out", "{tmp}/r.parquet"]),
+    ("--keep", "8 is given twice", ["demo", "--keep", "4,8,8", "--runs", "{tmp}"]),
 ])
 def test_list_options_refuse_duplicates_and_empty_entries(capsys, tmp_path: Path, option: str, needle: str,
                                                           args: list[str]) -> None:
@@ -71,11 +71,11 @@ def test_list_options_refuse_duplicates_and_empty_entries(capsys, tmp_path: Path
 
 @pytest.mark.parametrize("option,needle,args", [
     ("--clusters", "only applies with --values clustered",
-     ["rows", "synth", "--rows", "4", "--keys", "8", "--dim", "4", "--seed", "0", "--clusters", "3",
+     ["rows", "synth", "--count", "4", "--keys", "8", "--dim", "4", "--seed", "0", "--clusters", "3",
       "--out", "{tmp}/rows"]),
-    ("--cert-max-n", "only applies with --certify", ["solve", "{tmp}/norows", "--budgets", "4",
+    ("--cert-max-n", "only applies with --certify", ["solve", "{tmp}/norows", "--keep", "4",
                                                       "--cert-max-n", "10", "--out", "{tmp}/r.parquet"]),
-    ("--ls-pairs", "only applies with --search all", ["solve", "{tmp}/norows", "--budgets", "4",
+    ("--ls-pairs", "only applies with --search all", ["solve", "{tmp}/norows", "--keep", "4",
                                                        "--ls-pairs", "4", "--out", "{tmp}/r.parquet"]),
     ("--trace-max-subsets", "only applies with --trace", ["decode", "--trace-max-subsets", "5",
                                                            "--out", "{tmp}/d.json"]),
@@ -89,6 +89,6 @@ def test_options_that_need_another_are_refused_without_it(capsys, tmp_path: Path
 
 
 def test_clusters_with_clustered_values_is_accepted(capsys, tmp_path: Path) -> None:
-    args = ["rows", "synth", "--rows", "4", "--keys", "8", "--dim", "4", "--seed", "0", "--values", "clustered",
+    args = ["rows", "synth", "--count", "4", "--keys", "8", "--dim", "4", "--seed", "0", "--values", "clustered",
             "--clusters", "3", "--out", str(tmp_path / "rows")]
     assert cli.run(args) == 0, capsys.readouterr().err

@@ -1,4 +1,11 @@
-"""Every ``InputError("--option", ...)`` a command can raise names an option of THAT command.
+"""One CLI vocabulary, and every ``InputError("--option", ...)`` a command can raise names an
+option of THAT command.
+
+The vocabulary (docs/architecture.md, "CLI conventions"): ``--budget`` is always a KV budget
+text, ``--keep`` the keys kept per attention row, ``--protocol`` the protocol and ``--store``
+how the cache is held, in every command that has one; no option is called ``--rows`` (ROWS
+is a dataset path); every long command has ``--quiet``; the renamed spellings
+(``cliutil.RENAMED``) still work, with one note each, and mean what the new ones mean.
 
 A static check over the source: for each registered command, follow the calls its function
 can make inside evictlab (functions imported by name, ``module.function``,
@@ -188,7 +195,7 @@ def test_the_walk_reaches_library_errors():
     """The walk is not vacuous: it follows calls into the library (capture's config checks)."""
     (cb,) = [cb for p, cb in COMMANDS if p == ["capture"]]
     fields = {f for f, _, _ in _reachable_fields(cb.__module__, MODULES[cb.__module__].defs[cb.__name__])}
-    assert {"--source", "--mode", "--layers", "--positions", "--out"} <= fields
+    assert {"--source", "--protocol", "--layers", "--positions", "--out"} <= fields
 
 
 def test_the_walk_catches_a_misnamed_option():
@@ -209,3 +216,132 @@ def test_the_walk_catches_a_misnamed_option():
         del MODULES[name]
     assert "--nope" in fields  # a helper in the same module
     assert {"--size", "--trials"} <= fields  # a library function imported by name
+
+
+# ---------------------------------------------------------------------------------- the vocabulary
+
+from evictlab.cliutil import RENAMED, renamed_options  # noqa: E402
+
+#: Option names no command may declare: each meant two things, or named one thing two ways
+#: (their old uses are in RENAMED and work for one release).
+RETIRED = {"--budgets", "--mode", "--modes", "--protocols", "--query-aware", "--rows", "--s"}
+#: The commands that run long enough to show progress: each has --quiet.
+LONG = {"capture", "solve", "demo", "audit", "decode", "eval run", "dilution check", "dilution sweep",
+        "gates train", "hardness check", "rows synth", "contour fit"}
+
+
+def _param(path: list[str], option: str):
+    cmd = ROOT
+    for name in path:
+        cmd = cmd.commands[name]
+    (p,) = [p for p in cmd.params if option in (*p.opts, *p.secondary_opts)]
+    return p
+
+
+def test_retired_names_are_declared_nowhere() -> None:
+    used = {" ".join(p): sorted(_options(p) & RETIRED) for p, _ in COMMANDS}
+    assert {k: v for k, v in used.items() if v} == {}
+
+
+def test_budget_is_always_a_kv_budget_text() -> None:
+    from evictlab.kv.budget import Budget
+
+    having = [p for p, _ in COMMANDS if "--budget" in _options(p)]
+    assert {" ".join(p) for p in having} >= {"decode", "audit", "eval run", "dilution sweep"}
+    for path in having:
+        param = _param(path, "--budget")
+        help_text = param.help or ""
+        assert "total" in help_text and "MiB" in help_text, (path, help_text)  # the three units, named
+        defaults = param.default if isinstance(param.default, (list, tuple)) else [param.default]
+        for d in defaults:
+            if d is not None:
+                for part in str(d).split(","):
+                    Budget.parse(part)  # a budget text, not a count of kept keys
+
+
+def test_keep_is_the_kept_key_count_of_a_row() -> None:
+    having = {" ".join(p) for p, _ in COMMANDS if "--keep" in _options(p)}
+    assert having == {"solve", "demo", "dilution check"}
+    for path in having:
+        help_text = _param(path.split(), "--keep").help or ""
+        assert "kept per row" in help_text, (path, help_text)
+
+
+@pytest.mark.parametrize("option, words", [("--protocol", ("query-agnostic", "query-aware")),
+                                           ("--store", ("physical", "masked"))])
+def test_protocol_and_store_are_one_name_each(option: str, words: tuple[str, ...]) -> None:
+    having = {" ".join(p) for p, _ in COMMANDS if option in _options(p)}
+    assert having == ({"capture", "decode", "audit", "eval run"} if option == "--protocol" else {"decode", "eval run"})
+    for path in having:
+        help_text = _param(path.split(), option).help or ""
+        assert all(w in help_text for w in words), (path, help_text)
+
+
+def test_every_long_command_has_quiet() -> None:
+    missing = sorted(c for c in LONG if "--quiet" not in _options(c.split()))
+    assert missing == []
+    # a command that draws a progress bar is a long command
+    for path, cb in COMMANDS:
+        src = ast.unparse(MODULES[cb.__module__].defs[cb.__name__])
+        if any(w in src for w in ("tqdm(", "Progress(", "task_bar(")):
+            assert " ".join(path) in LONG, path
+
+
+def test_the_renamed_spellings_name_options_of_their_commands() -> None:
+    paths = {" ".join(p) for p, _ in COMMANDS}
+    for command, table in RENAMED.items():
+        assert command in paths, command
+        opts = _options(command.split())
+        for old, new in table.items():
+            assert old not in opts and new[0] in opts, (command, old, new)
+
+
+def _parse(command: str, argv: list[str]) -> dict:
+    cmd = ROOT
+    for name in command.split():
+        cmd = cmd.commands[name]
+    args, _ = renamed_options(command, argv)
+    with cmd.make_context(command, args) as ctx:
+        return dict(ctx.params)
+
+
+@pytest.mark.parametrize("command, old, new", [
+    ("solve", ["R", "--budgets", "4", "8", "--out", "o.parquet"], ["R", "--keep", "4", "8", "--out", "o.parquet"]),
+    ("solve", ["R", "--budgets=4,8", "--out", "o.parquet"], ["R", "--keep=4,8", "--out", "o.parquet"]),
+    ("demo", ["--budgets", "4,8"], ["--keep", "4,8"]),
+    ("dilution check", ["R", "--budgets", "8,24", "--out", "t.parquet"], ["R", "--keep", "8,24", "--out", "t.parquet"]),
+    ("capture", ["--mode", "query-aware", "--out", "o"], ["--protocol", "query-aware", "--out", "o"]),
+    ("decode", ["--mode", "masked", "--query-aware"], ["--store", "masked", "--protocol", "query-aware"]),
+    ("audit", ["--query-aware"], ["--protocol", "query-aware"]),
+    ("eval run", ["--budgets", "16,24", "--modes", "physical,masked", "--protocols", "query-aware", "--out", "g"],
+     ["--budget", "16,24", "--store", "physical,masked", "--protocol", "query-aware", "--out", "g"]),
+    ("rows synth", ["--rows", "10", "--keys", "8", "--dim", "4", "--seed", "0", "--out", "d"],
+     ["--count", "10", "--keys", "8", "--dim", "4", "--seed", "0", "--out", "d"]),
+])
+def test_old_and_new_spellings_mean_the_same(command: str, old: list[str], new: list[str]) -> None:
+    """Each renamed option, both spellings: the same parameters, and one note per old spelling."""
+    assert _parse(command, old) == _parse(command, new)
+    _, notes = renamed_options(command, old)
+    olds = {t.partition("=")[0] for t in old if t.partition("=")[0] in RENAMED[command]}
+    assert len(notes) == len(olds) and all(n.startswith("note: ") and "\n" not in n for n in notes)
+    assert renamed_options(command, new) == (new, [])  # the new spelling: untouched, no note
+
+
+def test_renaming_stops_at_the_double_dash() -> None:
+    assert renamed_options("solve", ["--", "--budgets"]) == (["--", "--budgets"], [])
+
+
+def test_an_old_spelling_runs_through_the_entry_point_with_one_note(tmp_path, capsys) -> None:
+    """`rows synth --rows` (renamed --count) still works, says so once on stderr, and writes
+    the dataset the new spelling writes, byte for byte."""
+    base = ["rows", "synth", "--keys", "8", "--dim", "4", "--seed", "1", "--quiet"]
+    assert cli.run([*base, "--rows", "40", "--out", str(tmp_path / "old")]) == 0
+    err = capsys.readouterr().err
+    notes = [ln for ln in err.splitlines() if ln.startswith("note:")]
+    assert notes == ["note: `evictlab rows synth --rows` is now --count; the old spelling works in this release only"]
+    assert cli.run([*base, "--count", "40", "--out", str(tmp_path / "new")]) == 0
+    assert not [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("note:")]
+    data = [f for f in sorted((tmp_path / "new").rglob("*")) if f.is_file() and f.suffix in (".npz", ".parquet")]
+    assert data
+    for f in data:
+        assert f.read_bytes() == (tmp_path / "old" / f.relative_to(tmp_path / "new")).read_bytes(), f.name

@@ -142,7 +142,7 @@ def test_decode_contourkv_refusals(tiny_folder: Path, tmp_path: Path, capsys, mo
     cases = [
         (["--allocator-param", f"profile={tmp_path / 'missing.json'}"], "--allocator-param", "no such profile file"),
         (["--allocator-param", "profle=x.json"], "--allocator-param", "has no parameter profle"),
-        (["--mode", "full", "--trace", str(tmp_path / "t.parquet")], "--trace", "nothing to trace"),
+        (["--store", "full", "--trace", str(tmp_path / "t.parquet")], "--trace", "nothing to trace"),
         (["--trace", str(tmp_path / "t.parquet"), "--trace-max-subsets", "0"], "--trace-max-subsets", ">= 1"),
         (["--trace", str(tmp_path / "d.json")], "--trace", "is also --out"),
         (["--trace", str(tmp_path / "no" / "t.parquet")], "--trace", "does not exist"),

@@ -74,7 +74,7 @@ def test_decode_cli_real_model(tmp_path) -> None:
     assert data["mode"] == "physical" and data["compressions"] >= 2
     assert data["bytes_live_after_compression"] == 24 * 30 * 3 * 2 * 64 * 4
     assert (tmp_path / "d.run_record.json").exists()
-    bad = CliRunner().invoke(app, ["decode", "--mode", "nope", "--out", str(out), "--overwrite"])
+    bad = CliRunner().invoke(app, ["decode", "--store", "nope", "--out", str(out), "--overwrite"])
     assert bad.exit_code != 0
 
 

@@ -56,7 +56,7 @@ DECODE_BAD = [
     (["--method", "snapkv+adakv", "--allocator-param", "alpha=2"], "--allocator-param"),
     (["--allocator-param", "alpha=0.3"], "--allocator-param"),  # uniform takes no parameters
     (["--task", "bogus"], "--task"),
-    (["--mode", "bogus"], "--mode"),
+    (["--store", "bogus"], "--store"),
     (["--budget", "abc"], "--budget"),
     (["--budget", "0"], "--budget"),
     (["--chunk", "0"], "--chunk"),

@@ -209,10 +209,10 @@ def test_text_rows_are_refused_with_one_line(rows, tmp_path: Path, capsys, monke
 
 
 @pytest.mark.parametrize(("extra", "option"), [
-    (["--budgets", "8,x"], "--budgets"),
-    (["--budgets", "0"], "--budgets"),
-    (["--budgets", "8,8"], "--budgets"),
-    (["--budgets", "8"], "--budgets"),  # below the default 4 sinks + 16 recent
+    (["--keep", "8,x"], "--keep"),
+    (["--keep", "0"], "--keep"),
+    (["--keep", "8,8"], "--keep"),
+    (["--keep", "8"], "--keep"),  # below the default 4 sinks + 16 recent
     (["--methods", "top_mass,snapkvv"], "--methods"),
     (["--methods", "expected_attention"], "--methods"),
     (["--useful", "needle"], "--useful"),
@@ -253,7 +253,7 @@ def test_ctrl_c_is_one_line_and_a_rerun_finishes(rows, tmp_path: Path, capsys, m
         return real(*a, **k)
 
     out = tmp_path / "t.parquet"
-    argv = ["dilution", "check", str(rows["query-agnostic"]), "--out", str(out), "--budgets", "24",
+    argv = ["dilution", "check", str(rows["query-agnostic"]), "--out", str(out), "--keep", "24",
             "--methods", "top_mass", "--chunk-blocks", "1", "--quiet"]
     monkeypatch.setattr(check_mod, "check_block", interrupted)
     code, _, err = run_cli(argv, capsys, monkeypatch)
@@ -278,7 +278,7 @@ def test_killed_while_writing_the_outputs_the_rerun_finishes(rows, tmp_path: Pat
     from evictlab.record import RunRecord
 
     out = tmp_path / "t.parquet"
-    argv = ["dilution", "check", str(rows["query-agnostic"]), "--out", str(out), "--budgets", "24",
+    argv = ["dilution", "check", str(rows["query-agnostic"]), "--out", str(out), "--keep", "24",
             "--methods", "top_mass", "--chunk-blocks", "1", "--quiet"]
     real_write, real_record = io_mod.write_checked_parquet, RunRecord.write
 
@@ -310,12 +310,12 @@ def test_killed_while_writing_the_outputs_the_rerun_finishes(rows, tmp_path: Pat
 
 
 def test_budgets_no_row_can_use_are_refused(rows, tmp_path: Path, capsys, monkeypatch) -> None:
-    """Issue 28, item 7: `--budgets 5000` on rows of at most ~90 keys used to exit 0 with
+    """Issue 28, item 7: `--keep 5000` (then `--budgets`) on rows of at most ~90 keys used to exit 0 with
     empty tables; it is refused, as `solve` refuses s > n."""
     n_max = int(RowStore.open(rows["query-agnostic"]).meta["n"].max())
     out = tmp_path / "t.parquet"
-    code, _, err = run_cli(["dilution", "check", str(rows["query-agnostic"]), "--out", str(out), "--budgets",
+    code, _, err = run_cli(["dilution", "check", str(rows["query-agnostic"]), "--out", str(out), "--keep",
                             f"24,{n_max}", "--methods", "top_mass"], capsys, monkeypatch)
     line = _one_error_line(err)
-    assert code == 2 and line.startswith(f"error: --budgets: budget {n_max} is not below any row's key count")
+    assert code == 2 and line.startswith(f"error: --keep: budget {n_max} is not below any row's key count")
     assert f"use budgets below {n_max}" in line and not out.exists() and not (tmp_path / "t.parquet.parts").exists()

@@ -193,7 +193,7 @@ def test_claim_script_runs_model_grids_and_publishes_rows(tmp_path, monkeypatch:
     save_tiny_folder(model, "llama")
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "paper_repro"))
     script = importlib.import_module("claim_contourkv")
-    argv = ["--models", str(model), "--tasks", "needle", "--contexts", "160", "--budgets", "24", "--n", "2",
+    argv = ["--models", str(model), "--tasks", "needle", "--contexts", "160", "--budget", "24", "--n", "2",
             "--methods", "snapkv+contourkv,snapkv,snapkv+adakv", "--masked-methods", "snapkv+adakv",
             "--chunk", "64", "--n-boot", "50", "--grid", str(tmp_path / "g"), "--out", str(tmp_path / "out"),
             "--figures", str(tmp_path / "figs")]

@@ -202,27 +202,27 @@ BAD_RUNS = [
     (["--context", ""], "--context"),
     (["--context", "abc"], "--context"),
     (["--context", "32"], "--context"),
-    (["--budgets", "2048"], "--budgets"),  # above the 1024-token context
-    (["--budgets", "64,64/cell"], "--budgets"),
-    (["--budgets", ""], "--budgets"),
-    (["--budgets", "lots"], "--budgets"),
-    (["--modes", "physical,bogus"], "--modes"),
-    (["--modes", "masked,masked"], "--modes"),
-    (["--modes", ""], "--modes"),
-    (["--protocols", "query-curious"], "--protocols"),
+    (["--budget", "2048"], "--budget"),  # above the 1024-token context
+    (["--budget", "64,64/cell"], "--budget"),
+    (["--budget", ""], "--budget"),
+    (["--budget", "lots"], "--budget"),
+    (["--store", "physical,bogus"], "--store"),
+    (["--store", "masked,masked"], "--store"),
+    (["--store", ""], "--store"),
+    (["--protocol", "query-curious"], "--protocol"),
     (["--models", "smollm2-135m,smollm2-135m"], "--models"),
     (["--models", "./no/such/folder"], "--models"),
     (["--n", "0"], "--n"),
     (["--seed", "-1"], "--seed"),
     (["--threads", "-1"], "--threads"),
-    (["--budgets", "0"], "--budgets"),
-    (["--budgets", "infMiB"], "--budgets"),
+    (["--budget", "0"], "--budget"),
+    (["--budget", "infMiB"], "--budget"),
     (["--scorer-param", "windw=3"], "--scorer-param"),
     (["--allocator-param", "alpha=2", "--methods", "snapkv+adakv"], "--allocator-param"),
-    (["--methods", "full"], "--budgets"),  # the default budget goes with evicting methods only
-    (["--methods", "full", "--budgets", "64"], "--budgets"),
+    (["--methods", "full"], "--budget"),  # the default budget goes with evicting methods only
+    (["--methods", "full", "--budget", "64"], "--budget"),
     (["--chunk", "0"], "--chunk"),
-    (["--protocols", ""], "--protocols"),
+    (["--protocol", ""], "--protocol"),
     (["--device", "tpu"], "--device"),
 ]
 
@@ -249,14 +249,14 @@ def test_bad_grids_one_line_exit_2_before_any_model_loads(tmp_path: Path, args: 
     monkeypatch.setenv("EVICTLAB_CACHE", str(tmp_path / "cache"))
     base = ["eval", "run", "--models", "smollm2-135m", "--context", "1024", "--out", str(tmp_path / "g")]
     if args == ["--methods", "full"]:
-        base += ["--budgets", "64"]  # explicit: the full cache takes none
+        base += ["--budget", "64"]  # explicit: the full cache takes none
     code, err = _main([*base, *args], capsys, monkeypatch)
     assert code == 2, err
     _one_line(err, option, ["eval", "run"])
     assert not (tmp_path / "g").exists()
 
 
-@pytest.mark.parametrize("args,option", [(["--methods", "bogus"], "--methods"), (["--budgets", "2048"], "--budgets")])
+@pytest.mark.parametrize("args,option", [(["--methods", "bogus"], "--methods"), (["--budget", "2048"], "--budget")])
 def test_bad_grids_through_python_m_evictlab_cli(tmp_path: Path, args: list[str], option: str) -> None:
     """The same refusals from ``python -m evictlab.cli``: the registry model is not pulled in
     this empty cache, so loading it would fail differently; the grid's error comes first."""
@@ -278,13 +278,13 @@ def test_cli_usage_errors_and_paths(tmp_path: Path, tiny: Path, capsys: pytest.C
     code, err = _main(["eval", "run", "--out", str(tmp_path / "afile")], capsys, monkeypatch)
     assert code == 2 and "is a file" in err
     # budget above the full cache of the model, in total tokens: found once the model is known
-    code, err = _main(["eval", "run", "--models", str(tiny), "--context", "160", "--budgets", "100000total", "--n",
+    code, err = _main(["eval", "run", "--models", str(tiny), "--context", "160", "--budget", "100000total", "--n",
                        "1", "--out", str(tmp_path / "big"), "--quiet"], capsys, monkeypatch)
     assert code == 2, err
-    _one_line(err, "--budgets", ["eval", "run"])
+    _one_line(err, "--budget", ["eval", "run"])
     assert "nothing would be evicted" in err and not (tmp_path / "big").exists()  # the same --out can be reused
     # a context beyond the model's positions: refused before an example of that length is built
-    code, err = _main(["eval", "run", "--models", str(tiny), "--context", "10000000", "--budgets", "24", "--n", "1",
+    code, err = _main(["eval", "run", "--models", str(tiny), "--context", "10000000", "--budget", "24", "--n", "1",
                        "--out", str(tmp_path / "long"), "--quiet"], capsys, monkeypatch)
     assert code == 2, err
     _one_line(err, "--context", ["eval", "run"])
@@ -304,7 +304,7 @@ def test_two_runs_on_one_folder(tmp_path: Path, tiny: Path) -> None:
 
     out = tmp_path / "g"
     with exclusive_lock(out, "--out"):
-        r = _cli("eval", "run", "--models", str(tiny), "--context", "160", "--budgets", "24", "--n", "1",
+        r = _cli("eval", "run", "--models", str(tiny), "--context", "160", "--budget", "24", "--n", "1",
                  "--out", str(out), cwd=tmp_path)
     assert r.returncode == 2 and "being written by another evictlab run" in r.stderr, r.stderr
     _one_line(r.stderr, "--out", ["eval", "run"])
@@ -313,8 +313,8 @@ def test_two_runs_on_one_folder(tmp_path: Path, tiny: Path) -> None:
 def test_killed_run_resumes_to_identical_results(tmp_path: Path, tiny: Path) -> None:
     """SIGKILL mid-grid (no cleanup at all), rerun: the same results as an uninterrupted run."""
     args = ["eval", "run", "--models", str(tiny), "--tasks", "needle,multi_key", "--context", "160",
-            "--budgets", "24", "--methods", "snapkv+adakv,h2o", "--modes", "physical,uniform,masked",
-            "--protocols", "query-agnostic,query-aware", "--n", "2", "--seed", "3", "--sinks", "2", "--recent", "8",
+            "--budget", "24", "--methods", "snapkv+adakv,h2o", "--store", "physical,uniform,masked",
+            "--protocol", "query-agnostic,query-aware", "--n", "2", "--seed", "3", "--sinks", "2", "--recent", "8",
             "--chunk", "64", "--compress-every", "8", "--window", "16", "--block-size", "8", "--threads", "1",
             "--quiet"]
     env = {**os.environ, "EVICTLAB_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
@@ -348,8 +348,8 @@ def test_interrupt_then_rerun_and_compare(tmp_path: Path, tiny: Path, capsys: py
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C halfway: exit 130 with the resume hint; the rerun finishes; compare writes
     the table, the report, the figures and refuses to overwrite without --overwrite."""
-    args = ["eval", "run", "--models", str(tiny), "--tasks", "needle", "--context", "160", "--budgets", "16,24",
-            "--methods", "snapkv+adakv,streaming_llm", "--modes", "physical,uniform,masked", "--n", "2",
+    args = ["eval", "run", "--models", str(tiny), "--tasks", "needle", "--context", "160", "--budget", "16,24",
+            "--methods", "snapkv+adakv,streaming_llm", "--store", "physical,uniform,masked", "--n", "2",
             "--sinks", "2", "--recent", "8", "--chunk", "64", "--threads", "1", "--quiet", "--out", str(tmp_path / "g")]
     env = {**os.environ, "EVICTLAB_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "evictlab.cli", *args], env=env, stdout=subprocess.PIPE,
@@ -423,7 +423,7 @@ def test_paper_repro_grid_scripts_publish_claim_rows(tmp_path: Path, tiny: Path,
 
     root = Path(__file__).resolve().parents[1] / "paper_repro"
     monkeypatch.syspath_prepend(str(root))
-    common = ["--models", str(tiny), "--contexts", "160", "--budgets", "24", "--n", "2", "--n-boot", "100",
+    common = ["--models", str(tiny), "--contexts", "160", "--budget", "24", "--n", "2", "--n-boot", "100",
               "--out", str(tmp_path / "out"), "--figures", str(tmp_path / "figs")]
     enf = importlib.import_module("claim_enforcement_cost")
     assert enf.main([*common, "--tasks", "needle", "--methods", "snapkv+adakv", "--grid", str(tmp_path / "ge")]) == 0
@@ -455,7 +455,7 @@ def test_a_refused_grid_leaves_nothing_that_blocks_the_corrected_one(tiny: Path,
     profile = tmp_path / "other.json"
     fit_profile(tmp_path / "syn").save(profile)  # fitted on a 1-layer, 1-head "model"
     out = tmp_path / "D"
-    base = ["eval", "run", "--models", str(tiny), "--context", "160", "--n", "1", "--budgets", "24", "--quiet",
+    base = ["eval", "run", "--models", str(tiny), "--context", "160", "--n", "1", "--budget", "24", "--quiet",
             "--out", str(out)]
     code, err = _main([*base, "--methods", "snapkv+contourkv", "--allocator-param", f"profile={profile}"],
                       capsys, monkeypatch)

@@ -89,7 +89,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_eval_run_passes_the_labels(tiny: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "evo"
-    code = cli.run(["eval", "run", "--models", str(tiny), "--context", "160", "--n", "2", "--budgets", "24",
+    code = cli.run(["eval", "run", "--models", str(tiny), "--context", "160", "--n", "2", "--budget", "24",
                     "--methods", "oracle_labels,streaming_llm", "--sinks", "2", "--recent", "8", "--chunk", "64",
                     "--out", str(out), "--quiet", "--threads", "1"])
     assert code == 0, capsys.readouterr().err
@@ -102,7 +102,7 @@ def test_eval_run_passes_the_labels(tiny: Path, tmp_path: Path, capsys) -> None:
 
 def test_eval_run_refuses_oracle_labels_on_a_task_without_labels(tiny: Path, tmp_path: Path, capsys) -> None:
     code = cli.run(["eval", "run", "--models", str(tiny), "--tasks", "needle,heldout_ppl", "--context", "160",
-                    "--methods", "oracle_labels", "--budgets", "24", "--out", str(tmp_path / "g")])
+                    "--methods", "oracle_labels", "--budget", "24", "--out", str(tmp_path / "g")])
     err = capsys.readouterr().err
     (line,) = [x for x in err.splitlines() if x.startswith("error:")]
     assert code == 2 and line.startswith("error: --methods: oracle_labels reads the task's fact labels")

@@ -159,8 +159,8 @@ def test_contour_stage_runs_eval_run_with_the_grid(tmp_path: Path, monkeypatch: 
     monkeypatch.setattr(contour.subprocess, "Popen", FakeProc)
     got = contour.contour_stage(given.grid, tmp_path / "c", AnalysisConfig(n_boot=20, threads=1), lambda m: None)
     assert calls == [["eval", "run", "--models", "smollm2-135m", "--tasks", "needle_word", "--context", "512",
-                      "--budgets", "64,128", "--methods", "snapkv+contourkv,snapkv", "--modes", "physical",
-                      "--protocols", "query-agnostic", "--n", "3", "--seed", "0", "--threads", "1", "--quiet",
+                      "--budget", "64,128", "--methods", "snapkv+contourkv,snapkv", "--store", "physical",
+                      "--protocol", "query-agnostic", "--n", "3", "--seed", "0", "--threads", "1", "--quiet",
                       "--out", str(tmp_path / "c")]]
     assert got.detail.height == 2 and {c.claim_id for c in got.claims} >= {"contourkv:contourkv_vs_uniform"}
 

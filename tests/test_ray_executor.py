@@ -198,7 +198,7 @@ def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]
 def test_cli_solve_and_capture_on_ray(ray_local, rows: Path, tiny_folder: Path, tmp_path: Path, capsys,
                                       local_results: pl.DataFrame, local_capture: tuple) -> None:
     out = tmp_path / "cli.parquet"
-    code, _, err = _cli(capsys, "solve", str(rows), "--budgets", "2", "4", "8", "--pool", "2", "1", "--certify",
+    code, _, err = _cli(capsys, "solve", str(rows), "--keep", "2", "4", "8", "--pool", "2", "1", "--certify",
                         "--threads", "1", "--chunk-rows", "16", "--out", str(out), "--executor", "ray")
     assert code == 0, err
     assert pl.read_parquet(out).equals(local_results)
@@ -220,7 +220,7 @@ def test_cli_solve_and_capture_on_ray(ray_local, rows: Path, tiny_folder: Path, 
     (["--executor", "dask"], "--executor", "unknown executor"),
 ])
 def test_cli_refusals_are_one_line(rows: Path, tmp_path: Path, capsys, args, option, words) -> None:
-    for cmd in (["solve", str(rows), "--budgets", "2", "--out", str(tmp_path / "x.parquet")],
+    for cmd in (["solve", str(rows), "--keep", "2", "--out", str(tmp_path / "x.parquet")],
                 ["capture", "--model", "smollm2-135m", "--out", str(tmp_path / "cap")]):
         code, _, err = _cli(capsys, *cmd, *args)
         assert code == 2, err
@@ -230,7 +230,7 @@ def test_cli_refusals_are_one_line(rows: Path, tmp_path: Path, capsys, args, opt
 
 def test_cli_without_ray_installed(rows: Path, tmp_path: Path, capsys, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
-    code, _, err = _cli(capsys, "solve", str(rows), "--budgets", "2", "--out", str(tmp_path / "x.parquet"),
+    code, _, err = _cli(capsys, "solve", str(rows), "--keep", "2", "--out", str(tmp_path / "x.parquet"),
                         "--executor", "ray")
     assert code == 2 and err.strip().count("\n") == 0
     assert "--executor: ray is not installed" in err and "evictlab[ray]" in err
@@ -244,8 +244,8 @@ def test_eval_grid_on_ray_equals_local_with_a_killed_worker(ray_local, tmp_path:
 
     folder = tmp_path / "llama"
     save_tiny_folder(folder, "llama")
-    args = ["eval", "run", "--models", str(folder), "--tasks", "needle", "--context", "160", "--budgets", "24",
-            "--methods", "snapkv+adakv,h2o", "--modes", "physical", "--protocols", "query-agnostic", "--n", "2",
+    args = ["eval", "run", "--models", str(folder), "--tasks", "needle", "--context", "160", "--budget", "24",
+            "--methods", "snapkv+adakv,h2o", "--store", "physical", "--protocol", "query-agnostic", "--n", "2",
             "--seed", "3", "--sinks", "2", "--recent", "8", "--chunk", "64", "--compress-every", "8",
             "--window", "16", "--block-size", "8", "--threads", "1"]
     code, _, err = _cli(capsys, *args, "--out", str(tmp_path / "local"), "--quiet")

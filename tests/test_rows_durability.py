@@ -105,7 +105,7 @@ def test_killed_synth_subprocess_resumes_to_identical_files(tmp_path: Path) -> N
     """SIGKILL mid-run (no Python cleanup at all): `rows inspect` says INCOMPLETE, every
     reader refuses the dataset, and the same command resumes it to an uninterrupted run's
     bytes."""
-    args = ["rows", "synth", "--rows", "20000", "--keys", "128", "--dim", "32", "--seed", "3",
+    args = ["rows", "synth", "--count", "20000", "--keys", "128", "--dim", "32", "--seed", "3",
             "--rows-per-shard", "512", "--rows-per-block", "64", "--kind", "logits"]
     killed = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, "-m", "evictlab.cli", *args, "--out", str(killed)],
@@ -131,7 +131,7 @@ def test_killed_synth_subprocess_resumes_to_identical_files(tmp_path: Path) -> N
     js = _cli("rows", "inspect", "--json", str(killed))
     assert json.loads(js.stdout)["complete"] is False
     for cmd in (["rows", "export", str(killed), "--out", str(tmp_path / "x.npz")],
-                ["solve", str(killed), "--budgets", "2", "--out", str(tmp_path / "x.parquet")]):
+                ["solve", str(killed), "--keep", "2", "--out", str(tmp_path / "x.parquet")]):
         r = _cli(*cmd)
         assert r.returncode == 2, r.stderr
         line = r.stderr.strip()
@@ -164,7 +164,7 @@ def test_second_writer_is_refused_at_once(tmp_path: Path) -> None:
     ds = tmp_path / "ds"
     w = RowWriter(ds, model="m", capture_mode="synthetic", head_dim=4)
     try:
-        r = _cli("rows", "synth", "--rows", "10", "--keys", "4", "--dim", "4", "--seed", "0",
+        r = _cli("rows", "synth", "--count", "10", "--keys", "4", "--dim", "4", "--seed", "0",
                  "--out", str(ds), "--overwrite")
         assert r.returncode == 2
         line = r.stderr.strip()
@@ -173,7 +173,7 @@ def test_second_writer_is_refused_at_once(tmp_path: Path) -> None:
     finally:
         w.close()
     # released: the same command now runs (and replaces the dataset, as asked)
-    r = _cli("rows", "synth", "--rows", "10", "--keys", "4", "--dim", "4", "--seed", "0",
+    r = _cli("rows", "synth", "--count", "10", "--keys", "4", "--dim", "4", "--seed", "0",
              "--out", str(ds), "--overwrite")
     assert r.returncode == 0, r.stderr
     assert RowStore.open(ds).n_rows == 10
@@ -187,10 +187,10 @@ def test_writer_output_path_rules(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(InputError, match="is a file, not a dataset directory"):
         RowWriter(tmp_path / "file", **kw)  # capture --out FILE used to be a traceback
-    r = _cli("rows", "synth", "--rows", "10", "--keys", "4", "--dim", "4", "--seed", "0",
+    r = _cli("rows", "synth", "--count", "10", "--keys", "4", "--dim", "4", "--seed", "0",
              "--out", str(tmp_path / "file"))
     assert r.returncode == 2 and "is a file" in r.stderr and r.stderr.strip().count("\n") == 0
-    r = _cli("rows", "synth", "--rows", "10", "--keys", "4", "--dim", "4", "--seed", "0",
+    r = _cli("rows", "synth", "--count", "10", "--keys", "4", "--dim", "4", "--seed", "0",
              "--out", str(tmp_path / "no" / "ds"))
     assert r.returncode == 2 and "mkdir -p" in r.stderr and not (tmp_path / "no").exists()
 

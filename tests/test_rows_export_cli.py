@@ -94,7 +94,7 @@ def test_export_limit_and_bad_arguments(tmp_path: Path) -> None:
 
 def test_synthetic_export_has_minus_one_positions(tmp_path: Path) -> None:
     runner = CliRunner()
-    r = runner.invoke(app, ["rows", "synth", "--rows", "50", "--keys", "10", "--dim", "4",
+    r = runner.invoke(app, ["rows", "synth", "--count", "50", "--keys", "10", "--dim", "4",
                             "--seed", "1", "--out", str(tmp_path / "s")])
     assert r.exit_code == 0, r.output
     r = runner.invoke(app, ["rows", "export", str(tmp_path / "s"), "--out",
@@ -109,7 +109,7 @@ def test_synthetic_export_has_minus_one_positions(tmp_path: Path) -> None:
 
 def test_cli_synth_inspect_export(tmp_path: Path) -> None:
     runner = CliRunner()
-    args = ["rows", "synth", "--rows", "120", "--keys", "16", "--dim", "8", "--seed", "7",
+    args = ["rows", "synth", "--count", "120", "--keys", "16", "--dim", "8", "--seed", "7",
             "--rows-per-block", "50", "--kind", "logits", "--alpha", "0.3",
             "--values", "clustered"]
     assert runner.invoke(app, [*args, "--out", str(tmp_path / "a")]).exit_code == 0

@@ -120,7 +120,7 @@ def test_clustered_values_form_clusters(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    (dict(rows=0), "--rows"),
+    (dict(rows=0), "--count"),
     (dict(keys=0), "--keys"),
     (dict(dim=-1), "--dim"),
     (dict(seed=-3), "--seed"),

@@ -33,7 +33,7 @@ def rows(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_cli_search_all_with_certificate(rows: Path, tmp_path: Path) -> None:
     out = tmp_path / "res.parquet"
-    r = subprocess.run([EVICTLAB, "solve", str(rows), "--budgets", "2", "4", "6", "--search", "all",
+    r = subprocess.run([EVICTLAB, "solve", str(rows), "--keep", "2", "4", "6", "--search", "all",
                         "--certify", "--threads", "1", "--chunk-rows", "25", "--ls-kicks", "2",
                         "--out", str(out)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -62,7 +62,7 @@ def test_cli_search_all_with_certificate(rows: Path, tmp_path: Path) -> None:
 
 
 def test_bad_search_value_is_one_clear_line(rows: Path, tmp_path: Path) -> None:
-    r = subprocess.run([EVICTLAB, "solve", str(rows), "--budgets", "2", "--search", "everything",
+    r = subprocess.run([EVICTLAB, "solve", str(rows), "--keep", "2", "--search", "everything",
                         "--out", str(tmp_path / "x.parquet")], capture_output=True, text=True)
     assert r.returncode == 2
     err = r.stderr.strip()

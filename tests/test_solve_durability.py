@@ -44,10 +44,10 @@ CFG = SolveConfig(budgets=(2, 5), chunk_rows=20)
 
 
 @pytest.mark.parametrize("args, option, words", [
-    (["--budgets", "4", "--pool", "2", "2", "2"], "--pool", "takes exactly two numbers"),
-    (["--budgets", "4", "8", "--certify", "3"], "--certify", "takes no value"),
-    (["--budgets", "4", "--threads", "1", "7"], "--threads", "takes 1 value"),
-    (["--budgets", "4", "8", "x"], "--budgets", "'x' is not a budget"),
+    (["--keep", "4", "--pool", "2", "2", "2"], "--pool", "takes exactly two numbers"),
+    (["--keep", "4", "8", "--certify", "3"], "--certify", "takes no value"),
+    (["--keep", "4", "--threads", "1", "7"], "--threads", "takes 1 value"),
+    (["--keep", "4", "8", "x"], "--keep", "'x' is not a kept-key count"),
 ])
 def test_stray_numbers_are_usage_errors(rows: Path, tmp_path: Path, args, option, words) -> None:
     """`--pool 2 2 2` used to solve s = [4, 2]: a trailing number became a budget."""
@@ -56,15 +56,15 @@ def test_stray_numbers_are_usage_errors(rows: Path, tmp_path: Path, args, option
     assert r.returncode == 2, r.stdout + r.stderr
     line = r.stderr.strip()
     assert "\n" not in line and line.startswith(f"error: {option}: ") and words in line
-    assert "--budgets" in line  # says where budgets go
+    assert "--keep" in line  # says where budgets go
     assert not out.exists() and not parts_dir_for(out).exists()
 
 
 def test_extra_dataset_and_budget_lists(rows: Path, tmp_path: Path) -> None:
-    r = _cli("solve", str(rows), str(rows), "--budgets", "4", "--out", str(tmp_path / "t.parquet"))
+    r = _cli("solve", str(rows), str(rows), "--keep", "4", "--out", str(tmp_path / "t.parquet"))
     assert r.returncode == 2 and "error: ROWS: unexpected extra argument" in r.stderr
-    # the documented spellings of --budgets still work, in any position
-    for spelling in (["--budgets", "2", "5"], ["--budgets", "2,5"], ["--budgets", "5", "--budgets", "2"]):
+    # the documented spellings of --keep work, in any position
+    for spelling in (["--keep", "2", "5"], ["--keep", "2,5"], ["--keep", "5", "--keep", "2"]):
         out = tmp_path / f"{len(spelling)}-{spelling[1]}.parquet"
         r = _cli("solve", "--chunk-rows", "20", *spelling, str(rows), "--out", str(out))
         assert r.returncode == 0, r.stderr
@@ -75,7 +75,7 @@ def test_second_run_on_the_same_out_is_refused_at_once(rows: Path, tmp_path: Pat
     out = tmp_path / "t.parquet"
     with exclusive_lock(out):  # a run of this process holds --out
         t0 = time.time()
-        r = _cli("solve", str(rows), "--budgets", "2", "--out", str(out))
+        r = _cli("solve", str(rows), "--keep", "2", "--out", str(out))
         assert r.returncode == 2
         line = r.stderr.strip()
         assert "\n" not in line
@@ -151,12 +151,12 @@ def test_output_path_rules(rows: Path, tmp_path: Path) -> None:
     (tmp_path / "adir").mkdir()
     with pytest.raises(InputError, match="--out: .*adir is a directory, not a file"):
         solve_rows(rows, tmp_path / "adir", CFG, progress=False)
-    r = _cli("solve", str(rows), "--budgets", "2", "--out", str(tmp_path / "adir"))
+    r = _cli("solve", str(rows), "--keep", "2", "--out", str(tmp_path / "adir"))
     assert r.returncode == 2 and "is a directory" in r.stderr and r.stderr.strip().count("\n") == 0
-    r = _cli("solve", str(rows), "--budgets", "2", "--out", str(tmp_path / "nodir" / "x.parquet"))
+    r = _cli("solve", str(rows), "--keep", "2", "--out", str(tmp_path / "nodir" / "x.parquet"))
     assert r.returncode == 2 and "parent folder" in r.stderr and "mkdir -p" in r.stderr
     assert not (tmp_path / "nodir").exists()  # used to be created silently
-    r = _cli("solve", str(tmp_path / "adir"), "--budgets", "2", "--out", str(tmp_path / "x.parquet"))
+    r = _cli("solve", str(tmp_path / "adir"), "--keep", "2", "--out", str(tmp_path / "x.parquet"))
     assert r.returncode == 2 and "not a row dataset" in r.stderr
 
 
@@ -176,7 +176,7 @@ def test_interrupted_cli_run_leaves_complete_parts_and_resumes_bit_identical(
     the same command finishes and equals an uninterrupted run bit for bit."""
     ds = tmp_path / "rows"
     synthesize(ds, SynthConfig(rows=3000, keys=48, dim=8, seed=2, rows_per_block=50))
-    args = ["solve", str(ds), "--budgets", "4", "8", "--chunk-rows", "100", "--threads", "1"]
+    args = ["solve", str(ds), "--keep", "4", "8", "--chunk-rows", "100", "--threads", "1"]
     out = tmp_path / "t.parquet"
     proc = subprocess.Popen([sys.executable, "-m", "evictlab.cli", *args, "--out", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

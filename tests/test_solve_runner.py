@@ -35,7 +35,7 @@ def rows(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_cli_end_to_end(rows: Path, tmp_path: Path) -> None:
     out = tmp_path / "res.parquet"
-    r = subprocess.run([EVICTLAB, "solve", str(rows), "--budgets", "2", "4", "8", "--pool", "2", "1",
+    r = subprocess.run([EVICTLAB, "solve", str(rows), "--keep", "2", "4", "8", "--pool", "2", "1",
                         "--certify", "--threads", "1", "--chunk-rows", "32", "--out", str(out)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -72,7 +72,7 @@ def test_cli_end_to_end(rows: Path, tmp_path: Path) -> None:
 
 
 def test_budget_above_n_rejected_cli(rows: Path, tmp_path: Path) -> None:
-    r = subprocess.run([EVICTLAB, "solve", str(rows), "--budgets", "4", "200", "--out",
+    r = subprocess.run([EVICTLAB, "solve", str(rows), "--keep", "4", "200", "--out",
                         str(tmp_path / "x.parquet")], capture_output=True, text=True)
     assert r.returncode == 2
     assert "exceeds the number of keys" in r.stderr and "s <= n" in r.stderr

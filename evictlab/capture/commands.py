@@ -12,6 +12,7 @@ from typing import Optional
 
 import typer
 
+from evictlab.cliutil import QUIET
 from evictlab.executor.commands import EXECUTOR_OPTIONS
 from evictlab.io import DEFAULT_MAX_GIB
 
@@ -26,9 +27,9 @@ def capture(
     context: int = typer.Option(2048, "--context", help="Context length in tokens."),
     positions: int = typer.Option(32, "--positions", help="Query positions per prompt."),
     prompts: int = typer.Option(4, "--prompts", help="Number of prompts (a resumed run may raise it)."),
-    mode: str = typer.Option("query-agnostic", "--mode",
+    mode: str = typer.Option("query-agnostic", "--protocol",
                              help="query-agnostic (positions in the context, no question shown) or "
-                                  "query-aware (positions in the question; task sources only)."),
+                                  "query-aware (positions in the question; task sources only) (formerly --mode)."),
     layers: str = typer.Option("all", "--layers", help="'all' or a list like 0,5,10-12."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     seed: int = typer.Option(0, "--seed", min=0, help="Seed of prompts and positions."),
@@ -38,7 +39,7 @@ def capture(
     batch: int = typer.Option(0, "--batch", help="Prompts per forward pass (consecutive prompts of equal length, "
                               "e.g. text windows); 0 = auto: 8 on CUDA, 1 on CPU."),
     out: Path = typer.Option(..., "--out", help="Row dataset directory (created, or resumed if it exists)."),
-    quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+    quiet: bool = QUIET,
     max_gib: float = typer.Option(DEFAULT_MAX_GIB, "--max-gib", help="Refuse a dataset that would take more disk than this "
                                   "(GiB, estimated once the model is loaded, before anything is written)."),
     executor: str = EXECUTOR_OPTIONS["executor"],

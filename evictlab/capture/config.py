@@ -39,9 +39,9 @@ class CaptureConfig:
 
         check_source(self.source)
         if self.mode not in MODES:
-            raise InputError("--mode", f"unknown mode {self.mode!r}", f"use one of: {', '.join(MODES)}")
+            raise InputError("--protocol", f"unknown protocol {self.mode!r}", f"use one of: {', '.join(MODES)}")
         if self.mode == "query-aware" and is_text_source(self.source):
-            raise InputError("--mode", f"query-aware capture needs a question, {self.source} passages have none",
+            raise InputError("--protocol", f"query-aware capture needs a question, {self.source} passages have none",
                              "use a task source (needle, multi_needle, multi_key, variable_tracking)")
         for name, val, lo in (("--context", self.context, 16), ("--positions", self.positions, 1),
                               ("--prompts", self.prompts, 1), ("--rows-per-shard", self.rows_per_shard, 1),

@@ -55,7 +55,7 @@ def query_positions(prompt: PromptTokens, mode: str, k: int, seed: int, index: i
         return _stratified(n // 2, n, k, rng)
     n0, n1 = prompt.n_context, len(prompt.tokens)
     if n1 <= n0:
-        raise InputError("--mode", "query-aware capture needs a question after the context",
+        raise InputError("--protocol", "query-aware capture needs a question after the context",
                          "use a task source")
     if n1 - n0 <= k:
         return np.arange(n0, n1, dtype=np.int64)

@@ -17,6 +17,8 @@ from evictlab.models.sites import find_attention_sites
 
 #: The settings a resumed run must share with the dataset it extends.
 _FIXED = ("model", "source", "context", "positions", "mode", "layers", "seed")
+#: The option of a field whose name differs from it (the protocol is stored as ``mode``).
+_OPTION = {"mode": "--protocol"}
 
 
 
@@ -50,7 +52,8 @@ def check_resume(out: Path, cfg: CaptureConfig, text: dict[str, str]) -> None:
     diff = [k for k in _FIXED if k in old and old[k] != mine[k]]
     if diff:
         k = diff[0]
-        raise InputError(f"--{k}", f"is {mine[k]!r} but the dataset at {out} was captured with {old[k]!r}",
+        raise InputError(_OPTION.get(k, f"--{k}"),
+                         f"is {mine[k]!r} but the dataset at {out} was captured with {old[k]!r}",
                          "resume with the same settings (only --prompts may grow), or use a new --out")
     for key, what in (("prompt_rule", "an earlier prompt rule"), ("text_sha256", "a different text")):
         if key in text and src.get(key) != text[key]:

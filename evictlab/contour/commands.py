@@ -7,6 +7,8 @@ from typing import Optional
 
 import typer
 
+from evictlab.cliutil import QUIET
+
 contour_app = typer.Typer(help="ContourKV: per-cell dropped-mass profiles for the contourkv allocators.",
                           no_args_is_help=True, add_completion=False)
 
@@ -23,6 +25,7 @@ def fit(
     predictor: Optional[Path] = typer.Option(None, "--predictor", help="Predictor JSON (evictlab predictor fit) to "
                                              "embed, for the contourkv_pred allocator."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out (and its run record)."),
+    quiet: bool = QUIET,
 ) -> None:
     """Fit per-cell dropped-mass profiles; use them with --method SCORER+contourkv --allocator-param profile=OUT."""
     from rich.console import Console
@@ -37,7 +40,7 @@ def fit(
     out = check_output_file(out, "--out", overwrite=overwrite)
     record = RunRecord(kind="contour.fit", config={"rows": str(rows), "results": None if results is None else str(results),
                                                    "predictor": None if predictor is None else str(predictor)})
-    with tqdm(unit="row", desc="contour fit", disable=None) as bar:
+    with tqdm(unit="row", desc="contour fit", disable=True if quiet else None) as bar:
         prof = fit_profile(rows, results, predictor, progress=bar.update)
     record.model = prof.model
     # The run record first, the profile last: the profile (one atomic write) is the output's

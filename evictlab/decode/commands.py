@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import typer
 
-from evictlab.cliutil import outputs_written
+from evictlab.cliutil import QUIET, outputs_written
 from evictlab.errors import InputError
 
 _DEFAULT_METHODS = "streaming_llm,h2o,snapkv,snapkv+adakv,snapkv+pyramidkv"
@@ -33,7 +33,7 @@ _COMMON = {
     "model": "--model", "model.config": "--model", "max_subsets": "--trace-max-subsets",
 }
 DECODE_OPTIONS = {**_COMMON, "method": "--method", "scorer": "--method", "allocator": "--method",
-                  "mode": "--mode", "answer_ids": "--max-new-tokens"}
+                  "mode": "--store", "answer_ids": "--max-new-tokens"}
 AUDIT_OPTIONS = {**_COMMON, "method": "--methods", "scorer": "--methods", "allocator": "--methods",
                  "n": "--n"}
 
@@ -49,9 +49,10 @@ _CHUNK = typer.Option(256, "--chunk", help="prefill chunk (tokens) between compr
 _COMPRESS_EVERY = typer.Option(16, "--compress-every", help="decode steps between compressions")
 _WINDOW = typer.Option(32, "--window", help="observation window (queries) for scorers")
 _BLOCK_SIZE = typer.Option(16, "--block-size", help="page size of the physical store (entries)")
-_QUERY_AWARE = typer.Option(False, "--query-aware", help="LABELLED OPTION: the query-aware protocol: nothing is "
-                            "compressed before the question is fed (any --chunk), so the ranking sees it; holds the "
-                            "whole context until then")
+_PROTOCOL = typer.Option("query-agnostic", "--protocol", help="query-agnostic (the context is compressed before "
+                         "the question is fed) or query-aware (LABELLED: nothing is compressed before the question is "
+                         "fed, at any --chunk, so the ranking sees it; holds the whole context until then) "
+                         "(formerly the flag --query-aware)")
 _THREADS = typer.Option(0, "--threads", help="CPU threads of the computation (torch) (0 = the library default, all cores)")
 _OVERWRITE = typer.Option(False, "--overwrite", help="replace an existing --out (and the files written beside it)")
 _TRACE = typer.Option(None, "--trace", help="Parquet file of per-compression diagnostics: one row per (compression, "
@@ -131,6 +132,15 @@ def _trace_for(ctx: Any, trace: Path | None, out: Path, max_subsets: int, overwr
     return CompressionTrace(max_subsets=max_subsets)
 
 
+def _query_aware(protocol: str) -> bool:
+    """``--protocol``'s value as the loop's switch (InputError on another word)."""
+    from evictlab.decode.config import PROTOCOLS
+
+    if protocol not in PROTOCOLS:
+        raise InputError("--protocol", f"unknown protocol {protocol!r}", f"use {' or '.join(PROTOCOLS)}")
+    return protocol == PROTOCOLS[1]
+
+
 def _loop_settings(sinks: int, recent: int, chunk: int, compress_every: int, window: int,
                    block_size: int):  # noqa: ANN202 - returns LoopSettings (lazy import)
     from evictlab.decode.config import LoopSettings
@@ -153,8 +163,8 @@ def audit(
     out: Path = typer.Option(Path("audit.parquet"), help="Parquet table; .png/.pdf/.md and .run_record.json written beside it"),
     device: str = _DEVICE, sinks: int = _SINKS, recent: int = _RECENT, chunk: int = _CHUNK,
     compress_every: int = _COMPRESS_EVERY, window: int = _WINDOW, block_size: int = _BLOCK_SIZE,
-    query_aware: bool = _QUERY_AWARE, threads: int = _THREADS, overwrite: bool = _OVERWRITE,
-    trace: Optional[Path] = _TRACE, trace_max_subsets: int = _TRACE_MAX_SUBSETS,
+    protocol: str = _PROTOCOL, threads: int = _THREADS, overwrite: bool = _OVERWRITE,
+    trace: Optional[Path] = _TRACE, trace_max_subsets: int = _TRACE_MAX_SUBSETS, quiet: bool = QUIET,
 ) -> None:
     """Each method at the same budget, masked vs physically enforced, side by side."""
     from rich.console import Console
@@ -167,6 +177,7 @@ def audit(
 
     with _as_options(AUDIT_OPTIONS):
         # Everything the user typed, checked before the model loads.
+        query_aware = _query_aware(protocol)
         out = check_output_file(out, "--out", overwrite=overwrite)
         tracer = _trace_for(ctx, trace, out, trace_max_subsets, overwrite)
         _check_positive(n=n, context=context)
@@ -203,7 +214,8 @@ def audit(
 
         def progress(msg: str) -> None:
             done[0] += 1
-            console.print(f"[{done[0]}/{total}] {msg}")
+            if not quiet:
+                console.print(f"[{done[0]}/{total}] {msg}")
 
         df = run_audit(lm, examples, configs, loop=loop, tokenizer=tok, progress=progress,
                        compression_trace=tracer)
@@ -241,15 +253,17 @@ def decode(
     scorer_param: list[str] = _SCORER_PARAM, allocator_param: list[str] = _ALLOCATOR_PARAM,
     task: str = typer.Option("needle", help="needle, multi_needle, multi_key or variable_tracking"),
     budget: str = typer.Option("64", help="kept budget: 64 (tokens per cell), 4096total or 2MiB"),
-    mode: str = typer.Option("physical", help="physical, masked (audit of others) or full"),
+    mode: str = typer.Option("physical", "--store", help="how the cache is held: physical (a paged store that frees "
+                             "what is evicted), masked (full tensors, evicted entries masked: the audit of others) or "
+                             "full (no eviction) (formerly --mode)"),
     context: int = typer.Option(1024, help="context tokens"),
     max_new_tokens: int = typer.Option(16, help="greedy tokens to generate"),
     seed: int = typer.Option(0),
     out: Path = typer.Option(Path("decode.json"), help="result JSON; the run record goes beside it"),
     device: str = _DEVICE, sinks: int = _SINKS, recent: int = _RECENT, chunk: int = _CHUNK,
     compress_every: int = _COMPRESS_EVERY, window: int = _WINDOW, block_size: int = _BLOCK_SIZE,
-    query_aware: bool = _QUERY_AWARE, threads: int = _THREADS, overwrite: bool = _OVERWRITE,
-    trace: Optional[Path] = _TRACE, trace_max_subsets: int = _TRACE_MAX_SUBSETS,
+    protocol: str = _PROTOCOL, threads: int = _THREADS, overwrite: bool = _OVERWRITE,
+    trace: Optional[Path] = _TRACE, trace_max_subsets: int = _TRACE_MAX_SUBSETS, quiet: bool = QUIET,
 ) -> None:
     """Run one method on one task example (greedy), with a progress bar and a run record."""
     from evictlab.io import check_output_file
@@ -260,11 +274,12 @@ def decode(
 
     with _as_options(DECODE_OPTIONS):
         # Everything the user typed, checked before the model loads.
+        query_aware = _query_aware(protocol)
         out = check_output_file(out, "--out", overwrite=overwrite)
         tracer = _trace_for(ctx, trace, out, trace_max_subsets, overwrite)
         if tracer is not None and mode == "full":
-            raise InputError("--trace", "--mode full compresses nothing, so there is nothing to trace",
-                             "use --mode physical or masked, or drop --trace")
+            raise InputError("--trace", "--store full compresses nothing, so there is nothing to trace",
+                             "use --store physical or masked, or drop --trace")
         _check_positive(context=context, max_new_tokens=max_new_tokens)
         if threads < 0:
             raise InputError("--threads", f"must be >= 0, got {threads}", "pass 0 (torch default) or a thread count")
@@ -307,7 +322,8 @@ def decode(
             cfg.budget_tokens(geometry, ctx.shape[1] + q.shape[1] + max_new_tokens)
             built.for_model(geometry)  # the allocator checks the model (bound once; the loop reuses it)
         t0 = time.perf_counter()
-        with tqdm(total=ctx.shape[1] + q.shape[1] + max_new_tokens, unit="tok", desc=f"{method} {mode}") as bar:
+        with tqdm(total=ctx.shape[1] + q.shape[1] + max_new_tokens, unit="tok", desc=f"{method} {mode}",
+                  disable=quiet) as bar:
             if tracer is not None:
                 tracer.label(method=method, mode=mode, budget=budget, protocol="query-aware" if query_aware
                              else "query-agnostic", task=task)

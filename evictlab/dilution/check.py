@@ -364,7 +364,7 @@ def run_check(rows: str | Path, out: str | Path, cfg: CheckConfig, *, overwrite:
     n_max = int(store.meta["n"].max())
     too_big = [s for s in cfg.budgets if s >= n_max]  # a kept set of s keys needs rows of n > s keys
     if too_big:
-        raise InputError("--budgets", f"budget {too_big[0]} is not below any row's key count (the rows of {rows} "
+        raise InputError("--keep", f"budget {too_big[0]} is not below any row's key count (the rows of {rows} "
                          f"have at most {n_max} keys)", f"use budgets below {n_max}")
     record = RunRecord(kind="dilution.check", config={"rows": str(rows), **asdict(cfg)}, model=store.manifest["model"])
     t0 = time.perf_counter()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import typer
 
+from evictlab.cliutil import QUIET
 from evictlab.errors import InputError
 
 #: = evictlab.dilution.sweep.DEFAULT_METHODS (not imported here: it would load the library for --help)
@@ -36,7 +37,8 @@ def check(
     rows: Path = typer.Argument(..., help="A labelled row dataset (capture of a task source, schema version 2)."),
     out: Path = typer.Option(..., "--out", help="Output table T.parquet (its parent folder must exist); "
                              "T.heads.parquet, T.bounds.parquet, T.md and T.figures/ are written beside it."),
-    budgets: str = typer.Option("32,128,512", "--budgets", help="Kept-set sizes s (keys kept per row)."),
+    budgets: str = typer.Option("32,128,512", "--keep", help="Kept-set sizes s: keys kept per row, comma-separated "
+                                "(formerly --budgets)."),
     methods: str = typer.Option("top_mass,streaming_llm,h2o,snapkv,pool", "--methods",
                                 help="Kept sets: top_mass (ORACLE for the row), streaming_llm, h2o, snapkv, pool."),
     useful: str = typer.Option("fact", "--useful", help="Useful part of an asked fact: fact, value or key_value."),
@@ -48,7 +50,7 @@ def check(
     chunk_blocks: int = typer.Option(32, "--chunk-blocks", help="Blocks per resumable part file."),
     threads: int = typer.Option(0, "--threads", help="CPU threads of the computation (torch, Numba) (0 = the library default)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out."),
-    quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+    quiet: bool = QUIET,
 ) -> None:
     """Useful mass, margins and the dilution bounds (docs/theory.md section 7) on every row.
 
@@ -58,7 +60,7 @@ def check(
     from evictlab.cliutil import refuse_unused
     from evictlab.dilution.check import CheckConfig, run_check
 
-    cfg = CheckConfig(budgets=_ints(budgets, "--budgets", "budget"), methods=_names(methods, "--methods", "method"),
+    cfg = CheckConfig(budgets=_ints(budgets, "--keep", "kept-key count"), methods=_names(methods, "--methods", "method"),
                       useful=useful,
                       stated_margin=margin, sinks=sinks, recent=recent, pool_max_s=pool_max_s,
                       chunk_blocks=chunk_blocks)
@@ -113,7 +115,7 @@ def sweep(
     threads: int = typer.Option(0, "--threads", help="CPU threads of the computation (torch) (0 = the library default)."),
     out: Path = typer.Option(..., "--out", help="Output folder (its parent must exist); rerun to resume."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Run again into a folder that holds a finished sweep."),
-    quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+    quiet: bool = QUIET,
 ) -> None:
     """Needle retrieval with k distractors: full cache vs ORACLE (evicts distractors only) vs
     the query-agnostic methods at the same budget; accuracy, answer log-probability, useful mass.

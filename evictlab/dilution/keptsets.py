@@ -100,14 +100,14 @@ def top_mass(block: Block, s: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def check_budgets(budgets: tuple[int, ...], sinks: int, recent: int) -> None:
-    """InputError (``--budgets``) for a budget the scorers' always-kept keys do not fit in."""
+    """InputError (``--keep``) for a budget the scorers' always-kept keys do not fit in."""
     if not budgets or any(int(s) < 1 for s in budgets):
-        raise InputError("--budgets", f"{list(budgets)} is empty or has a budget below 1", "pass e.g. --budgets 32,128")
+        raise InputError("--keep", f"{list(budgets)} is empty or has a budget below 1", "pass e.g. --keep 32,128")
     if len(set(budgets)) != len(budgets):
-        raise InputError("--budgets", f"{list(budgets)} repeats a budget", "list each budget once")
+        raise InputError("--keep", f"{list(budgets)} repeats a budget", "list each budget once")
     low = [s for s in budgets if s < sinks + recent]
     if low:
-        raise InputError("--budgets", f"budget {low[0]} is below the scorers' {sinks} sinks + {recent} recent keys",
+        raise InputError("--keep", f"budget {low[0]} is below the scorers' {sinks} sinks + {recent} recent keys",
                          f"use budgets >= {sinks + recent} or lower --sinks/--recent")
 
 

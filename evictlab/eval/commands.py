@@ -15,18 +15,19 @@ from typing import Any, Optional
 import typer
 
 from evictlab.decode.commands import LOOP_OPTIONS, as_options
+from evictlab.cliutil import QUIET
 from evictlab.executor.commands import EXECUTOR_OPTIONS
 
 eval_app = typer.Typer(help="The evaluation grid: methods at matched bytes on seeded examples, paired comparisons.",
                        no_args_is_help=True, rich_markup_mode=None)
 
 RUN_OPTIONS = {
-    "models": "--models", "model": "--models", "--model": "--models", "--budget": "--budgets", "model.config": "--models", "tokenizer": "--models",
+    "models": "--models", "model": "--models", "--model": "--models", "model.config": "--models", "tokenizer": "--models",
     "tasks": "--tasks", "task": "--tasks", "contexts": "--context", "context_tokens": "--context",
-    "windows": "--context", "budgets": "--budgets", "budget": "--budgets", "budget.value": "--budgets",
-    "budget.unit": "--budgets", "methods": "--methods", "method": "--methods", "scorer": "--methods",
-    "allocator": "--methods", "modes": "--modes", "mode": "--modes", "protocols": "--protocols",
-    "question_ids": "--protocols", "n": "--n", "seed": "--seed", "threads": "--threads", "scorer_param": "--scorer-param",
+    "windows": "--context", "budgets": "--budget", "budget": "--budget", "budget.value": "--budget",
+    "budget.unit": "--budget", "methods": "--methods", "method": "--methods", "scorer": "--methods",
+    "allocator": "--methods", "modes": "--store", "mode": "--store", "protocols": "--protocol",
+    "question_ids": "--protocol", "n": "--n", "seed": "--seed", "threads": "--threads", "scorer_param": "--scorer-param",
     "allocator_param": "--allocator-param", "ppl_target": "--ppl-target", "out": "--out", "chunk_size": "--chunk",
     "compress_every": "--compress-every", "window": "--window", "block_size": "--block-size", "sinks": "--sinks",
     "recent": "--recent",
@@ -42,15 +43,17 @@ def run(
     tasks: str = typer.Option("needle", "--tasks", "--task", help="comma-separated tasks (docs/evaluation.md): needle, multi_key, multi_needle, "
                               "variable_tracking, needle_word, multi_key_word, multi_value, heldout_ppl"),
     context: str = typer.Option("1024", "--context", help="comma-separated context lengths (tokens)"),
-    budgets: str = typer.Option(None, "--budgets", "--budget", show_default=False,
-                                help="comma-separated kept budgets: 64 (tokens per cell), 4096total, 2MiB "
-                                     "(default 64; none with --methods full)"),
+    budgets: str = typer.Option(None, "--budget", show_default=False,
+                                help="KV budgets, comma-separated: 64 (kept tokens per cell), 4096total, 2MiB "
+                                     "(default 64; none with --methods full) (formerly --budgets)"),
     methods: str = typer.Option("snapkv,snapkv+adakv", "--methods",
                                 help="comma-separated scorer or scorer+allocator; `full` alone: the full cache only"),
-    modes: str = typer.Option(None, "--modes", show_default=False,
-                              help="comma-separated: physical, uniform, masked (default physical)"),
-    protocols: str = typer.Option(None, "--protocols", show_default=False,
-                                  help="comma-separated: query-agnostic, query-aware (default query-agnostic)"),
+    modes: str = typer.Option(None, "--store", show_default=False,
+                              help="how the cache is held, comma-separated: physical, uniform (physical, equal sizes "
+                                   "per cell), masked (default physical) (formerly --modes)"),
+    protocols: str = typer.Option(None, "--protocol", show_default=False,
+                                  help="protocols, comma-separated: query-agnostic, query-aware (default "
+                                       "query-agnostic) (formerly --protocols)"),
     n: int = typer.Option(10, "--n", help="seeded examples per (task, context)"),
     seed: int = typer.Option(0, "--seed", help="seed of the examples"),
     out: Path = typer.Option(..., "--out", help="grid folder (created; rerun the same command to resume)"),
@@ -61,7 +64,7 @@ def run(
     window: int = LOOP_OPTIONS["window"], block_size: int = LOOP_OPTIONS["block_size"],
     threads: int = typer.Option(0, "--threads", help="torch CPU threads (0 = torch default; with --executor ray: CPUs "
                                 "per cell task, 1 if 0)"),
-    quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
+    quiet: bool = QUIET,
     trace: bool = typer.Option(False, "--trace", help="also write per-compression diagnostics (OUT/trace.parquet: "
                                "one row per (cell, example, compression, layer, KV head) with kept/held entries, the "
                                "observation window's dropped mass, e(A), e(T_s), ES_hat; docs/methods.md)"),
@@ -88,12 +91,12 @@ def run(
             raise InputError("--threads", f"must be >= 0, got {threads}", "pass 0 (torch default) or a thread count")
         method_list = parse_list(methods, "--methods", "method")
         evicting = any(m != "full" for m in method_list)
-        budget_list = parse_list(budgets, "--budgets", "budget") if budgets is not None else (["64"] if evicting else [])
+        budget_list = parse_list(budgets, "--budget", "budget") if budgets is not None else (["64"] if evicting else [])
         spec = GridSpec.build(
             models=parse_list(models, "--models", "model"), tasks=parse_list(tasks, "--tasks", "task"),
             contexts=parse_list(context, "--context", "context length"), methods=method_list,
-            budgets=budget_list, modes=None if modes is None else parse_list(modes, "--modes", "mode"),
-            protocols=None if protocols is None else parse_list(protocols, "--protocols", "protocol"), n=n, seed=seed,
+            budgets=budget_list, modes=None if modes is None else parse_list(modes, "--store", "store"),
+            protocols=None if protocols is None else parse_list(protocols, "--protocol", "protocol"), n=n, seed=seed,
             loop=LoopSettings(sinks=sinks, recent=recent, chunk_size=chunk, compress_every=compress_every,
                               window=window, block_size=block_size),
             scorer_params=parse_assignments(scorer_param, "--scorer-param"),

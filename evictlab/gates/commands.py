@@ -15,6 +15,7 @@ from typing import Any
 
 import typer
 
+from evictlab.cliutil import QUIET
 from evictlab.errors import InputError
 
 gates_app = typer.Typer(help="Learned retention gates (TRIM-KV / DBTrimKV): train them, inspect them.",
@@ -82,6 +83,7 @@ def train(
     seed: int = typer.Option(0, "--seed"),
     checkpoint_every: int = typer.Option(10, "--checkpoint-every", help="steps between checkpoints"),
     overwrite: bool = typer.Option(False, "--overwrite", help="start over in an --out that holds gates or a checkpoint"),
+    quiet: bool = QUIET,
 ) -> None:
     """Train retention gates on a frozen model; resumable (rerun the same command after a kill)."""
     from evictlab.cliutil import parse_list
@@ -111,11 +113,11 @@ def train(
         _prepare_out(out, overwrite)  # again under the lock: another run may have finished meanwhile
         record = RunRecord(kind="gates.train", model=model, seed=seed,
                            config={"device": device, "threads": threads, "recipe": recipe.to_dict()})
-        _train_locked(model, out, recipe, device, threads, overwrite, record)
+        _train_locked(model, out, recipe, device, threads, overwrite, record, quiet)
 
 
 def _train_locked(model_name: str, out: Path, recipe: Any, device: str, threads: int, overwrite: bool,
-                  record: Any) -> None:
+                  record: Any, quiet: bool = False) -> None:
     import torch
     from tqdm import tqdm
 
@@ -129,7 +131,7 @@ def _train_locked(model_name: str, out: Path, recipe: Any, device: str, threads:
     lm, tok = load_model(model_name, device=device, dtype=getattr(torch, recipe.dtype))
     if overwrite and out.exists():
         _clear(out)
-    bar = tqdm(total=recipe.steps, unit="step", desc=f"gates {'shared' if recipe.shared else 'local'}")
+    bar = tqdm(total=recipe.steps, unit="step", desc=f"gates {'shared' if recipe.shared else 'local'}", disable=quiet)
 
     def progress(log: Any, done: int, total: int) -> None:
         if bar.n == 0 and done > 1:

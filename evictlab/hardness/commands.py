@@ -18,6 +18,7 @@ from typing import Optional
 
 import typer
 
+from evictlab.cliutil import QUIET
 from evictlab.errors import InputError
 
 app = typer.Typer(
@@ -41,6 +42,7 @@ def check_command(
     ),
     out: Optional[Path] = typer.Option(None, "--out", help="Folder for trials.parquet and run_record.json."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace trials.parquet and run_record.json in --out."),
+    quiet: bool = QUIET,
 ) -> None:
     """Decide source and image with CP-SAT and the exact DP; exit 1 on any disagreement."""
     from rich.console import Console
@@ -63,7 +65,7 @@ def check_command(
                        config={"trials": trials, "size": size, "magnitude": magnitude, "time_limit": time_limit})
     instances = balanced(seed, trials, size, magnitude)  # validates trials/size/magnitude first
     console = Console(stderr=True)
-    with Progress(console=console, transient=True) as progress:
+    with Progress(console=console, transient=True, disable=quiet) as progress:
         task = progress.add_task("checking", total=len(instances))
         table = run_check(instances, time_limit_s=time_limit, on_trial=lambda _row: progress.advance(task))
     summary = Summary.of(table)

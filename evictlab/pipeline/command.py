@@ -8,6 +8,7 @@ from typing import List, Optional
 
 import typer
 
+from evictlab.cliutil import QUIET
 from evictlab.errors import InputError, refuse_duplicates
 from evictlab.pipeline.analysis import analyse
 from evictlab.pipeline.config import AnalysisConfig, CaptureSpec, parse_budgets
@@ -84,7 +85,8 @@ def demo(
                                             help="Query positions per prompt (default 4 for SmolLM2 and 8 for Gemma 3; "
                                                  "78 and 64 with --full)."),
     prompts: Optional[int] = typer.Option(None, "--prompts", help="Prompts per model, each from a different play (default 8)."),
-    budgets: str = typer.Option("4,8,16,32", "--budgets", help="Budgets s, comma separated."),
+    budgets: str = typer.Option("4,8,16,32", "--keep", help="Keys kept per row, the budgets s, comma-separated "
+                                "(formerly --budgets)."),
     certify: bool = typer.Option(True, "--certify/--no-certify",
                                  help="Certification pass: short-context rows (n <= 48) solved with --certify, to count how often the pool misses the true optimum."),
     search: str = typer.Option("all", "--search",
@@ -103,6 +105,7 @@ def demo(
                                  help="ContourKV section: ContourKV vs uniform, PyramidKV and AdaKV at matched bytes in "
                                       "the decode loop (--model, needle_word, 2 budgets; with --full the whole grid). "
                                       "Needs a model: skipped with --synthetic or --results."),
+    quiet: bool = QUIET,
 ) -> None:
     """The main job: capture -> solve -> stats -> predictors -> figures -> report; prints where the report is."""
     from rich.console import Console
@@ -112,7 +115,8 @@ def demo(
     console = Console(stderr=True)
 
     def log(msg: str) -> None:
-        console.print(f"[bold cyan]\\[demo][/bold cyan] {msg}", highlight=False)
+        if not quiet:
+            console.print(f"[bold cyan]\\[demo][/bold cyan] {msg}", highlight=False)
 
     if not threshold > 0:
         raise InputError("--threshold", f"must be positive, got {threshold}", "use e.g. 1.11")
@@ -129,7 +133,7 @@ def demo(
         if second_model.lower() not in ("", "none"):
             check_model_name(second_model, "--second-model")
     cfg = AnalysisConfig(budgets=parse_budgets(budgets), threshold=threshold, seed=seed, n_boot=n_boot,
-                         hardness_trials=hardness_trials, threads=threads, search=search)
+                         hardness_trials=hardness_trials, threads=threads, search=search, quiet=quiet)
     run_name = name or ("demo" + ("-full" if full else "") + ("-synthetic" if synthetic else ""))
     out = runs / run_name
     record = RunRecord(kind="demo", model=model, seed=seed,

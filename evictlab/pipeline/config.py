@@ -69,15 +69,17 @@ class AnalysisConfig:
     #: solver neighbourhood of the main rows (``evictlab solve --search``): ``all`` adds the
     #: all-key search (ES_ls) and the report's beyond-the-pool section; ``pool`` skips both
     search: str = "all"
+    #: ``evictlab demo --quiet``: the stages' subprocesses run with ``--quiet`` (no progress bars)
+    quiet: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 def parse_budgets(text: str) -> tuple[int, ...]:
-    """``"4,8 16"`` -> ``(4, 8, 16)`` (sorted); InputError naming ``--budgets`` otherwise (the list
-    rule of :mod:`evictlab.cliutil`: no empty entry, no budget twice)."""
+    """``"4,8 16"`` -> ``(4, 8, 16)`` (sorted): the budgets s of ``demo --keep``; InputError naming
+    ``--keep`` otherwise (the list rule of :mod:`evictlab.cliutil`: no empty entry, no budget twice)."""
     from evictlab.cliutil import parse_ints
 
-    b = parse_ints(text.split(), "--budgets", "budget", lo=1, example="4,8,16,32")
+    b = parse_ints(text.split(), "--keep", "kept-key count", lo=1, example="4,8,16,32")
     if not b:
-        raise InputError("--budgets", "no budget given", "pass e.g. --budgets 4,8,16,32")
+        raise InputError("--keep", "no budget given", "pass e.g. --keep 4,8,16,32")
     return tuple(sorted(b))

@@ -56,9 +56,9 @@ def contour_start(grid: dict[str, Any], work: Path, cfg: AnalysisConfig, log: An
     :func:`contour_finish` waits for it. A subprocess like stages 1-2, so its input errors
     name that command's options."""
     args = ["eval", "run", "--models", ",".join(grid["models"]), "--tasks", ",".join(grid["tasks"]),
-            "--context", ",".join(map(str, grid["contexts"])), "--budgets", ",".join(grid["budgets"]),
-            "--methods", ",".join(grid["methods"]), "--modes", ",".join(grid["modes"]),
-            "--protocols", ",".join(grid["protocols"]), "--n", str(grid["n"]), "--seed", str(cfg.seed),
+            "--context", ",".join(map(str, grid["contexts"])), "--budget", ",".join(grid["budgets"]),
+            "--methods", ",".join(grid["methods"]), "--store", ",".join(grid["modes"]),
+            "--protocol", ",".join(grid["protocols"]), "--n", str(grid["n"]), "--seed", str(cfg.seed),
             "--threads", str(cfg.threads), "--quiet", "--out", str(work)]
     work.parent.mkdir(parents=True, exist_ok=True)
     log(f"$ evictlab {' '.join(args)}  (in the background)")

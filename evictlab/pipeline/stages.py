@@ -21,9 +21,10 @@ from evictlab.pipeline.config import AnalysisConfig, CaptureSpec, StageError
 # --------------------------------------------------------------------------------------
 # stages 1-2: rows and solver results (subprocesses, cached)
 # --------------------------------------------------------------------------------------
-def _evictlab(args: list[str], log: Any, ok: tuple[int, ...] = (0,)) -> float:
-    """Run ``evictlab ARGS`` with this interpreter; return wall seconds; raise StageError when
-    its exit status is not in ``ok``."""
+def _evictlab(args: list[str], log: Any, ok: tuple[int, ...] = (0,), quiet: bool = False) -> float:
+    """Run ``evictlab ARGS`` with this interpreter (``quiet``: with ``--quiet``); return wall
+    seconds; raise StageError when its exit status is not in ``ok``."""
+    args = [*args, "--quiet"] if quiet else args
     cmd = [sys.executable, "-m", "evictlab.cli", *args]
     log(f"$ evictlab {' '.join(args)}")
     t0 = time.perf_counter()
@@ -33,10 +34,12 @@ def _evictlab(args: list[str], log: Any, ok: tuple[int, ...] = (0,)) -> float:
     return time.perf_counter() - t0
 
 
-def ensure_rows(spec: CaptureSpec, cache: Path, log: Any, threads: int = 1) -> tuple[Path, bool, float]:
+def ensure_rows(spec: CaptureSpec, cache: Path, log: Any, threads: int = 1,
+                quiet: bool = False) -> tuple[Path, bool, float]:
     """Rows for ``spec``, from the cache or freshly produced. Returns (path, cached?, seconds).
 
-    ``threads``: torch threads of the capture (rows do not depend on it beyond rounding).
+    ``threads``: torch threads of the capture (rows do not depend on it beyond rounding);
+    ``quiet``: the command runs without progress bars.
     """
     cache.mkdir(parents=True, exist_ok=True)  # the commands want an existing parent folder
     rows = cache / spec.key()
@@ -45,7 +48,7 @@ def ensure_rows(spec: CaptureSpec, cache: Path, log: Any, threads: int = 1) -> t
         log(f"rows cached: {rows}")
         return rows, True, 0.0
     if spec.synthetic:
-        args = ["rows", "synth", "--rows", str(spec.synthetic_rows), "--keys", str(spec.synthetic_keys),
+        args = ["rows", "synth", "--count", str(spec.synthetic_rows), "--keys", str(spec.synthetic_keys),
                 "--dim", str(spec.synthetic_dim), "--seed", str(spec.seed), "--out", str(rows)]
         if rows.exists():
             args.append("--overwrite")
@@ -53,7 +56,7 @@ def ensure_rows(spec: CaptureSpec, cache: Path, log: Any, threads: int = 1) -> t
         args = ["capture", "--model", spec.model, "--source", spec.source, "--context", str(spec.context),
                 "--positions", str(spec.positions), "--prompts", str(spec.prompts), "--seed", str(spec.seed),
                 "--threads", str(threads), "--out", str(rows)]
-    secs = _evictlab(args, log)
+    secs = _evictlab(args, log, quiet=quiet)
     from evictlab.io import atomic_write_json
 
     atomic_write_json(done, {"spec": asdict(spec), "seconds": round(secs, 2)})
@@ -89,14 +92,14 @@ def _copy(src: Path, dest: Path) -> None:
 
 
 def solve_stage(rows: Path, out: Path, cfg: AnalysisConfig, certify: bool, log: Any) -> float:
-    """``evictlab solve ROWS --budgets ... --pool r_m r_e --search pool|all [--certify] --out RESULTS``."""
-    args = ["solve", str(rows), "--budgets", *map(str, cfg.budgets), "--pool", *map(str, cfg.pool),
+    """``evictlab solve ROWS --keep ... --pool r_m r_e --search pool|all [--certify] --out RESULTS``."""
+    args = ["solve", str(rows), "--keep", *map(str, cfg.budgets), "--pool", *map(str, cfg.pool),
             "--search", cfg.search, "--out", str(out)]
     if certify:
         args.append("--certify")
     if out.exists():
         args.append("--overwrite")
-    return _evictlab(args, log)
+    return _evictlab(args, log, quiet=cfg.quiet)
 
 
 def rows_and_results(spec: CaptureSpec, cfg: AnalysisConfig, certify: bool, res: Path, runs: Path, resolve: bool,
@@ -105,7 +108,7 @@ def rows_and_results(spec: CaptureSpec, cfg: AnalysisConfig, certify: bool, res:
 
     Returns ``(res, rows)``: the results file and the row dataset they were solved from.
     """
-    rows, cached, secs = ensure_rows(spec, runs / "cache" / "rows", log, cfg.threads)
+    rows, cached, secs = ensure_rows(spec, runs / "cache" / "rows", log, cfg.threads, cfg.quiet)
     timings[f"{tag}rows {spec.label()}"] = secs
     cached_res = runs / "cache" / "results" / f"{spec.key()}-{solve_key(cfg, certify)}.parquet"
     if cached_res.exists() and not resolve:
@@ -153,7 +156,7 @@ def hardness_stage(cfg: AnalysisConfig, work: Path, log: Any) -> Any:
     args = ["hardness", "check", "--trials", str(cfg.hardness_trials), "--size", str(cfg.hardness_size),
             "--seed", str(cfg.seed), "--out", str(work), "--overwrite"]
     work.mkdir(parents=True, exist_ok=True)
-    _evictlab(args, log, ok=(0, 1))
+    _evictlab(args, log, ok=(0, 1), quiet=cfg.quiet)
     trials = work / "trials.parquet"
     if not trials.is_file():
         raise StageError(f"`evictlab {' '.join(args)}` wrote no {trials}; see its message above")

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 
+from evictlab.cliutil import QUIET
 from evictlab.errors import InputError
 from evictlab.io import DEFAULT_MAX_GIB
 
@@ -20,7 +21,8 @@ app = typer.Typer(help="The attention-row dataset: generate, inspect, export.",
 
 @app.command("synth")
 def synth(
-    rows: int = typer.Option(..., "--rows", help="Number of attention rows N."),
+    rows: int = typer.Option(..., "--count", help="Number of attention rows N to generate (formerly --rows; ROWS "
+                             "always names a dataset)."),
     keys: int = typer.Option(..., "--keys", help="Keys per row n (the largest; see --spread)."),
     dim: int = typer.Option(..., "--dim", help="Head dimension d."),
     seed: int = typer.Option(..., "--seed", help="Seed of the single numpy Generator."),
@@ -48,6 +50,7 @@ def synth(
                                    help="Replace a row dataset at --out that has other settings."),
     max_gib: float = typer.Option(DEFAULT_MAX_GIB, "--max-gib", help="Refuse a dataset that would take more disk "
                                   "than this (GiB, estimated before anything is written)."),
+    quiet: bool = QUIET,
 ) -> None:
     """Write a seeded synthetic row dataset (same arguments -> identical shard files).
 
@@ -68,10 +71,10 @@ def synth(
                       rows_per_shard=rows_per_shard)
     record = RunRecord(kind="rows.synth", config=cfg.validate(), model="synthetic", seed=seed)
     check_output_size(estimated_bytes(cfg), max_gib, f"{rows:,} rows of {keys:,} keys (d = {dim})",
-                      "generate fewer --rows or --keys (or raise --max-gib)", option="--rows")
+                      "generate fewer rows (--count) or --keys (or raise --max-gib)", option="--count")
     check_output_path(out, "--out", directory=True)
     with exclusive_lock(out, "--out"):  # also covers the run record
-        with tqdm(total=rows, unit="row", desc="synth", disable=None) as bar:
+        with tqdm(total=rows, unit="row", desc="synth", disable=True if quiet else None) as bar:
             summary = synthesize(out, cfg, progress=bar.update, overwrite=overwrite)
         if summary.already_complete:
             typer.echo(f"{out} already holds this dataset ({summary.rows} rows, complete); "

@@ -117,7 +117,7 @@ def _check(cfg: SynthConfig) -> dict[str, Any]:
          "drop --clusters, or pass --values clustered")
     for name in ("rows", "keys", "dim", "rows_per_block", "rows_per_shard", "clusters"):
         v = getattr(cfg, name) if name != "clusters" else cfg.resolved()["clusters"]
-        need(isinstance(v, (int, np.integer)) and v >= 1, f"--{name.replace('_', '-')}",
+        need(isinstance(v, (int, np.integer)) and v >= 1, "--count" if name == "rows" else f"--{name.replace('_', '-')}",
              f"must be a positive integer, got {v!r}", "pass an integer >= 1")
     need(isinstance(cfg.seed, (int, np.integer)) and cfg.seed >= 0, "--seed",
          f"must be a non-negative integer, got {cfg.seed!r}", "pass e.g. --seed 0")

@@ -9,17 +9,18 @@ from typing import Any, List, Optional, Tuple
 import typer
 from typer.core import TyperCommand
 
+from evictlab.cliutil import QUIET
 from evictlab.errors import InputError
 from evictlab.executor.commands import EXECUTOR_OPTIONS
 
-#: A token that continues a ``--budgets`` list: an integer or a comma-separated list.
+#: A token that continues a ``--keep`` list: an integer or a comma-separated list.
 _BUDGET_TOKEN = re.compile(r"^[0-9][0-9,]*$")
 _NUMBER = re.compile(r"^-?[0-9][0-9.,]*$")
-_BUDGETS_HINT = "list every budget right after --budgets, e.g. --budgets 4 8 16 32"
+_BUDGETS_HINT = "list every kept-key count right after --keep, e.g. --keep 4 8 16 32"
 
 
 def expand_budgets(args: list[str]) -> list[str]:
-    """``--budgets 4 8 16`` -> ``--budgets 4 --budgets 8 --budgets 16``.
+    """``--keep 4 8 16`` -> ``--keep 4 --keep 8 --keep 16``.
 
     A click option takes a fixed number of values, so the numbers after the first one
     are rewritten as repeated options. Only integers and comma lists continue the list;
@@ -34,12 +35,12 @@ def expand_budgets(args: list[str]) -> list[str]:
         if tok == "--":
             out.extend(args[i:])
             break
-        if tok == "--budgets" and i < len(args) and not args[i].startswith("-"):
+        if tok == "--keep" and i < len(args) and not args[i].startswith("-"):
             out.append(args[i])
             i += 1
-        if tok == "--budgets" or tok.startswith("--budgets="):
+        if tok == "--keep" or tok.startswith("--keep="):
             while i < len(args) and _BUDGET_TOKEN.match(args[i]):
-                out += ["--budgets", args[i]]
+                out += ["--keep", args[i]]
                 i += 1
     return out
 
@@ -82,8 +83,8 @@ def stray_argument(params: list[Any], args: list[str]) -> InputError | None:
             after = None
             i += 1
             continue
-        if after == "--budgets":
-            return InputError("--budgets", f"{tok!r} is not a budget (budgets are positive "
+        if after == "--keep":
+            return InputError("--keep", f"{tok!r} is not a kept-key count (they are positive "
                               "integers)", _BUDGETS_HINT)
         if after == "--pool":
             return InputError("--pool", f"takes exactly two numbers (r_m r_e), but {tok!r} "
@@ -100,7 +101,7 @@ def stray_argument(params: list[Any], args: list[str]) -> InputError | None:
 
 
 class SolveCommand(TyperCommand):
-    """The ``solve`` command: ``--budgets`` takes several numbers, and a number that no
+    """The ``solve`` command: ``--keep`` takes several numbers, and a number that no
     option takes is an error naming the option it follows (never a silent budget)."""
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
@@ -113,19 +114,20 @@ class SolveCommand(TyperCommand):
 
 
 def _parse_budgets(values: List[str]) -> tuple[int, ...]:
-    """Budgets from ``--budgets`` values (each an integer or a comma-separated list; the list
-    rule of :mod:`evictlab.cliutil`: no empty entry, no budget twice)."""
+    """The budgets s from ``--keep`` values (each an integer or a comma-separated list; the
+    list rule of :mod:`evictlab.cliutil`: no empty entry, no budget twice)."""
     from evictlab.cliutil import parse_ints
 
-    return tuple(parse_ints(values, "--budgets", "budget", example="4,8,16,32"))
+    return tuple(parse_ints(values, "--keep", "kept-key count", example="4,8,16,32"))
 
 
 def solve(
     ctx: typer.Context,
-    rows: Path = typer.Argument(..., help="Row dataset directory (put it before --budgets)."),
+    rows: Path = typer.Argument(..., help="Row dataset directory (put it before --keep)."),
     budgets: List[str] = typer.Option(
-        ..., "--budgets",
-        help="Budgets s: `--budgets 4 8 16 32`, `--budgets 4,8,16,32` or `--budgets 4 --budgets 8`."),
+        ..., "--keep",
+        help="Keys kept per row, the budgets s: `--keep 4 8 16 32`, `--keep 4,8,16,32` or `--keep 4 --keep 8` "
+             "(formerly --budgets)."),
     out: Path = typer.Option(..., "--out", help="Results Parquet file (one row per (row_id, s))."),
     pool: Tuple[int, int] = typer.Option((2, 2), "--pool", help="Candidate pool r_m r_e, e.g. --pool 2 2."),
     certify: bool = typer.Option(False, "--certify",
@@ -147,6 +149,7 @@ def solve(
     restart: bool = typer.Option(False, "--restart", help="Discard part files of a different earlier job."),
     executor: str = EXECUTOR_OPTIONS["executor"],
     address: Optional[str] = EXECUTOR_OPTIONS["address"],
+    quiet: bool = QUIET,
 ) -> None:
     """Exact pool optimum ES_hat, balancing selector and (optionally) certified ES(s) for every row.
 
@@ -174,7 +177,7 @@ def solve(
                       chunk_rows=chunk_rows, search=search, ls_pairs=ls_pairs, ls_kicks=ls_kicks,
                       ls_seed=ls_seed)
     with executor_for(executor, address) as ex:
-        summary = solve_rows(rows, out, cfg, threads=threads, overwrite=overwrite, restart=restart,
+        summary = solve_rows(rows, out, cfg, threads=threads, overwrite=overwrite, restart=restart, progress=not quiet,
                              notify=lambda msg: typer.echo(msg, err=True), executor=ex)
     outputs_written(out)
     resumed = f", {summary.parts_done_before} parts resumed" if summary.parts_done_before else ""
@@ -182,5 +185,5 @@ def solve(
 
 
 #: click settings of ``solve`` (register with ``cls=SolveCommand``, which reads the
-#: numbers after ``--budgets``): no extra arguments, no unknown options.
+#: numbers after ``--keep``): no extra arguments, no unknown options.
 SOLVE_CONTEXT = {"allow_extra_args": False, "ignore_unknown_options": False}

@@ -114,10 +114,10 @@ def check_config(cfg: SolveConfig, n_min: int, n_max: int, n_min_row: int | None
     pool parameters, or a pool whose enumeration exceeds ``max_subsets``.
     """
     if len(cfg.budgets) == 0:
-        raise InputError("--budgets", "no budget given", "pass e.g. --budgets 4 8 16 32")
-    bud = [_int(s, "--budgets", 1) for s in cfg.budgets]
+        raise InputError("--keep", "no budget given", "pass e.g. --keep 4 8 16 32")
+    bud = [_int(s, "--keep", 1) for s in cfg.budgets]
     if len(set(bud)) != len(bud):
-        raise InputError("--budgets", f"has duplicates {bud}", "list each budget once")
+        raise InputError("--keep", f"has duplicates {bud}", "list each budget once")
     r_m = _int(cfg.r_m, "--pool (r_m)", 0)
     r_e = _int(cfg.r_e, "--pool (r_e)", 0)
     _int(cfg.max_swaps, "--max-swaps", 0)
@@ -137,7 +137,7 @@ def check_config(cfg: SolveConfig, n_min: int, n_max: int, n_min_row: int | None
     if too_big:
         where = f" (row_id {n_min_row})" if n_min_row is not None else ""
         raise InputError(
-            "--budgets", f"budget s = {too_big[0]} exceeds the number of keys n = {n_min} of the "
+            "--keep", f"budget s = {too_big[0]} exceeds the number of keys n = {n_min} of the "
             f"shortest row{where}; a budget must satisfy s <= n for every row",
             f"use budgets <= {n_min}, or filter rows with n < {max(too_big)} out of the dataset")
     for s in bud:
@@ -186,7 +186,7 @@ def solve_batch(batch: Any, cfg: SolveConfig, model: str | None = None) -> pl.Da
     n = np.diff(off)
     if n.size and int(n.min()) < int(bud.max()):
         i = int(np.argmin(n))
-        raise InputError("--budgets", f"budget s = {int(bud.max())} exceeds n = {int(n[i])} of row_id "
+        raise InputError("--keep", f"budget s = {int(bud.max())} exceeds n = {int(n[i])} of row_id "
                          f"{int(batch.meta['row_id'][i])}", "use budgets <= the smallest n")
     # LAPACK calls inside the Numba threads (SVD in the certificate, the exact free-weight
     # phase) must not start their own BLAS thread pools (single_blas_thread).

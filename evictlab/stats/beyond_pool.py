@@ -64,7 +64,7 @@ def check_beyond_pool(df: pl.DataFrame, source: str = "results") -> None:
     missing = [c for c in ("es_ls", "es_hat", "e_top", "s") if c not in df.columns]
     if missing:
         raise InputError(source, f"lacks the columns {missing} of the all-key search",
-                         "solve the rows with `evictlab solve ROWS --budgets ... --search all [--certify]`")
+                         "solve the rows with `evictlab solve ROWS --keep ... --search all [--certify]`")
     if df.height == 0:
         raise InputError(source, "the results table is empty", "solve at least one row")
 
