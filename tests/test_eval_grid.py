@@ -389,10 +389,12 @@ def test_interrupt_then_rerun_and_compare(tmp_path: Path, tiny: Path, capsys: py
 # ---------------------------------------------------------------------------------- real model
 
 
-def test_short_real_model_grid(tmp_path: Path) -> None:
+def test_short_real_model_grid(tmp_path: Path, real_model) -> None:
     """SmolLM2-135M, one needle example at 300 tokens: the full cache answers; the rows carry
     the protocol and the bytes; physical == masked; query-aware held the whole prefix."""
     import torch
+
+    real_model("smollm2-135m", "ragged")  # the grid's load_cached finds the session's shared model
 
     torch.set_num_threads(1)
     spec = GridSpec.build(models=["smollm2-135m"], tasks=["needle"], contexts=[300], methods=["snapkv+adakv"],
