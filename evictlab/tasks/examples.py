@@ -17,17 +17,18 @@ from __future__ import annotations
 import re
 import unicodedata
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from evictlab.tasks.corpus import encode, heldout_split
-from evictlab.tasks.synthetic import TASKS, Fact, TaskExample, fact_token_spans, make_task
+from evictlab.tasks.synthetic import TASKS, Fact, Question, TaskExample, fact_token_spans, make_task
 from evictlab.errors import InputError
 
 __all__ = [
     "PerplexityWindow",
+    "PromptQuestion",
     "TaskPrompt",
     "tokenize_task",
     "EVAL_TASKS",
@@ -59,6 +60,24 @@ def decode_ids(tokenizer: Any, ids: Sequence[int]) -> str:
 
 
 @dataclass(frozen=True)
+class PromptQuestion:
+    """One tokenised question of a context: ``question_ids`` (fed after the context, no
+    BOS), ``answer`` and its parts ``answers``, ``answer_ids`` (the answer's ids as the
+    continuation of the answer prefix; empty where not tokenised) and ``asked``, the indices
+    into the example's ``facts`` that the question asks for."""
+
+    question_ids: list[int]
+    answer: str
+    answers: tuple[str, ...] = ()
+    answer_ids: list[int] = field(default_factory=list)
+    asked: tuple[int, ...] = ()
+
+
+def _asked(facts: Sequence[Fact]) -> tuple[int, ...]:
+    return tuple(i for i, f in enumerate(facts) if f.asked)
+
+
+@dataclass(frozen=True)
 class TaskPrompt:
     """One example ready for the decode loop.
 
@@ -78,6 +97,19 @@ class TaskPrompt:
     answers: tuple[str, ...]
     context_text: str = ""
     facts: tuple[Fact, ...] = ()
+    #: every question when the context is asked several (the first is the fields above)
+    question_set: tuple[PromptQuestion, ...] = ()
+
+    @property
+    def questions(self) -> tuple[PromptQuestion, ...]:
+        """Every question of this context (at least one; the first is ``question_ids``)."""
+        return self.question_set or (PromptQuestion(list(self.question_ids), self.answer, self.answers,
+                                                    [], _asked(self.facts)),)
+
+
+def _tokenize_question(q: Question, tokenizer: Any) -> PromptQuestion:
+    return PromptQuestion(encode_text(tokenizer, "\n\n" + q.question, special=False), q.answer,
+                          q.answers or (q.answer,), encode_text(tokenizer, " " + q.answer, special=False), q.asked)
 
 
 def tokenize_task(example: TaskExample, tokenizer: Any) -> TaskPrompt:
@@ -88,18 +120,23 @@ def tokenize_task(example: TaskExample, tokenizer: Any) -> TaskPrompt:
     """
     ctx = encode_text(tokenizer, example.context)
     q = encode_text(tokenizer, "\n\n" + example.question, special=False)
+    qs = tuple(_tokenize_question(x, tokenizer) for x in example.question_set)
     return TaskPrompt(task=example.task, seed=example.seed, context_ids=ctx, question_ids=q,
                       answer=example.answer, answers=example.answers or (example.answer,),
-                      context_text=example.context, facts=example.facts)
+                      context_text=example.context, facts=example.facts, question_set=qs)
 
 
-def useful_spec(example: Any, tokenizer: Any) -> str | None:
+def useful_spec(example: Any, tokenizer: Any, question: int = 0) -> str | None:
     """The task's labels as the ``useful`` parameter of the ``oracle_labels`` scorer: the
-    token spans, in ``example.context_ids``, of the facts the question asks for
-    (``"120:139,400:419"``, half-open); None when the example has no asked fact (a
-    ``heldout_ppl`` window). ``example``: a :class:`TaskPrompt` or :class:`EvalExample`.
+    token spans, in ``example.context_ids``, of the facts question number ``question`` asks
+    for (``"120:139,400:419"``, half-open); None when it asks for no fact (a ``heldout_ppl``
+    window). ``example``: a :class:`TaskPrompt` or :class:`EvalExample`.
     Computed on demand (only a run of ``oracle_labels`` needs it)."""
-    asked = tuple(f for f in example.facts if f.asked)
+    qs = example.questions
+    if not 0 <= question < len(qs):
+        raise InputError("question", f"question {question} of an example with {len(qs)}",
+                         f"use 0..{len(qs) - 1}")
+    asked = tuple(example.facts[i] for i in qs[question].asked)
     if not asked:
         return None
     spans = fact_token_spans(tokenizer, example.context_text, asked, ids=list(example.context_ids))
@@ -223,6 +260,14 @@ class EvalExample:
     answer: str
     context_text: str = ""
     facts: tuple[Fact, ...] = ()
+    #: every question when the context is asked several (the first is the fields above)
+    question_set: tuple[PromptQuestion, ...] = ()
+
+    @property
+    def questions(self) -> tuple[PromptQuestion, ...]:
+        """Every question of this context (at least one; the first is ``question_ids``)."""
+        return self.question_set or (PromptQuestion(list(self.question_ids), self.answer, (self.answer,),
+                                                    list(self.answer_ids), _asked(self.facts)),)
 
 
 def eval_examples(task: str, n: int, context_tokens: int, tokenizer: Any, seed: int, *,
@@ -245,5 +290,5 @@ def eval_examples(task: str, n: int, context_tokens: int, tokenizer: Any, seed: 
         raise InputError("task", f"unknown task {task!r}", f"use one of: {', '.join(EVAL_TASKS)}")
     return [EvalExample(task, i, seed * 1_000_003 + i, p.context_ids, p.question_ids,
                         encode_text(tokenizer, " " + p.answer, special=False), p.answer,
-                        context_text=p.context_text, facts=p.facts)
+                        context_text=p.context_text, facts=p.facts, question_set=p.question_set)
             for i, p in enumerate(task_suite([task], n, context_tokens, tokenizer, seed))]

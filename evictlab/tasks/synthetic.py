@@ -64,6 +64,18 @@ _VARS = ("QXR", "BLM", "TZK", "WFP", "NDV", "HGS", "YCJ", "PUE", "KRO", "MZA", "
 
 
 @dataclass(frozen=True)
+class Question:
+    """One question asked of a context: ``question`` (ends with an answer prefix),
+    ``answer`` (the exact string expected; ``answers`` its parts when there are several) and
+    ``asked``, the indices into the example's ``facts`` that this question asks for."""
+
+    question: str
+    answer: str
+    answers: tuple[str, ...] = ()
+    asked: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class TaskExample:
     """One synthetic long-context example.
 
@@ -81,6 +93,17 @@ class TaskExample:
     seed: int
     answers: tuple[str, ...] = field(default=())
     facts: tuple[Fact, ...] = field(default=())
+    #: the questions asked of this context; empty means the one (question, answer, answers)
+    #: above. A multi-question task lists them all, the first equal to the fields above.
+    question_set: tuple[Question, ...] = field(default=())
+
+    @property
+    def questions(self) -> tuple[Question, ...]:
+        """Every question of this context (at least one; the first is ``question``)."""
+        if self.question_set:
+            return self.question_set
+        asked = tuple(i for i, f in enumerate(self.facts) if f.asked)
+        return (Question(self.question, self.answer, self.answers or (self.answer,), asked),)
 
     def score(self, prediction: str) -> float:
         """Fraction of the expected answer parts found verbatim in ``prediction`` (RULER)."""
