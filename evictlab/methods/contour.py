@@ -185,6 +185,15 @@ class ContourKV(Allocator):
                 raise InputError("allocator_param", f"{self.name} parameter profile={exc.problem}", exc.fix) from None
         return self._defaults[key]
 
+    def use_default(self, geometry: ModelGeometry, profile: ContourProfile) -> None:
+        """Resolve ``profile=default`` to ``profile`` (held in memory: tests, notebooks) for
+        models of ``geometry``, instead of the shipped one; checked against the geometry."""
+        try:
+            profile.check(geometry, source="profile")
+        except InputError as exc:
+            raise InputError("allocator_param", f"profile {exc.problem}", exc.fix) from None
+        self._defaults[_geometry_key(geometry)] = self._bind(profile)
+
     def _bind(self, profile: ContourProfile) -> ContourProfile:
         """Hook for a shipped profile once resolved (ContourKVPred reads its predictor)."""
         return profile

@@ -19,7 +19,7 @@ import torch
 
 from evictlab.methods.base import AllocInputs, Allocator, WindowProfile
 
-__all__ = ["example_predictor", "example_ranked_window", "example_window", "allocator_for_tests", "scorers_on_tensors", "with_needs"]
+__all__ = ["example_predictor", "example_profile", "example_ranked_window", "example_window", "allocator_for_tests", "scorers_on_tensors", "with_needs"]
 
 _DIR: Path | None = None
 
@@ -103,9 +103,35 @@ def example_ranked_window(inputs: AllocInputs, seed: int = 0, rows: int = 8, dim
     return WindowProfile(base.tail, base.entropy_norm, tuple(ranked), tuple(errors))
 
 
+def example_profile(inputs: AllocInputs, seed: int = 0) -> tuple[Any, Any]:
+    """A hand-made fitted profile of ``inputs``' cells and a model geometry it describes
+    (``q_heads = kv_heads``, head dim 8, the inputs' windows): ``(geometry, profile)``.
+    Cells from peaked to flat: ``D(r) = (1 - r) ** (1 / power)``, ``power`` in [0.05, 3]."""
+    from evictlab.contour.profile import GRID, ContourProfile
+    from evictlab.models.geometry import ModelGeometry, RopeSpec
+
+    rng = np.random.default_rng(seed)
+    L, hk = inputs.lengths.shape
+    power = rng.uniform(0.05, 3.0, size=(L, hk, 1))
+    dropped = (1.0 - GRID[None, None, :]) ** (1.0 / power) * (GRID[None, None, :] < 1)
+    windows = [None if w is None else int(w) for w in inputs.windows]
+    geometry = ModelGeometry(L, hk, hk, 8, torch.float32, 8 ** -0.5, tuple(windows), (RopeSpec(10000.0),) * L)
+    shape = {"n_layers": L, "kv_heads": hk, "q_heads": hk, "head_dim": 8, "windows": windows}
+    ones = np.ones((L, hk))
+    prof = ContourProfile("hand-made", shape, GRID.copy(), dropped, ones * 0.5, np.ones((L, hk), np.int64),
+                          ones * 100, {"rows": "hand-made"})
+    return geometry, prof
+
+
 def with_needs(allocator: Allocator, inputs: AllocInputs, seed: int = 0) -> AllocInputs:
     """``inputs`` plus what ``allocator.needs`` asks the decode loop for (:func:`example_window`,
-    :func:`example_ranked_window` when it reads the scorer-ranked curves)."""
+    :func:`example_ranked_window` when it reads the scorer-ranked curves); for an allocator on
+    the shipped profile (``profile=default``) and inputs that name no model, a model geometry
+    of the inputs' cells with a hand-made profile for it (:func:`example_profile`)."""
+    if getattr(allocator, "is_default", False) and inputs.geometry is None:
+        geometry, prof = example_profile(inputs, seed)
+        allocator.use_default(geometry, prof)  # type: ignore[attr-defined]
+        inputs = dataclasses.replace(inputs, geometry=geometry)
     if inputs.window is None and {"window_ranked", "window_error"} & allocator.needs:
         return dataclasses.replace(inputs, window=example_ranked_window(inputs, seed))
     if "window_profile" in allocator.needs and inputs.window is None:
