@@ -33,7 +33,8 @@ def shipped_profiles(folder: Path = SHIPPED_DIR) -> list[Path]:
     """The shipped profile files, sorted (the provenance records are not profiles)."""
     if not folder.is_dir():
         return []
-    return sorted(p for p in folder.glob("*.json") if not p.name.endswith(".provenance.json"))
+    return sorted(p for p in folder.glob("*.json")
+                  if not p.name.endswith((".provenance.json", ".run_record.json")))
 
 
 def default_profile(geometry: ModelGeometry, folder: Path = SHIPPED_DIR) -> tuple[Path, ContourProfile]:
