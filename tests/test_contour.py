@@ -26,7 +26,7 @@ from evictlab.decode.trace import CompressionTrace
 from evictlab.errors import CorruptFileError, InputError
 from evictlab.methods import AllocInputs, WindowProfile, check_sizes, make_allocator
 from evictlab.kv.attention import attention_probs
-from evictlab.methods.testing import example_predictor, example_window
+from evictlab.methods.testing import example_predictor, example_ranked_window, example_window
 from evictlab.rows.writer import RowWriter
 from evictlab.solve.reference import pool_bruteforce
 
@@ -122,7 +122,7 @@ def _inputs(lengths: np.ndarray, budget: int, floor: int, windows=None, next_pos
     scores = [torch.zeros(1, hk, s) for s in S]
     inp = AllocInputs.build(scores, budget, floor=floor, lengths=lengths, windows=windows,
                             next_position=next_position)
-    return dataclasses.replace(inp, window=example_window(inp, seed))
+    return dataclasses.replace(inp, window=example_ranked_window(inp, seed))
 
 
 def _profile(dropped: np.ndarray, windows=None, predictor=None) -> ContourProfile:
@@ -203,11 +203,13 @@ def test_flat_cells_get_more_than_peaked_ones() -> None:
     curves = {(0, 0): tail_mass(peaked[None])[0], (0, 1): tail_mass(flat[None])[0]}
     lengths = np.array([[n, n]])
     inp = dataclasses.replace(AllocInputs.build([torch.zeros(1, 2, n)], 60, floor=4), window=_hand_window(lengths, curves))
-    alloc = make_allocator("contourkv")
+    alloc = make_allocator("contourkv_query")  # the per-query profile, the floor counted on top
+    same = make_allocator("contourkv", ranking="query")
     sizes = check_sizes(inp, alloc.allocate(inp))
     # 52 extra entries: the flat cell's k-th has priority 1 - (k-1)/100, the peaked cell's
     # 1, 0.2, 0.05, 0, ...: the level lands at 0.49, which the peaked cell reaches with one key.
     assert sizes.tolist() == [[4 + 1, 4 + 51]]
+    np.testing.assert_array_equal(same.allocate(inp), sizes)
     # At 99 extra the level is just below 0.05: the peaked cell's 3 keys, the flat cell's 96.
     more = dataclasses.replace(inp, budget=8 + 99)
     assert check_sizes(more, alloc.allocate(more)).tolist() == [[4 + 3, 4 + 96]]
@@ -283,7 +285,9 @@ def test_allocator_parameter_errors(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="is not a ContourKV profile"):
         make_allocator("contourkv", profile=str(tmp_path / "other.json"))
     online = make_allocator("contourkv")
-    assert online.needs == {"window_profile"} and make_allocator("contourkv", profile=None).needs
+    assert online.needs == {"window_profile", "window_ranked"} and make_allocator("contourkv", profile=None).needs
+    assert make_allocator("contourkv_query").needs == {"window_profile"}
+    assert make_allocator("contourkv_error").needs == {"window_profile", "window_error"}
     with pytest.raises(InputError, match="observation window"):
         online.allocate(AllocInputs.build([torch.zeros(1, 2, 10)], 8, floor=1))
 

@@ -35,7 +35,7 @@ from numba import njit
 
 from evictlab.errors import InputError
 
-__all__ = ["envelope", "top_increments", "top_increments_reference"]
+__all__ = ["envelope", "min_sum_increments", "top_increments", "top_increments_reference"]
 
 
 def envelope(y: np.ndarray) -> np.ndarray:
@@ -277,3 +277,74 @@ def top_increments_reference(x: np.ndarray, y: np.ndarray, n_knots: np.ndarray, 
     c_all, k_all, p_all = np.concatenate(cells), np.concatenate(ks), np.concatenate(prio)
     order = np.lexsort((c_all, k_all, -p_all))[:extra]
     return np.bincount(c_all[order], minlength=rm.size).astype(np.int64)
+
+
+# --------------------------------------------------------------------------- summed objectives
+
+
+@njit(cache=True)
+def _k_min_sum(F: np.ndarray, room: np.ndarray, extra: int) -> np.ndarray:
+    m = F.shape[0]
+    best = np.full(extra + 1, np.inf)
+    best[0] = 0.0
+    choice = np.zeros((m, extra + 1), dtype=np.int32)
+    reach = 0
+    for c in range(m):
+        r = min(room[c], extra)
+        new = np.full(extra + 1, np.inf)
+        top = min(extra, reach + r)
+        for t in range(top + 1):
+            lo = max(0, t - reach)
+            hi = min(r, t)
+            bv = np.inf
+            bk = lo
+            for k in range(lo, hi + 1):
+                v = best[t - k] + F[c, k]
+                if v < bv:
+                    bv = v
+                    bk = k
+            new[t] = bv
+            choice[c, t] = bk
+        best = new
+        reach = top
+    counts = np.zeros(m, dtype=np.int64)
+    t = extra
+    for c in range(m - 1, -1, -1):
+        k = choice[c, t]
+        counts[c] = k
+        t -= k
+    return counts
+
+
+def min_sum_increments(F: np.ndarray, room: np.ndarray, extra: int) -> np.ndarray:
+    """Extra entries per cell minimising a summed per-cell cost, exactly (dynamic programme).
+
+    Finds integer ``k_c`` with ``0 <= k_c <= room_c`` and ``sum_c k_c = extra`` minimising
+    ``sum_c F[c, k_c]``. No shape is assumed of the curves (a forced-error curve along the
+    scorer's order rises and falls; a dropped-mass curve along it falls but is not convex,
+    so no threshold on marginal gains is exact): the programme runs over the cells with the
+    best cost of every partial total, ``O(sum_c extra x min(room_c, extra))`` steps and
+    ``cells x (extra + 1)`` int32 back-pointers. Ties: the first cell-by-cell minimum found
+    (each cell takes the smallest count among equal totals), deterministic.
+
+    Args:
+        F: float64 ``(cells, K)``, ``F[c, k]`` the cost of cell ``c`` keeping ``k`` extra
+            entries (``K > room_c``; entries past ``room_c`` are not read); finite.
+        room: int ``(cells,)`` most extra entries per cell.
+        extra: entries to place, ``0 <= extra <= room.sum()``.
+
+    Returns:
+        int64 ``(cells,)`` summing to ``extra``.
+    """
+    F = np.ascontiguousarray(F, dtype=np.float64)
+    rm = np.ascontiguousarray(room, dtype=np.int64).reshape(-1)
+    if F.ndim != 2 or F.shape[0] != rm.size or (rm < 0).any() or (rm.size and int(rm.max()) >= F.shape[1]):
+        raise InputError("costs", f"costs {F.shape} for {rm.size} cells with room up to "
+                         f"{int(rm.max()) if rm.size else 0}", "pass (cells, K) costs with K > every room")
+    if not 0 <= int(extra) <= int(rm.sum()):
+        raise InputError("extra", f"{extra} entries to place, room for {int(rm.sum())}",
+                         "pass 0 <= extra <= the summed room")
+    used = np.arange(F.shape[1])[None, :] <= rm[:, None]
+    if not np.isfinite(F[used]).all():
+        raise InputError("costs", "a cost curve holds NaN or inf", "check the profile")
+    return _k_min_sum(F, rm, int(extra))

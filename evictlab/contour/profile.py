@@ -37,7 +37,8 @@ from evictlab.errors import CorruptFileError, InputError
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from evictlab.models.geometry import ModelGeometry
 
-__all__ = ["FORMAT", "GRID", "VERSION", "ContourProfile", "relative_tail", "tail_mass", "window_stats"]
+__all__ = ["FORMAT", "GRID", "VERSION", "ContourProfile", "ranked_curves", "ranked_window_stats", "relative_tail", "tail_mass",
+           "window_stats"]
 
 FORMAT = "evictlab.contour"
 #: The profile file version this code writes and reads; any change of layout or meaning bumps it.
@@ -148,6 +149,93 @@ def window_stats(queries: torch.Tensor, keys: torch.Tensor, scaling: float, q_po
         return tail, 0.0
     rows, seen = rows[ok].cpu().numpy(), seen[ok].cpu().numpy()
     return tail_mass(rows).mean(0), float(normalised_entropy(rows, seen).mean())
+
+
+def ranked_window_stats(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None, scaling: float,
+                        q_positions: torch.Tensor, k_positions: torch.Tensor,
+                        order: torch.Tensor) -> tuple[np.ndarray, np.ndarray | None]:
+    """The scorer-ranked profiles of one cell: dropped mass and forced error along ``order``.
+
+    The rows are :func:`window_stats`' (the window's queries x the group's query heads,
+    attending causally over the held keys; rows that see no key left out). For ``b = 0..n``
+    let ``A_b`` be the first ``b`` entries of ``order`` (the scorer's keep order,
+    :func:`evictlab.methods.base.keep_order`, so ``A_b`` is the kept set at size ``b``); per
+    row, the kept part it sees is ``A_b`` intersected with its visible keys. Prefix sums
+    along ``order`` give every ``b`` in one pass:
+
+    * ``D(A_b) = 1 - sum_{j in A_b} p_j`` (``p`` normalised over the visible keys);
+    * ``e(A_b) = ||o - o_A||``, ``o = sum_j p_j v_j``, ``o_A = sum_{A_b} p_j v_j / P(A_b)``
+      (``= D(A_b) ||m_{A^c} - m_A||``, docs/theory.md; ``o_A = 0`` when ``P(A_b) = 0``).
+
+    Args:
+        queries: ``(g, w, d)`` post-RoPE window queries of the cell's query heads.
+        keys: ``(n, d)`` held post-RoPE keys; ``values`` ``(n, d)`` (None: no error curve).
+        scaling: the attention logit scale.
+        q_positions: ``(w,)`` int64; ``k_positions`` ``(n,)`` int64 ascending.
+        order: ``(n,)`` int64, a permutation of ``0..n-1``.
+
+    Returns:
+        ``(dropped, error)``: float64 ``(n + 1,)`` each, means over the rows (``dropped[0] =
+        1``, ``dropped[n] = 0``, ``error[n] = 0``); ``error`` is None without ``values``.
+        The attention is the scorers' own (float32), the sums float64.
+    """
+    from evictlab.kv.attention import attention_probs
+
+    g, w, _ = queries.shape
+    n = keys.shape[0]
+    probs = attention_probs(queries[None], keys[None, None], scaling, q_positions, k_positions)
+    rows = probs.reshape(g * w, n).to(torch.float64)
+    total = rows.sum(-1)
+    ok = total > 0
+    if n == 0 or not bool(ok.any()):
+        dropped = np.zeros(n + 1)
+        dropped[0] = 1.0
+        return dropped, (None if values is None else np.zeros(n + 1))
+    return ranked_curves((rows[ok] / total[ok, None]).cpu(), values, order)
+
+
+def ranked_curves(p: torch.Tensor, values: torch.Tensor | None,
+                  order: torch.Tensor) -> tuple[np.ndarray, np.ndarray | None]:
+    """Mean dropped mass and forced error of every prefix of ``order`` (:func:`ranked_window_stats`).
+
+    Args:
+        p: ``(R, n)`` attention rows, each summing to 1 (zeros where a row sees no key).
+        values: ``(n, d)`` or None (no error curve).
+        order: ``(n,)`` int64 permutation: the keep order.
+
+    Returns:
+        float64 ``(n + 1,)`` each: ``dropped[b]`` = mean over rows of the mass outside the
+        first ``b`` entries of ``order``; ``error[b]`` = mean of ``||o - o_A||`` for that set
+        (``o_A = 0`` when the row has no mass on it).
+    """
+    p = torch.as_tensor(p).to("cpu", torch.float64)
+    R, n = p.shape
+    perm = torch.as_tensor(order).to("cpu", torch.int64)
+    pr = p[:, perm]  # (R, n) masses in keep order
+    cum = torch.zeros(R, n + 1, dtype=torch.float64)
+    cum[:, 1:] = torch.cumsum(pr, -1)
+    # D(A_b) summed from the small end: the mass after position b of the order
+    after = torch.zeros_like(cum)
+    after[:, :n] = torch.flip(torch.cumsum(torch.flip(pr, [-1]), -1), [-1])
+    dropped = after.mean(0).numpy()
+    if values is None:
+        return dropped, None
+    v = torch.as_tensor(values).to("cpu", torch.float64)[perm]  # (n, d) in keep order
+    out = pr @ v  # (R, d) the dense outputs o
+    err = torch.zeros(R, n + 1, dtype=torch.float64)
+    acc = torch.zeros_like(out)
+    step = max(1, (1 << 22) // max(1, R * v.shape[1]))  # bound the (R, chunk, d) prefix block
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        part = acc[:, None, :] + torch.cumsum(pr[:, start:stop, None] * v[None, start:stop], 1)  # (R, c, d)
+        mass = cum[:, start + 1:stop + 1, None]
+        o_a = torch.where(mass > 0, part / torch.where(mass > 0, mass, torch.ones_like(mass)), torch.zeros_like(part))
+        err[:, start + 1:stop + 1] = torch.linalg.vector_norm(out[:, None, :] - o_a, dim=-1)
+        acc = part[:, -1]
+    err[:, 0] = torch.linalg.vector_norm(out, dim=-1)
+    if n:
+        err[:, n] = 0.0  # A_n holds every key: o_A = o exactly
+    return dropped, err.mean(0).numpy()
 
 
 # --------------------------------------------------------------------------- the file

@@ -341,7 +341,8 @@ class EvictionRunner:
         if self.shared_scores is None or self.compressions or self.method.question_specific:
             return None  # (the ORACLEs' inputs are each question's own)
         return (tuple(repr(s) for s in self.layer_scorers), self.all_queries, self.loop.window,
-                self.method.window_profile, self.compression_trace is not None, self.batch)
+                self.method.window_profile, self.method.window_ranked, self.method.window_error,
+                self.compression_trace is not None, self.batch, self.loop.sinks, self.loop.recent)
 
     def _scored(self) -> _Scored:
         """Every cell's scores at this compression (shared between arms when
@@ -372,9 +373,13 @@ class EvictionRunner:
         # The observation window (the scorers' last `window` queries), for an allocator that
         # measures it (ContourKV online) and for the trace; nothing is computed otherwise.
         profile = self.method.window_profile
+        ranked_on, error_on = self.method.window_ranked, self.method.window_error
         if profile:
-            from evictlab.contour.profile import window_stats
+            from evictlab.contour.profile import ranked_window_stats, window_stats
+            from evictlab.methods.base import keep_order
         tails: list[np.ndarray] = []
+        ranked: list[np.ndarray] = []
+        errors: list[np.ndarray] = []
         entropy = np.zeros((self.batch, self.n_layers, self.kv_heads))
         windows_q: list[tuple[torch.Tensor, torch.Tensor]] = []
         for l in range(self.n_layers):
@@ -392,6 +397,8 @@ class EvictionRunner:
                 windows_q.append((obs_q, obs_pos))
             if profile:
                 tails.append(np.zeros((self.batch, self.kv_heads, pos.shape[2] + 1)))
+                ranked.append(np.zeros((self.batch, self.kv_heads, pos.shape[2] + 1)))
+                errors.append(np.zeros((self.batch, self.kv_heads, pos.shape[2] + 1)))
             sc = torch.full((self.batch, self.kv_heads, pos.shape[2]), fill, dtype=torch.float32, device=pos.device)
             inputs: list[ScoreInputs] = []
             for b in range(self.batch):
@@ -413,11 +420,21 @@ class EvictionRunner:
             outs = scorer.score_cells(inputs)  # the same scores as score() per cell, maybe in fewer calls
             for i, out in enumerate(outs):
                 b, h = divmod(i, self.kv_heads)
-                sc[b, h, :int(lens[b, h])] = out.reshape(-1).float()
+                n = int(lens[b, h])
+                sc[b, h, :n] = out.reshape(-1).float()
+                if ranked_on:  # the window's statistics along the order select_keep keeps
+                    order = keep_order(sc[b, h, :n], sinks=self.loop.sinks, recent=self.loop.recent)
+                    cell = cells[b][h]
+                    d, e = ranked_window_stats(obs_q[b, h * rep:(h + 1) * rep], cell.k, cell.v if error_on else None,
+                                               self.scaling, obs_pos, cell.pos, order)
+                    ranked[l][b, h, :n + 1] = d
+                    if e is not None:
+                        errors[l][b, h, :n + 1] = e
             layer_scores.append(sc)
             cell_pos.append(pos)
         return _Scored(tuple(layer_scores), lengths, tuple(cell_pos),
-                       WindowProfile(tuple(tails), entropy) if profile else None, windows_q)
+                       WindowProfile(tuple(tails), entropy, tuple(ranked) if ranked_on else None,
+                                     tuple(errors) if error_on else None) if profile else None, windows_q)
 
     def reconstruction_queries(self, ids: torch.Tensor) -> dict[int, torch.Tensor]:
         """KVzip-style: feed ``ids`` after the cache, record its queries, then drop its entries.

@@ -44,6 +44,7 @@ __all__ = [
     "check_sizes",
     "ScoreInputs",
     "Scorer",
+    "keep_order",
     "select_keep",
     "select_keep_ordered",
 ]
@@ -177,10 +178,21 @@ class WindowProfile:
             masses (``b = 0..length``; ``tail[..., 0] = 1``; 0 past a cell's length).
         entropy_norm: float64 ``(batch, n_layers, kv_heads)``: mean over the same rows of
             ``H(p) / log(n)`` (``n`` = keys the row sees; 0 when ``n <= 1``).
+        ranked: per layer, float64 ``(batch, kv_heads, S_l + 1)`` or None: entry ``b`` is the
+            mean over the same rows of the mass outside the first ``b`` entries of the
+            *scorer's* keep order (:func:`keep_order`: the always-kept entries, then the
+            scores, best first), i.e. the dropped mass ``D(A)`` of the set ``A`` that
+            :func:`select_keep` keeps at size ``b`` (for ``b >= sinks + recent``). Computed
+            when an allocator ``needs`` ``"window_ranked"``.
+        error: per layer, float64 ``(batch, kv_heads, S_l + 1)`` or None: the mean forced
+            error ``e(A) = ||o - o_A||`` of the same sets (value units; ``o_A`` = 0 when a row
+            sees none of ``A``). Computed when an allocator ``needs`` ``"window_error"``.
     """
 
     tail: tuple[np.ndarray, ...]
     entropy_norm: np.ndarray
+    ranked: tuple[np.ndarray, ...] | None = None
+    error: tuple[np.ndarray, ...] | None = None
 
 
 Phase = Literal["prefill", "question", "decode"]
@@ -281,10 +293,15 @@ class AllocInputs:
             if len(w.tail) != n or np.shape(w.entropy_norm)[1:] != (n, hk):
                 raise InputError("window", f"{len(w.tail)} tail layers and entropy {np.shape(w.entropy_norm)} for "
                                  f"{n} layers x {hk} KV heads", "pass one (batch, kv_heads, S_l + 1) array per layer")
-            for l, t in enumerate(w.tail):
-                if t.ndim != 3 or t.shape[1] != hk or t.shape[2] < int(self.lengths[l].max()) + 1:
-                    raise InputError(f"window.tail[{l}]", f"shape {t.shape}, expected (batch, {hk}, >= "
-                                     f"{int(self.lengths[l].max()) + 1})", "pass b = 0..length for every cell")
+            for what, arrays in (("tail", w.tail), ("ranked", w.ranked), ("error", w.error)):
+                if arrays is None:
+                    continue
+                if len(arrays) != n:
+                    raise InputError(f"window.{what}", f"{len(arrays)} layers for {n}", "pass one array per layer")
+                for l, t in enumerate(arrays):
+                    if t.ndim != 3 or t.shape[1] != hk or t.shape[2] < int(self.lengths[l].max()) + 1:
+                        raise InputError(f"window.{what}[{l}]", f"shape {t.shape}, expected (batch, {hk}, >= "
+                                         f"{int(self.lengths[l].max()) + 1})", "pass b = 0..length for every cell")
         if (self.sinks is None) != (self.recent is None) or min(self.sinks or 0, self.recent or 0) < 0:
             raise InputError("sinks", f"sinks={self.sinks}, recent={self.recent}",
                              "pass both as integers >= 0, or neither")
@@ -488,6 +505,30 @@ def select_keep(
             per_head.append(torch.sort(chosen).values)
         keep.append(per_head)
     return keep
+
+
+def keep_order(scores: torch.Tensor, *, sinks: int, recent: int) -> torch.Tensor:
+    """The order in which :func:`select_keep_ordered` keeps a cell's entries, best first.
+
+    Args:
+        scores: ``(s,)`` the scores of one cell's held entries, in position order.
+        sinks, recent: the always-kept entries (the first ``sinks``, the last ``recent``).
+
+    Returns:
+        int64 ``(s,)`` indices: the always-kept entries (in index order), then the others by
+        score descending, equal scores to the larger index. For every size ``b >= min(s,
+        sinks + recent)`` the first ``b`` of them, sorted, are exactly what
+        ``select_keep_ordered`` keeps at size ``b``: so a statistic read along this order at
+        ``b`` is the statistic of the kept set (ContourKV's scorer-ranked profiles).
+    """
+    s = scores.shape[-1]
+    if scores.ndim != 1:
+        raise InputError("scores", f"expected (seq,), got shape {tuple(scores.shape)}", "pass one cell's scores")
+    lo, hi = min(sinks, s), max(min(sinks, s), s - recent)
+    device = scores.device
+    edges = torch.cat([torch.arange(lo, device=device), torch.arange(hi, s, device=device)])
+    order = torch.sort(scores[lo:hi].flip(-1).float(), descending=True, stable=True).indices
+    return torch.cat([edges, (hi - 1) - order]).to(torch.int64)
 
 
 def select_keep_ordered(

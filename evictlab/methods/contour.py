@@ -32,11 +32,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 
-from evictlab.contour.level import envelope, top_increments
+from evictlab.contour.level import envelope, min_sum_increments, top_increments
 from evictlab.errors import InputError
 from evictlab.methods.base import AllocInputs, Allocator
 
@@ -45,7 +45,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from evictlab.models.geometry import ModelGeometry
     from evictlab.stats.predictors import Predictor
 
-__all__ = ["ContourKV", "ContourKVPred"]
+__all__ = ["ContourKV", "ContourKVError", "ContourKVMass", "ContourKVOffline", "ContourKVPred", "ContourKVQuery"]
 
 
 def _load_profile(path: Path) -> ContourProfile:
@@ -57,62 +57,180 @@ def _load_profile(path: Path) -> ContourProfile:
         raise InputError("profile", f"{exc.field}: {exc.problem}", exc.fix) from None
 
 
+Ranking = Literal["scorer", "query"]
+Objective = Literal["level", "mass", "error"]
+
+
+def _dense(x: np.ndarray, y: np.ndarray, nk: np.ndarray, K: int) -> np.ndarray:
+    """Knot curves ``(cells, G)`` read at ``b = 0..K-1``, float64 ``(cells, K)``: the same
+    linear interpolation (and clamping) as the level search's priorities."""
+    b = np.arange(K, dtype=np.float64)
+    out = np.empty((x.shape[0], K))
+    for c in range(x.shape[0]):
+        xs, ys = x[c, :nk[c]], y[c, :nk[c]]
+        j = np.clip(np.searchsorted(xs, b, side="right") - 1, 0, nk[c] - 1)
+        j1 = np.minimum(j + 1, nk[c] - 1)
+        inner = (j < nk[c] - 1) & (b > xs[0])
+        with np.errstate(invalid="ignore", divide="ignore"):
+            lin = ys[j] + (ys[j1] - ys[j]) * ((b - xs[j]) / (xs[j1] - xs[j]))
+        out[c] = np.where(inner, lin, np.where(b >= xs[0], ys[j], ys[0]))
+    return out
+
+
+def _geometry_key(geometry: ModelGeometry) -> tuple[Any, ...]:
+    return (geometry.n_layers, geometry.kv_heads, geometry.q_heads, geometry.head_dim, tuple(geometry.windows))
+
+
 @dataclass(frozen=True)
 class ContourKV(Allocator):
-    """ContourKV: cells reach one dropped-mass level; flat cells get more (module docstring).
+    """ContourKV: per-cell sizes from dropped-mass profiles (module docstring), one objective.
 
     Inputs: :class:`AllocInputs` (lengths, floors, windows, budget; ``next_position`` and
     ``geometry`` when the decode loop calls; ``window`` in online mode). Returns int64
     ``(n_layers, kv_heads)`` summing exactly to ``inputs.target``, ``floors <= sizes <=
-    min(lengths, window - 1)``. Reads no scores: any scorer picks the kept keys.
+    caps = min(lengths, window - 1)``. Reads no scores itself: any scorer picks the kept
+    keys; with ``ranking="scorer"`` the profile is measured along that scorer's keep order.
 
-    ``profile``: a file from ``evictlab contour fit`` (offline; checked against the model's
-    geometry before the run), or None to estimate the profiles online.
+    Parameters:
+
+    * ``profile``: a file from ``evictlab contour fit`` (offline; checked against the
+      model's geometry before the run), ``default`` (the profile shipped in ``data/contour/``
+      for the loaded model, :mod:`evictlab.contour.shipped`), or None (online).
+    * ``ranking`` (online): ``scorer`` (default): ``D_c(b)`` is the window rows' mass outside
+      the first ``b`` entries of the scorer's keep order, i.e. outside the set the selection
+      really keeps at size ``b`` (:func:`~evictlab.methods.base.keep_order`), read at the
+      cell's full size ``b = floor_c + k``; ``query``: the mean over rows of the mass outside
+      each row's *own* top-``b`` keys (the statistic of a fitted profile, and ContourKV's
+      profile before issue 24), read at ``b = k`` above the floor (the floor counted on top).
+      None: ``scorer`` online, ``query`` with a profile file (the only one it holds).
+
+    The objective (a class attribute; each objective is its own registered name): ``level``
+    (``contourkv``): minimise ``max_c D_c`` (every cell reaches one level, the E largest
+    priorities, :func:`evictlab.contour.level.top_increments`); ``mass``
+    (``contourkv_mass``): minimise ``sum_c D_c(b_c)``; ``error`` (``contourkv_error``):
+    minimise ``sum_c e_c(b_c)``, the window rows' mean forced error of the scorer's kept
+    set (the two summed ones exactly, :func:`evictlab.contour.level.min_sum_increments`).
     """
 
     profile: Path | None = None
+    ranking: Ranking | None = None
     name: ClassVar[str] = "contourkv"
+    objective: ClassVar[Objective] = "level"
     _profile: Any = field(default=None, init=False, repr=False, compare=False)
+    _defaults: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.ranking is not None and self.ranking not in ("scorer", "query"):
+            raise InputError("ranking", f"{self.ranking!r} is not scorer or query", "use ranking=scorer or query")
+        if self.profile is not None and self.ranking == "scorer":
+            raise InputError("ranking", "a fitted profile holds each row's own top-b dropped mass, not a scorer's "
+                             "(the scorer ranks the run's own keys)", "drop ranking= (or ranking=query) with profile=, "
+                             "or drop profile= to measure the scorer's ranking online")
+        if self.objective == "error" and self.profile is not None:
+            raise InputError("profile", f"{self.name} measures the forced error of the scorer's kept sets online; a "
+                             "fitted profile holds no forced error", f"drop profile= for {self.name}")
+        if self.objective == "error" and self.ranking == "query":
+            raise InputError("ranking", f"{self.name} measures the forced error of the scorer's kept sets",
+                             "drop ranking= (or ranking=scorer)")
+
+    @property
+    def is_default(self) -> bool:
+        """Whether ``profile`` names the shipped profile (``profile=default``)."""
+        from evictlab.contour.shipped import DEFAULT
+
+        return self.profile is not None and str(self.profile) == DEFAULT
+
+    @property
+    def ranked(self) -> str:
+        """The ranking in effect: ``scorer`` or ``query`` (see the class docstring)."""
+        return self.ranking or ("query" if self.profile is not None else "scorer")
 
     def load(self) -> ContourKV:
         """Read the profile file (the registry's factory calls this once, after the
-        dataclass is built: construction itself reads nothing)."""
-        if self.profile is not None and self._profile is None:
+        dataclass is built: construction itself reads nothing). ``profile=default`` is
+        resolved per model, in :meth:`check` (the model is not known here)."""
+        if self.profile is not None and not self.is_default and self._profile is None:
             object.__setattr__(self, "_profile", _load_profile(Path(self.profile)))
         return self
 
     @property
     def needs(self) -> frozenset[str]:
-        return frozenset() if self.profile is not None else frozenset({"window_profile"})
+        if self.profile is not None:
+            return frozenset()
+        if self.objective == "error":
+            return frozenset({"window_profile", "window_error"})
+        return frozenset({"window_profile", "window_ranked"} if self.ranked == "scorer" else {"window_profile"})
 
     def check(self, geometry: ModelGeometry) -> None:
-        if self._profile is not None:
+        if self.profile is not None:
             self._checked(geometry, None)
 
-    def _checked(self, geometry: ModelGeometry | None, shape: tuple[int, int] | None) -> None:
+    def fitted(self, geometry: ModelGeometry | None) -> ContourProfile | None:
+        """The fitted profile in use for a model of ``geometry``: the file's, the shipped one
+        (``profile=default``; :class:`InputError` for a model none describes, or without a
+        geometry), or None online."""
+        if not self.is_default:
+            return self._profile
+        if geometry is None:
+            raise InputError("allocator_param", "profile=default picks the shipped profile of the loaded model, "
+                             "and these inputs name no model (AllocInputs.geometry is None)",
+                             "pass AllocInputs(geometry=...) or profile=PROFILE.json")
+        key = _geometry_key(geometry)
+        if key not in self._defaults:
+            from evictlab.contour.shipped import default_profile
+
+            try:
+                self._defaults[key] = self._bind(default_profile(geometry)[1])
+            except InputError as exc:
+                raise InputError("allocator_param", f"{self.name} parameter profile={exc.problem}", exc.fix) from None
+        return self._defaults[key]
+
+    def use_default(self, geometry: ModelGeometry, profile: ContourProfile) -> None:
+        """Resolve ``profile=default`` to ``profile`` (held in memory: tests, notebooks) for
+        models of ``geometry``, instead of the shipped one; checked against the geometry."""
         try:
-            self._profile.check(geometry, shape, source="profile")
+            profile.check(geometry, source="profile")
+        except InputError as exc:
+            raise InputError("allocator_param", f"profile {exc.problem}", exc.fix) from None
+        self._defaults[_geometry_key(geometry)] = self._bind(profile)
+
+    def _bind(self, profile: ContourProfile) -> ContourProfile:
+        """Hook for a shipped profile once resolved (ContourKVPred reads its predictor)."""
+        return profile
+
+    def _checked(self, geometry: ModelGeometry | None, shape: tuple[int, int] | None) -> None:
+        prof = self.fitted(geometry)
+        try:
+            prof.check(geometry, shape, source="profile")
         except InputError as exc:
             raise InputError("allocator_param", f"profile {self.profile} {exc.problem}", exc.fix) from None
 
     # -- the profiles as knots ---------------------------------------------------------
     def knots(self, inputs: AllocInputs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Every cell's profile as knots ``(x, y, n_knots)``: ``x`` in entries (``b``), ``y`` the
-        dropped mass (before weighting and the envelope), cells layer-major, float64 ``(cells, K)``."""
+        """Every cell's curve as knots ``(x, y, n_knots)``: ``x`` in entries (``b``, the cell's
+        size for the scorer ranking, above the floor for the query ranking), ``y`` the
+        objective's per-cell quantity (dropped mass, or forced error for ``error``; before
+        weighting and the envelope), cells layer-major, float64 ``(cells, K)``."""
         n_layers, hk = inputs.lengths.shape
-        if self._profile is not None:
+        prof = self.fitted(inputs.geometry) if self.profile is not None else None
+        if prof is not None:
             self._checked(inputs.geometry, (n_layers, hk))
-            x, y = self._profile.knots(self.reference_lengths(inputs))
+            x, y = prof.knots(self.reference_lengths(inputs))
             return x, y, np.full(x.shape[0], x.shape[1], dtype=np.int64)
-        if inputs.window is None:
-            raise InputError("window", "contourkv without a profile estimates its profiles from the observation "
-                             "window, which these inputs lack (AllocInputs.window is None)",
+        w = inputs.window
+        curves = None if w is None else (w.error if self.objective == "error" else
+                                         w.ranked if self.ranked == "scorer" else w.tail)
+        if curves is None:
+            what = {"error": "forced error (window.error)", "level": "", "mass": ""}[self.objective] or (
+                "scorer-ranked dropped mass (window.ranked)" if self.ranked == "scorer" else "profile (window.tail)")
+            raise InputError("window", f"{self.name} without a profile estimates its profiles from the observation "
+                             f"window, which these inputs lack (AllocInputs.window or its {what} is None)",
                              "run it in the decode loop, pass AllocInputs(window=...), or give profile=PROFILE.json")
         lens = inputs.lengths
         K = int(lens.max()) + 1
         x = np.broadcast_to(np.arange(K, dtype=np.float64), (n_layers * hk, K)).copy()
         y = np.zeros((n_layers * hk, K))
-        for l, t in enumerate(inputs.window.tail):
+        for l, t in enumerate(curves):
             s = min(K, t.shape[2])
             y[l * hk:(l + 1) * hk, :s] = np.asarray(t, dtype=np.float64).mean(axis=0)[:, :s]
         return x, y, (lens.reshape(-1) + 1).astype(np.int64)
@@ -129,11 +247,32 @@ class ContourKV(Allocator):
         return np.repeat(np.array(per_layer, dtype=np.int64)[:, None], inputs.kv_heads, axis=1)
 
     def weights(self, inputs: AllocInputs, x: np.ndarray, y: np.ndarray) -> np.ndarray:
-        """The profile the level runs on (ContourKV: the dropped mass itself)."""
+        """The profile the objective runs on (ContourKV: the dropped mass itself)."""
         return y
 
+    def costs(self, inputs: AllocInputs, caps: np.ndarray) -> np.ndarray:
+        """The per-cell objective curves, float64 ``(cells, K)``: entry ``k`` is the cell's
+        value when it keeps ``floors_c + k`` entries, ``k = 0..caps_c - floors_c`` (entries
+        past that are padding: the last value). Scorer ranking: ``y[floor_c + k]`` (the
+        profile is of the cell's whole kept set); query ranking and fitted profiles: the
+        curve at ``b = k`` (the floor counted on top, as the level search reads it)."""
+        x, y, nk = self.knots(inputs)
+        w = self.weights(inputs, x, y)
+        if not np.isfinite(w).all():
+            raise InputError("window" if self.profile is None else "profile", "the profile holds NaN or inf",
+                             "check the observation window's attention (or refit the profile)")
+        floors = inputs.floors.reshape(-1)
+        room = (caps.reshape(-1) - floors)
+        K = int(room.max(initial=0)) + 1
+        if self.profile is None and self.ranked == "scorer" or self.objective == "error":
+            idx = np.minimum(floors[:, None] + np.arange(K)[None, :], (nk - 1)[:, None])
+            return np.take_along_axis(w, idx, axis=1)
+        return _dense(x, w, nk, K)
+
     # -- allocation ----------------------------------------------------------------------
-    def allocate(self, inputs: AllocInputs) -> np.ndarray:
+    def caps(self, inputs: AllocInputs) -> np.ndarray:
+        """Most entries per cell: its length, at most ``window - 1`` on sliding layers
+        (:class:`InputError` when the budget cannot fit under them)."""
         floors, lengths = inputs.floors, inputs.lengths
         caps = lengths.copy()
         for l, w in enumerate(inputs.windows):
@@ -143,15 +282,78 @@ class ContourKV(Allocator):
             raise InputError("lengths", f"sliding cells hold entries no later query can attend (caps "
                              f"{int(caps.sum())} < target {inputs.target}, or a floor above window - 1)",
                              "drop entries with pos <= next - window first (the decode loop does)")
-        x, y, nk = self.knots(inputs)
-        prio = envelope(self.weights(inputs, x, y))
-        if not np.isfinite(prio).all():
-            raise InputError("window" if self._profile is None else "profile", "the profile holds NaN or inf",
-                             "check the observation window's attention (or refit the profile)")
+        return caps
+
+    def allocate(self, inputs: AllocInputs) -> np.ndarray:
+        floors = inputs.floors
+        caps = self.caps(inputs)
         extra = inputs.target - int(floors.sum())
-        # the knots rise strictly by construction (the fitted grid, or b = 0..length)
-        counts = top_increments(x, prio, nk, (caps - floors).reshape(-1), extra, validate=False)
+        room = (caps - floors).reshape(-1)
+        if self.objective == "level" and not (self.profile is None and self.ranked == "scorer"):
+            # the fitted grid or the query tail as knots: the level search reads them lazily
+            x, y, nk = self.knots(inputs)
+            prio = envelope(self.weights(inputs, x, y))
+            if not np.isfinite(prio).all():
+                raise InputError("window" if self.profile is None else "profile", "the profile holds NaN or inf",
+                                 "check the observation window's attention (or refit the profile)")
+            # the knots rise strictly by construction (the fitted grid, or b = 0..length)
+            counts = top_increments(x, prio, nk, room, extra, validate=False)
+        elif self.objective == "level":
+            F = envelope(self.costs(inputs, caps))
+            x = np.broadcast_to(np.arange(F.shape[1], dtype=np.float64), F.shape)
+            counts = top_increments(x, F, room + 1, room, extra, validate=False)
+        else:
+            counts = min_sum_increments(self.costs(inputs, caps), room, extra)
         return floors + counts.reshape(floors.shape)
+
+
+@dataclass(frozen=True)
+class ContourKVMass(ContourKV):
+    """ContourKV minimising the summed dropped mass ``sum_c D_c(b_c)`` (exact; class docstring
+    of :class:`ContourKV`). AdaKV's one threshold does this for attention scores sorted within
+    each cell; along a scorer's order the marginal masses are not sorted, so the exact
+    integer split is a dynamic programme (:func:`evictlab.contour.level.min_sum_increments`)."""
+
+    name: ClassVar[str] = "contourkv_mass"
+    objective: ClassVar[Objective] = "mass"
+
+
+@dataclass(frozen=True)
+class ContourKVError(ContourKV):
+    """ContourKV minimising the summed forced error ``sum_c e_c(b_c)`` of the scorer's kept sets
+    (online only). ``e_c(b)`` is the window rows' mean ``||o - o_A||`` for the set ``A`` the
+    scorer keeps at size ``b``, ``= D(A) ||m_{A^c} - m_A||`` (docs/theory.md): each cell's
+    drop weighed by how far its dropped values lie from its kept ones. Prefix sums along the
+    keep order give every ``b`` in one pass (:func:`evictlab.contour.profile.ranked_window_stats`)."""
+
+    name: ClassVar[str] = "contourkv_error"
+    objective: ClassVar[Objective] = "error"
+
+
+@dataclass(frozen=True)
+class ContourKVQuery(ContourKV):
+    """ContourKV's level on the per-query profile (``ranking=query``): the mean mass outside
+    each window row's own top-``b`` keys, the floor counted on top. ContourKV's online default
+    before issue 24, kept to compare against the scorer-ranked default."""
+
+    ranking: Ranking | None = "query"
+    name: ClassVar[str] = "contourkv_query"
+
+
+@dataclass(frozen=True)
+class ContourKVOffline(ContourKV):
+    """ContourKV's level on a fitted profile, by default the one shipped for the loaded model
+    (``profile=default``, :mod:`evictlab.contour.shipped`): rows of the same model on other
+    text, against the online estimate."""
+
+    profile: Path | None = Path("default")
+    name: ClassVar[str] = "contourkv_offline"
+
+    def __post_init__(self) -> None:
+        if self.profile is None:
+            raise InputError("profile", "contourkv_offline reads a fitted profile", "pass profile=default or a file "
+                             "(or use contourkv for the online estimate)")
+        super().__post_init__()
 
 
 @dataclass(frozen=True)
@@ -185,6 +387,8 @@ class ContourKVPred(ContourKV):
                 raise InputError("predictor", f"{exc.field}: {exc.problem}", exc.fix) from None
         elif self._profile is not None and self._profile.predictor is not None:
             pred = Predictor.from_dict(self._profile.predictor, source=f"{self.profile} (embedded predictor)")
+        if pred is None and self.is_default:
+            return self  # the shipped profile's embedded predictor, read once the model is known (_bind)
         if pred is None:
             raise InputError("allocator_param", "contourkv_pred needs a fitted dropped-mass predictor",
                              "pass predictor=PRED.json (from `evictlab predictor fit RESULTS --out PRED.json`) or "
@@ -192,10 +396,21 @@ class ContourKVPred(ContourKV):
         object.__setattr__(self, "_predictor", pred)
         return self
 
+    def _bind(self, profile: ContourProfile) -> ContourProfile:
+        if self._predictor is None:
+            from evictlab.stats.predictors import Predictor
+
+            if profile.predictor is None:
+                raise InputError("profile", "default: the shipped profile embeds no dropped-mass predictor, which "
+                                 "contourkv_pred needs", "pass predictor=PRED.json (from `evictlab predictor fit`)")
+            object.__setattr__(self, "_predictor", Predictor.from_dict(profile.predictor, source="shipped profile"))
+        return profile
+
     def weights(self, inputs: AllocInputs, x: np.ndarray, y: np.ndarray) -> np.ndarray:
         n_layers, hk = inputs.lengths.shape
-        if self._profile is not None:
-            ent = self._profile.entropy_norm.reshape(-1)
+        prof = self.fitted(inputs.geometry) if self.profile is not None else None
+        if prof is not None:
+            ent = prof.entropy_norm.reshape(-1)
         else:
             assert inputs.window is not None  # knots() refused it otherwise
             ent = np.asarray(inputs.window.entropy_norm, dtype=np.float64).mean(axis=0).reshape(-1)

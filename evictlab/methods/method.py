@@ -111,8 +111,19 @@ class Method:
 
     @property
     def window_profile(self) -> bool:
-        """The allocator reads the observation window's dropped-mass profile."""
-        return "window_profile" in self.needs
+        """The allocator reads the observation window's statistics (:class:`~evictlab.methods.
+        base.WindowProfile`): any of ``"window_profile"``, ``"window_ranked"``, ``"window_error"``."""
+        return bool({"window_profile", "window_ranked", "window_error"} & self.needs)
+
+    @property
+    def window_ranked(self) -> bool:
+        """The allocator reads the window's dropped mass along the scorer's keep order."""
+        return bool({"window_ranked", "window_error"} & self.needs)
+
+    @property
+    def window_error(self) -> bool:
+        """The allocator reads the window's forced error along the scorer's keep order."""
+        return "window_error" in self.needs
 
     @property
     def question_specific(self) -> bool:

@@ -39,7 +39,11 @@ ALLOCATORS: dict[str, type[Allocator]] = {
     "pyramidkv": allocators.PyramidKV,
     "adakv": allocators.AdaKV,
     "contourkv": contour.ContourKV,
+    "contourkv_mass": contour.ContourKVMass,
+    "contourkv_error": contour.ContourKVError,
     "contourkv_pred": contour.ContourKVPred,
+    "contourkv_query": contour.ContourKVQuery,
+    "contourkv_offline": contour.ContourKVOffline,
     "global": allocators.Global,
 }
 """Allocator name -> allocator dataclass; ``make_allocator(name, **params)`` builds one."""

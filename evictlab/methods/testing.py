@@ -19,7 +19,7 @@ import torch
 
 from evictlab.methods.base import AllocInputs, Allocator, WindowProfile
 
-__all__ = ["example_predictor", "example_window", "allocator_for_tests", "scorers_on_tensors", "with_needs"]
+__all__ = ["example_predictor", "example_profile", "example_ranked_window", "example_window", "allocator_for_tests", "scorers_on_tensors", "with_needs"]
 
 _DIR: Path | None = None
 
@@ -75,8 +75,65 @@ def example_window(inputs: AllocInputs, seed: int = 0, rows: int = 8) -> WindowP
     return WindowProfile(tuple(tails), ent)
 
 
+def example_ranked_window(inputs: AllocInputs, seed: int = 0, rows: int = 8, dim: int = 4) -> WindowProfile:
+    """A window profile with the scorer-ranked curves too: per cell, ``rows`` random attention
+    rows over its held entries and random values ``(n, dim)``, the keep order that of
+    ``inputs.scores`` (sinks and recent from the inputs, else 0), through
+    :func:`evictlab.contour.profile.ranked_curves` (the decode loop's computation on given rows)."""
+    from evictlab.contour.profile import ranked_curves
+    from evictlab.methods.base import keep_order
+
+    base = example_window(inputs, seed, rows)
+    gen = torch.Generator().manual_seed(seed + 1)
+    batch = inputs.scores[0].shape[0]
+    ranked, errors = [], []
+    for l, sc in enumerate(inputs.scores):
+        d = np.zeros((batch, inputs.kv_heads, sc.shape[2] + 1))
+        e = np.zeros_like(d)
+        for b in range(batch):
+            for h in range(inputs.kv_heads):
+                n = int(inputs.lengths[l, h])
+                scale = float(torch.rand((), generator=gen)) * 4.0
+                p = torch.softmax(torch.randn(rows, n, generator=gen, dtype=torch.float64) * scale, -1)
+                v = torch.randn(n, dim, generator=gen, dtype=torch.float64)
+                order = keep_order(sc[b, h, :n], sinks=inputs.sinks or 0, recent=inputs.recent or 0)
+                d[b, h, :n + 1], e[b, h, :n + 1] = ranked_curves(p, v, order)
+        ranked.append(d)
+        errors.append(e)
+    return WindowProfile(base.tail, base.entropy_norm, tuple(ranked), tuple(errors))
+
+
+def example_profile(inputs: AllocInputs, seed: int = 0) -> tuple[Any, Any]:
+    """A hand-made fitted profile of ``inputs``' cells and a model geometry it describes
+    (``q_heads = kv_heads``, head dim 8, the inputs' windows): ``(geometry, profile)``.
+    Cells from peaked to flat: ``D(r) = (1 - r) ** (1 / power)``, ``power`` in [0.05, 3]."""
+    from evictlab.contour.profile import GRID, ContourProfile
+    from evictlab.models.geometry import ModelGeometry, RopeSpec
+
+    rng = np.random.default_rng(seed)
+    L, hk = inputs.lengths.shape
+    power = rng.uniform(0.05, 3.0, size=(L, hk, 1))
+    dropped = (1.0 - GRID[None, None, :]) ** (1.0 / power) * (GRID[None, None, :] < 1)
+    windows = [None if w is None else int(w) for w in inputs.windows]
+    geometry = ModelGeometry(L, hk, hk, 8, torch.float32, 8 ** -0.5, tuple(windows), (RopeSpec(10000.0),) * L)
+    shape = {"n_layers": L, "kv_heads": hk, "q_heads": hk, "head_dim": 8, "windows": windows}
+    ones = np.ones((L, hk))
+    prof = ContourProfile("hand-made", shape, GRID.copy(), dropped, ones * 0.5, np.ones((L, hk), np.int64),
+                          ones * 100, {"rows": "hand-made"})
+    return geometry, prof
+
+
 def with_needs(allocator: Allocator, inputs: AllocInputs, seed: int = 0) -> AllocInputs:
-    """``inputs`` plus what ``allocator.needs`` asks the decode loop for (:func:`example_window`)."""
+    """``inputs`` plus what ``allocator.needs`` asks the decode loop for (:func:`example_window`,
+    :func:`example_ranked_window` when it reads the scorer-ranked curves); for an allocator on
+    the shipped profile (``profile=default``) and inputs that name no model, a model geometry
+    of the inputs' cells with a hand-made profile for it (:func:`example_profile`)."""
+    if getattr(allocator, "is_default", False) and inputs.geometry is None:
+        geometry, prof = example_profile(inputs, seed)
+        allocator.use_default(geometry, prof)  # type: ignore[attr-defined]
+        inputs = dataclasses.replace(inputs, geometry=geometry)
+    if inputs.window is None and {"window_ranked", "window_error"} & allocator.needs:
+        return dataclasses.replace(inputs, window=example_ranked_window(inputs, seed))
     if "window_profile" in allocator.needs and inputs.window is None:
         return dataclasses.replace(inputs, window=example_window(inputs, seed))
     return inputs

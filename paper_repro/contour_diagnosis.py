@@ -1,0 +1,139 @@
+"""Diagnosis (issue 24): what ContourKV's allocations plan against what the selection incurs.
+
+For one task, context and budget, every method of ``--methods`` runs on ``--n`` examples
+through the audit (``evictlab.decode.audit.run_audit``: teacher-forced, physical store, the
+full cache as reference for KL) with a per-compression trace
+(:class:`evictlab.decode.trace.CompressionTrace`: one row per compression x layer x KV head).
+Per method, over the cells of the ``--phase`` compressions (default prefill):
+
+* ``top-s drop``: the trace's ``dropped_top``, the window rows' mean mass outside each row's
+  *own* top-``s`` keys at the cell's kept size ``s``: the per-query profile, what
+  ``contourkv_query`` (ContourKV before issue 24) plans with;
+* ``incurred drop``: ``dropped_kept``, the mass outside the set the scorer really kept (what
+  the scorer-ranked variants plan with: for them planned = incurred, tested in
+  tests/test_contour_variants_loop.py);
+* ``e(A)``, ``e(T_s)``: the forced error of the kept set and of the own top-``s`` sets;
+* ``size diff vs uniform``, ``size diff vs adakv``: mean absolute difference of the cells' kept
+  sizes against the uniform arm (the bare scorer) and the AdaKV arm, same example and
+  compression;
+* ``KL``, ``EM``: the audit's mean next-token KL to the full cache and exact match.
+
+    .venv/bin/python paper_repro/contour_diagnosis.py --n 3 --context 512 --budget 64 \
+        --out runs/contour_diagnosis            # -> diagnosis.md, audit.parquet, trace.parquet
+
+``--trace FILE`` re-tabulates an existing trace (and ``--audit FILE`` its audit table)
+without running anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import polars as pl
+
+DEFAULT_METHODS = ("snapkv,snapkv+adakv,snapkv+contourkv_query,snapkv+contourkv,snapkv+contourkv_mass,"
+                   "snapkv+contourkv_error")
+
+
+def diagnose(trace: pl.DataFrame, phase: str = "prefill") -> pl.DataFrame:
+    """One row per method: the drop and error statistics over the ``phase`` cells (module
+    docstring), and the kept-size differences against the uniform and AdaKV arms of the same
+    scorer when the trace holds them."""
+    t = trace.filter(pl.col("phase") == phase)
+    key = ["example", "compression", "layer", "kv_head"]
+    out = t.group_by("method", maintain_order=True).agg(
+        pl.len().alias("cells"),
+        pl.col("dropped_top").mean().alias("top-s drop mean"), pl.col("dropped_top").std().alias("top-s drop sd"),
+        pl.col("dropped_top").max().alias("top-s drop max"),
+        pl.col("dropped_kept").mean().alias("incurred drop mean"),
+        pl.col("dropped_kept").std().alias("incurred drop sd"), pl.col("dropped_kept").max().alias("incurred drop max"),
+        pl.col("e_kept").mean().alias("e(A) mean"), pl.col("e_top").mean().alias("e(T_s) mean"),
+        pl.col("kept").std().alias("sizes sd"),
+    )
+    for ref_name, suffix in (("uniform", ""), ("adakv", "+adakv")):
+        cols = []
+        for method in out["method"].to_list():
+            scorer = method.split("+")[0]
+            ref = t.filter(pl.col("method") == scorer + suffix).select(*key, pl.col("kept").alias("ref"))
+            mine = t.filter(pl.col("method") == method).select(*key, "kept")
+            j = mine.join(ref, on=key, how="inner")
+            cols.append(None if j.height == 0 else float((j["kept"] - j["ref"]).abs().mean()))
+        out = out.with_columns(pl.Series(f"size diff vs {ref_name}", cols, dtype=pl.Float64))
+    return out
+
+
+def markdown(table: pl.DataFrame, audit: pl.DataFrame | None) -> str:
+    """The diagnosis table as Markdown (3 decimals), with the audit's KL and EM when given."""
+    if audit is not None:
+        a = audit.filter(pl.col("mode") != "full").select("method", pl.col("kl").alias("KL"),
+                                                            pl.col("exact_match").alias("EM"))
+        table = table.join(a, on="method", how="left")
+    head = "| " + " | ".join(table.columns) + " |\n|" + "---|" * len(table.columns) + "\n"
+    def cell(v: object) -> str:
+        return "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
+    return head + "".join("| " + " | ".join(cell(v) for v in row) + " |\n" for row in table.iter_rows())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--task", default="needle_word")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--budget", default="64", help="kept budget text (64 = entries per cell)")
+    p.add_argument("--n", type=int, default=3, help="examples")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--methods", default=DEFAULT_METHODS)
+    p.add_argument("--phase", default="prefill", help="compressions tabulated: prefill, question or decode")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", type=Path, default=Path("runs/contour_diagnosis"))
+    p.add_argument("--trace", type=Path, default=None, help="tabulate this trace instead of running")
+    p.add_argument("--audit", type=Path, default=None, help="with --trace: its audit table (KL, EM)")
+    args = p.parse_args(argv)
+
+    from evictlab.io import atomic_write_text, write_checked_parquet
+    from evictlab.record import RunRecord
+
+    record = RunRecord(kind="paper_repro.contour_diagnosis", model=args.model, seed=args.seed,
+                       config={k: str(v) for k, v in vars(args).items()})
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.trace is not None:
+        trace = pl.read_parquet(args.trace)
+        audit = pl.read_parquet(args.audit) if args.audit is not None else None
+    else:
+        import torch
+
+        from evictlab.decode.audit import audit_configs, run_audit, task_examples
+        from evictlab.decode.config import LoopSettings
+        from evictlab.decode.trace import CompressionTrace
+        from evictlab.kv.budget import Budget
+        from evictlab.kv.cache import register_ragged_attention
+        from evictlab.models.loading import load_model
+
+        torch.set_num_threads(args.threads)
+        model, tok = load_model(args.model, device="cpu", attn_implementation=register_ragged_attention())
+        examples = task_examples(tok, [args.task], args.n, args.context, args.seed)
+        loop = LoopSettings()
+        configs = audit_configs([m.strip() for m in args.methods.split(",")], [Budget.parse(args.budget)],
+                                loop=loop, modes=("physical",))
+        tracer = CompressionTrace(max_subsets=1)  # ES_hat off: the drops and errors are what is read
+        audit = run_audit(model, examples, configs, loop=loop, tokenizer=tok, compression_trace=tracer,
+                          progress=lambda m: print(m, file=sys.stderr, flush=True))
+        trace = tracer.table()
+        write_checked_parquet(trace, args.out / "trace.parquet")
+        write_checked_parquet(audit, args.out / "audit.parquet")
+    text = markdown(diagnose(trace, args.phase), audit)
+    load = os.getloadavg()
+    note = (f"{args.model}, {args.task} at {args.context} tokens, budget {args.budget}, n = "
+            f"{trace['example'].n_unique()} examples, {args.phase} compressions; load average "
+            f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n\n")
+    atomic_write_text(args.out / "diagnosis.md", note + text)
+    record.write(args.out / "diagnosis.run_record.json", outputs=[str(args.out / "diagnosis.md")])
+    print(note + text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
