@@ -20,7 +20,7 @@ One step (``batch`` pool sequences of ``seq_len`` tokens, :func:`~evictlab.gates
    rate warmed up linearly over ``warmup`` steps, then (``schedule="cosine"``) decayed on a
    cosine to ``min_lr x lr`` at step ``decay_steps`` (constant after);
 5. the capacity weight follows the retained mass (dual ascent on the budget constraint):
-   ``lambda_{s+1} = clip(lambda_s x exp(capacity_adapt x (r_s - 1)), 1e-3, 1e4)`` with
+   ``lambda_{s+1} = clip(lambda_s x exp(capacity_adapt x clip(r_s - 1, -0.25, 0.25)), 1e-3, 1e3)`` with
    ``r_s`` the batch's mean of ``max_t S_t / M_global``: it grows while the gates keep
    more than the budget and shrinks while they keep less, so the retained mass settles at
    the budget instead of wherever a fixed weight balances the KL (``capacity_adapt = 0``:
@@ -62,13 +62,18 @@ from evictlab.gates.loss import (capacity_loss, distillation_terms, per_sequence
 from evictlab.gates.modules import GateSpec, RetentionGates
 from evictlab.gates.teacher import TeacherTargets, teacher_targets
 
-__all__ = ["DTYPES", "SCHEDULES", "Recipe", "StepLog", "TrainResult", "budget_bias", "resolve_dtype", "train_gates",
-           "validate"]
+__all__ = ["DTYPES", "SCHEDULES", "Recipe", "StepLog", "TrainResult", "budget_bias", "convergence", "resolve_dtype",
+           "train_gates", "validate"]
 
 DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("cosine", "constant")
 #: Range of the adapted capacity weight lambda_s.
-WEIGHT_RANGE = (1e-3, 1e4)
+WEIGHT_RANGE = (1e-3, 1e3)
+#: The retained mass's distance to the budget that moves lambda is clipped to +- this: far
+#: above the budget lambda grows by at most exp(capacity_adapt x 0.25) per step, so it cannot
+#: explode before the mass has come down (which, with Adam remembering the huge gradients,
+#: would freeze the gates evicting nearly everything).
+ADAPT_CLIP = 0.25
 
 
 def budget_bias(seq_len: int, capacity: int) -> float:
@@ -288,7 +293,7 @@ def _lr(recipe: Recipe, step: int) -> float:
 def _next_weight(recipe: Recipe, weight: float, retained_mean: float) -> float:
     if recipe.capacity_adapt == 0 or not math.isfinite(retained_mean):
         return weight
-    w = weight * math.exp(recipe.capacity_adapt * (retained_mean - 1.0))
+    w = weight * math.exp(recipe.capacity_adapt * min(ADAPT_CLIP, max(-ADAPT_CLIP, retained_mean - 1.0)))
     return min(WEIGHT_RANGE[1], max(WEIGHT_RANGE[0], w))
 
 
@@ -517,8 +522,12 @@ def _finish(out: Path, gates: RetentionGates, recipe: Recipe, model: torch.nn.Mo
     g = model_geometry(model)
     write_checked_parquet(pl.DataFrame([asdict(h) for h in history]), out / files.LOSSES_FILE)
     tail = history[-min(10, len(history)):]
+    from evictlab.models.loading import weights_digest
+
     meta = {
         "model": model_name,
+        #: identifies the model for gates=default (files.default_gates_for)
+        "weights_digest": weights_digest(model),
         "geometry": files.geometry_meta(model),
         "recipe": recipe.to_dict(),
         "data": recipe.data.to_dict(),
@@ -539,3 +548,39 @@ def _finish(out: Path, gates: RetentionGates, recipe: Recipe, model: torch.nn.Mo
     }
     files.save_gates(out, gates, meta)
     (out / files.CHECKPOINT_FILE).unlink(missing_ok=True)
+
+
+def convergence(history: list[dict[str, Any]], validation: list[dict[str, Any]]) -> dict[str, Any]:
+    """How converged a run is (docs/gates.md): the last validation's retained mass over the
+    budget, and the KL over the last quarter of the steps.
+
+    ``history``: the rows of ``losses.parquet`` (``step``, ``kl``, ...); ``validation``: the
+    rows of ``gates.json``. ``kl_last_quarter``: the training batches' mean KL (nats) over
+    the last ``ceil(steps / 4)`` steps, its least-squares slope (nats per step) and that
+    slope times the quarter's length relative to the mean (``relative_change``: 0 = flat);
+    ``kl_validation_last_quarter``: the validation KL at the first and last validation
+    inside that quarter (same sequences each time, so no batch noise).
+    """
+    import numpy as np
+
+    n = len(history)
+    q = max(2, math.ceil(n / 4))
+    tail = history[-q:]
+    x = np.array([h["step"] for h in tail], dtype=float)
+    y = np.array([h["kl"] for h in tail], dtype=float)
+    slope = float(np.polyfit(x, y, 1)[0]) if len(tail) >= 2 else float("nan")
+    mean = float(y.mean())
+    first_q = int(tail[0]["step"]) if tail else 0
+    vq = [v for v in validation if v["step"] >= first_q]
+    last = validation[-1] if validation else None
+    return {
+        "steps": n,
+        "retained_over_budget": None if last is None else {"mean": last["retained_mean"], "max": last["retained_max"],
+                                                           "step": last["step"]},
+        "kl_last_quarter": {"steps": [first_q, int(tail[-1]["step"]) if tail else 0], "mean": mean,
+                            "slope_per_step": slope, "relative_change": slope * len(tail) / mean if mean else None},
+        "kl_validation_last_quarter": ({"first": {"step": vq[0]["step"], "kl": vq[0]["kl"]},
+                                        "last": {"step": vq[-1]["step"], "kl": vq[-1]["kl"]},
+                                        "relative_change": (vq[-1]["kl"] - vq[0]["kl"]) / vq[0]["kl"]}
+                                       if len(vq) >= 2 else None),
+    }
