@@ -268,3 +268,46 @@ def test_shipped_smollm2_gates_load_and_reproduce_their_validation(real_model, t
         assert got[key] == pytest.approx(recorded[key], rel=2e-3, abs=1e-4), key
     record = json.loads((folder / "training.json").read_text())
     assert record["steps"] == cfg["training"]["steps"] and record["command"].startswith("evictlab gates train")
+
+
+# ------------------------------------------------------------------ the distractor sweep with learned gates
+
+
+def test_distractor_sweep_runs_trimkv_global_with_the_shipped_gates(shipped: Path, tmp_path: Path,
+                                                                    monkeypatch) -> None:
+    """``dilution sweep --methods ...,trimkv+global --scorer-param gates=default``: the learned
+    policy beside the ORACLE and the full cache at the same budget, with the bytes it held."""
+    import polars as pl
+
+    from evictlab.dilution.sweep import SweepConfig, run_sweep
+
+    monkeypatch.setattr(files, "SHIPPED_DIR", shipped)
+    llama, _ = tiny_model("llama")
+    cfg = SweepConfig(model="tiny-llama", distractors=(0, 3), n=2,
+                      methods=("full", "oracle_labels", "snapkv", "trimkv+global"), budget="96", context=160, sinks=2,
+                      recent=4, chunk=64, window=4, compress_every=8, scorer_params=(("gates", "default"),))
+    run_sweep(cfg, tmp_path / "s", progress=False, model=llama, tokenizer=ByteTokenizer())
+    res = pl.read_parquet(tmp_path / "s" / "results.parquet")
+    mine = res.filter(pl.col("method") == "trimkv+global")
+    assert mine.height == 4 and set(mine["allocator"]) == {"global"}
+    snap = res.filter(pl.col("method") == "snapkv")
+    assert mine["budget_tokens"].to_list() == snap["budget_tokens"].to_list()
+    assert (mine["bytes_live"] <= snap["bytes_live"].max()).all() and mine["answer_logprob"].is_finite().all()
+    assert "trimkv+global" in (tmp_path / "s" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("extra,problem", [
+    (["--methods", "full,trimkv+global"], "trimkv needs trained gates"),
+    (["--methods", "full,trimkv+global", "--scorer-param", "gates=/no/such/folder"], "is not a folder"),
+    (["--methods", "full,snapkv", "--scorer-param", "gates=default"], "scorer snapkv has no parameter gates"),
+    (["--methods", "full,trimkv", "--scorer-param", "gates"], "is not of the form key=value"),
+])
+def test_sweep_refuses_bad_gates_in_one_line_before_loading(tmp_path: Path, capsys, monkeypatch, extra,
+                                                            problem) -> None:
+    from cli_helpers import run_cli
+
+    monkeypatch.setattr("evictlab.models.loading.load_model", lambda *a, **k: pytest.fail("model loaded"))
+    code, _, err = run_cli(["dilution", "sweep", "--out", str(tmp_path / "s"), *extra], capsys, monkeypatch)
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: --scorer-param: "), err
+    assert problem in lines[0]
