@@ -216,4 +216,9 @@ def info(folder: Path = typer.Argument(..., help="a folder written by `evictlab 
         f"{tr.get('wall_s_steps')} s wall / {tr.get('cpu_s_steps')} s CPU over the steps",
         "last 10 steps (mean): " + ", ".join(f"{k} {v:.4g}" for k, v in last.items()),
     ]
+    val = cfg.get("validation") or []
+    if val:
+        v = val[-1]
+        lines.append(f"validation at step {v['step']} ({cfg['recipe'].get('val')} sequences): ce {v['ce']:.4g}, "
+                     f"kl {v['kl']:.4g}, retained/budget {v['retained_mean']:.3f} (max {v['retained_max']:.3f})")
     typer.echo("\n".join(lines))
