@@ -113,6 +113,9 @@ def sweep(
     layers: str = typer.Option("all", "--layers", help="Layers whose attention enters the useful mass: 'all' or "
                                "a list like 0,5,10-12 (every layer is still evicted and decoded)."),
     threads: int = typer.Option(0, "--threads", help="CPU threads of the computation (torch) (0 = the library default)."),
+    scorer_param: list[str] = typer.Option([], "--scorer-param", help="KEY=VALUE for the methods' scorers, as in "
+                                           "`evictlab decode` (repeatable; NAME.KEY=VALUE for one scorer), e.g. "
+                                           "gates=default for trimkv+global's shipped gates."),
     out: Path = typer.Option(..., "--out", help="Output folder (its parent must exist); rerun to resume."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Run again into a folder that holds a finished sweep."),
     quiet: bool = QUIET,
@@ -123,13 +126,15 @@ def sweep(
     Resumable: rerun the same command after an interruption.
     """
     from evictlab.dilution.sweep import SweepConfig, run_sweep
+    from evictlab.methods.params import parse_assignments
 
     if threads < 0:
         raise InputError("--threads", f"must be >= 0, got {threads}", "pass 0 (library default) or a thread count")
     cfg = SweepConfig(model=model, distractors=_ints(distractors, "--distractors", "distractor count"), n=n,
                       methods=_names(methods, "--methods", "method"),
                       budget=budget, context=context, kind=kind, seed=seed, device=device, sinks=sinks, recent=recent,
-                      chunk=chunk, window=window, compress_every=compress_every, layers=layers)
+                      chunk=chunk, window=window, compress_every=compress_every, layers=layers,
+                      scorer_params=tuple(parse_assignments(scorer_param, "--scorer-param").items()))
     cfg.check()
     s = run_sweep(cfg, out, progress=not quiet, threads=threads, overwrite=overwrite)
     typer.echo(f"{s.units} runs ({s.units_skipped} already done) in {s.seconds:.0f} s; "

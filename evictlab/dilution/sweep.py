@@ -76,6 +76,24 @@ class SweepConfig:
     compress_every: int = 16
     #: layers whose attention enters the useful mass ("all", or a list like 0,5,10-12)
     layers: str = "all"
+    #: ``--scorer-param`` assignments ``(key, value)``, routed as in ``evictlab decode``: a key
+    #: goes to the methods' scorers that have it (``trimkv.gates=DIR`` to one), e.g.
+    #: ``(("gates", "default"),)`` for the learned gates of ``trimkv+global``
+    scorer_params: tuple[tuple[str, str], ...] = ()
+
+    def routed_params(self) -> dict[str, dict[str, str]]:
+        """``{scorer: {key: value}}`` of :attr:`scorer_params` over the methods' scorers
+        (:func:`evictlab.methods.registry.route_params`; InputError ``--scorer-param``)."""
+        from evictlab.methods import parse_method
+        from evictlab.methods.registry import route_params
+
+        scorers = [parse_method(m)[0] for m in self.methods if m != FULL]
+        if not self.scorer_params:
+            return {n: {} for n in scorers}
+        try:
+            return route_params(dict(self.scorer_params), scorers, "scorer")
+        except InputError as exc:
+            raise InputError("--scorer-param", exc.problem, exc.fix) from None
 
     def check(self) -> None:
         from evictlab.capture.config import parse_layers
@@ -106,6 +124,14 @@ class SweepConfig:
                     parse_method(m)
                 except InputError as exc:
                     raise InputError("--methods", exc.problem, exc.fix) from None
+        routed = self.routed_params()
+        for m in self.methods:  # every method built once now: bad parameters, a missing gates folder
+            if m != FULL:
+                try:
+                    _method(m, tuple(sorted(routed[parse_method(m)[0]].items())))
+                except InputError as exc:
+                    field = "--scorer-param" if exc.field in ("scorer_param", "gates") else "--methods"
+                    raise InputError(field, exc.problem, exc.fix) from None
         try:
             Budget.parse(self.budget)
         except InputError as exc:
@@ -130,20 +156,23 @@ class SweepConfig:
         from evictlab.decode.config import DecodeConfig
         from evictlab.kv.budget import Budget
 
+        from evictlab.methods import parse_method
+
         if method == FULL:
             return DecodeConfig(mode="full", loop=self.loop_settings())
-        cfg = DecodeConfig(mode="physical", budget=Budget.parse(self.budget), method=_method(method),
+        params = tuple(sorted(self.routed_params()[parse_method(method)[0]].items()))
+        cfg = DecodeConfig(mode="physical", budget=Budget.parse(self.budget), method=_method(method, params),
                            loop=self.loop_settings())
         return cfg if example is None else cfg.with_labels(example.useful_spec)
 
 
 @functools.lru_cache(maxsize=64)
-def _method(spec: str) -> Any:
-    """A sweep method built once per process (the label ORACLE gets each example's labels
-    from :meth:`~evictlab.decode.config.DecodeConfig.with_labels`)."""
+def _method(spec: str, scorer_params: tuple[tuple[str, str], ...] = ()) -> Any:
+    """A sweep method built once per process and parameter set (the label ORACLE gets each
+    example's labels from :meth:`~evictlab.decode.config.DecodeConfig.with_labels`)."""
     from evictlab.methods import build_method
 
-    return build_method(spec)
+    return build_method(spec, scorer_params=dict(scorer_params))
 
 
 def _key(*parts: object) -> str:

@@ -34,7 +34,7 @@ def _prepare_out(out: Path, overwrite: bool) -> Path:
     if not out.exists():
         return out
     visible = [p.name for p in out.iterdir() if not p.name.startswith(".")]
-    foreign = sorted(n for n in visible if n not in _OURS)
+    foreign = sorted(n for n in visible if n not in _OURS and not _is_teacher_file(n))
     if foreign:
         raise InputError("--out", f"{out} is not empty and not a gates folder (it holds {', '.join(foreign[:3])})",
                          "choose a new folder for --out")
@@ -44,34 +44,56 @@ def _prepare_out(out: Path, overwrite: bool) -> Path:
     return out
 
 
+def _is_teacher_file(name: str) -> bool:
+    """A cached teacher file (:mod:`evictlab.gates.teacher`) a run keeps in its ``--out``."""
+    return name.startswith("teacher-") and name.endswith((".safetensors", ".json"))
+
+
 def _clear(out: Path) -> None:
     """Remove our files from ``out`` (``--overwrite``), nothing else."""
     from evictlab.io import remove_temp_files
 
-    for name in _OURS:
+    teacher = tuple(p.name for p in out.iterdir() if _is_teacher_file(p.name))
+    for name in (*_OURS, *teacher):
         (out / name).unlink(missing_ok=True)
-    remove_temp_files(out, _OURS)
+    remove_temp_files(out, (*_OURS, *teacher))
 
 
 @gates_app.command("train")
 def train(
     model: str = typer.Option("smollm2-135m", "--model", help="registry name, local HF folder or hub id"),
     out: Path = typer.Option(..., "--out", help="folder for the gates (created; a checkpoint in it is resumed)"),
-    steps: int = typer.Option(60, "--steps", help="optimizer steps"),
+    steps: int = typer.Option(80, "--steps", help="optimizer steps"),
     local: bool = typer.Option(False, "--local", help="ablation: one final projection per layer (default: one "
                                "shared by all layers)"),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda (or cuda:N)"),
     threads: int = typer.Option(0, "--threads", help="CPU threads of the computation (torch) (0 = the library "
                                 "default, all cores)"),
-    batch: int = typer.Option(1, "--batch", help="sequences per step"),
+    batch: int = typer.Option(4, "--batch", help="sequences per step (drawn from the pool)"),
+    pool: int = typer.Option(64, "--pool", help="training sequences; the teacher runs once on each (its "
+                             "outputs are cached)"),
+    val: int = typer.Option(8, "--val", help="validation sequences (0: none)"),
+    val_every: int = typer.Option(20, "--val-every", help="steps between validations (also before the first "
+                                  "step and at the end)"),
+    topk: int = typer.Option(64, "--topk", help="teacher tokens kept per position for the KL (the rest is one "
+                             "bucket)"),
+    teacher_cache: Path = typer.Option(None, "--teacher-cache", help="folder that keeps the teacher's outputs for "
+                                       "later runs on the same sequences (default: --out, deleted when finished)"),
     seq_len: int = typer.Option(256, "--seq-len", help="tokens per training sequence"),
     lr: float = typer.Option(3e-2, "--lr", help="AdamW learning rate (after a linear warmup)"),
-    warmup: int = typer.Option(10, "--warmup", help="warmup steps"),
+    warmup: int = typer.Option(5, "--warmup", help="warmup steps"),
+    schedule: str = typer.Option("cosine", "--schedule", help="learning rate after the warmup: cosine (to "
+                                 "--min-lr x --lr at --decay-steps) or constant"),
+    decay_steps: int = typer.Option(0, "--decay-steps", help="the step where the cosine ends (0: --steps)"),
+    min_lr: float = typer.Option(0.1, "--min-lr", help="the cosine's floor, a fraction of --lr"),
     capacity: int = typer.Option(64, "--capacity", help="M: entries per KV head of the training budget "
                                  "(M_global = layers x KV heads x M)"),
-    capacity_weight: float = typer.Option(1.0, "--capacity-weight", help="weight of the capacity loss"),
+    capacity_weight: float = typer.Option(1.0, "--capacity-weight", help="(initial) weight of the capacity loss"),
+    capacity_adapt: float = typer.Option(1.0, "--capacity-adapt", help="rate at which the capacity weight follows "
+                                         "the retained mass to the budget (0: a fixed weight)"),
     intermediate: int = typer.Option(64, "--intermediate", help="width of the gate MLP"),
-    bias_init: float = typer.Option(8.0, "--bias-init", help="initial final bias (beta = sigmoid(8) = 0.9997)"),
+    bias_init: str = typer.Option("auto", "--bias-init", help="initial final bias: auto (the uniform retention "
+                                  "that holds the budget at --seq-len) or a number (8: beta = 0.9997, keep all)"),
     text: str = typer.Option("shakespeare", "--source", help="text source: shakespeare (before the held-out split), "
                              "file:PATH or jsonl:PATH:FIELD"),
     text_fraction: float = typer.Option(0.5, "--text-fraction", help="share of text windows; the rest are "
@@ -99,12 +121,26 @@ def train(
     if dtype not in ("auto", *DTYPES):
         raise InputError("--dtype", f"unknown dtype {dtype!r}", f"use one of: auto, {', '.join(DTYPES)}")
     dev = check_device(device)
+    if decay_steps < 0:
+        raise InputError("--decay-steps", f"must be >= 0, got {decay_steps}", "pass 0 (= --steps) or a step count")
+    bias: float | str = bias_init
+    if bias_init != "auto":
+        try:
+            bias = float(bias_init)
+        except ValueError:
+            raise InputError("--bias-init", f"{bias_init!r} is not a number", "use auto or a number, e.g. 8") from None
     recipe = Recipe(steps=steps, batch=batch, lr=lr, warmup=warmup, capacity=capacity, capacity_weight=capacity_weight,
-                    intermediate=intermediate, bias_init=bias_init, shared=not local, seed=seed,
-                    checkpoint_every=checkpoint_every, dtype=resolve_dtype(dtype, dev),
+                    capacity_adapt=capacity_adapt, intermediate=intermediate, bias_init=bias, shared=not local,
+                    seed=seed, checkpoint_every=checkpoint_every, dtype=resolve_dtype(dtype, dev),
+                    schedule=schedule, decay_steps=decay_steps or None, min_lr=min_lr, pool=pool, val=val,
+                    val_every=val_every, topk=topk,
                     data=DataSpec(seq_len=seq_len, text=text, text_fraction=text_fraction,
                                   tasks=tuple(parse_list(tasks, "--tasks", "task"))))
     out = _prepare_out(out, overwrite)
+    if teacher_cache is not None:
+        from evictlab.io import check_output_path
+
+        teacher_cache = check_output_path(teacher_cache, "--teacher-cache", directory=True)
     if recipe.data.text_fraction > 0:
         from evictlab.tasks.texts import load_text_source
 
@@ -113,11 +149,11 @@ def train(
         _prepare_out(out, overwrite)  # again under the lock: another run may have finished meanwhile
         record = RunRecord(kind="gates.train", model=model, seed=seed,
                            config={"device": device, "threads": threads, "recipe": recipe.to_dict()})
-        _train_locked(model, out, recipe, device, threads, overwrite, record, quiet)
+        _train_locked(model, out, recipe, device, threads, overwrite, record, quiet, teacher_cache)
 
 
 def _train_locked(model_name: str, out: Path, recipe: Any, device: str, threads: int, overwrite: bool,
-                  record: Any, quiet: bool = False) -> None:
+                  record: Any, quiet: bool = False, teacher_cache: Path | None = None) -> None:
     import torch
     from tqdm import tqdm
 
@@ -137,12 +173,12 @@ def _train_locked(model_name: str, out: Path, recipe: Any, device: str, threads:
         if bar.n == 0 and done > 1:
             bar.n = done - 1  # resumed: start the bar where the checkpoint left off
         bar.set_postfix(loss=f"{log.loss:.3f}", ce=f"{log.ce:.3f}", kl=f"{log.kl:.4f}", cap=f"{log.capacity:.3f}",
-                        S_M=f"{log.retained_ratio:.2f}", refresh=False)
+                        S_M=f"{log.retained_mean:.2f}", w=f"{log.capacity_weight:.3g}", refresh=False)
         bar.update(done - bar.n)
 
     try:
         res = train_gates(lm, tok, recipe, out, model_name=model_name, threads=threads, progress=progress,
-                          note=lambda t: bar.write(f"note: {t}"))
+                          note=lambda t: bar.write(f"note: {t}"), teacher_cache=teacher_cache)
     finally:
         bar.close()
     record.write(record_path(out, folder=True), outputs=[str(out / files.CONFIG_FILE), str(out / files.WEIGHTS_FILE),
@@ -151,7 +187,12 @@ def _train_locked(model_name: str, out: Path, recipe: Any, device: str, threads:
                  cpu_s_this_call=round(res.cpu_s, 2))
     last = res.history[-1]
     typer.echo(f"{out}: {len(res.history)} steps, final loss {last.loss:.4f} (ce {last.ce:.4f}, kl {last.kl:.4f}, "
-               f"capacity {last.capacity:.4f}, S/M {last.retained_ratio:.2f})")
+               f"capacity {last.capacity:.4f}, S/M {last.retained_mean:.2f})")
+    val = files.read_config(out).get("validation") or []
+    if val:
+        v = val[-1]
+        typer.echo(f"validation ({recipe.val} sequences): ce {v['ce']:.4f}, kl {v['kl']:.4f}, "
+                   f"S/M {v['retained_mean']:.3f} (max {v['retained_max']:.3f})")
 
 
 @gates_app.command("info")
@@ -175,4 +216,9 @@ def info(folder: Path = typer.Argument(..., help="a folder written by `evictlab 
         f"{tr.get('wall_s_steps')} s wall / {tr.get('cpu_s_steps')} s CPU over the steps",
         "last 10 steps (mean): " + ", ".join(f"{k} {v:.4g}" for k, v in last.items()),
     ]
+    val = cfg.get("validation") or []
+    if val:
+        v = val[-1]
+        lines.append(f"validation at step {v['step']} ({cfg['recipe'].get('val')} sequences): ce {v['ce']:.4g}, "
+                     f"kl {v['kl']:.4g}, retained/budget {v['retained_mean']:.3f} (max {v['retained_max']:.3f})")
     typer.echo("\n".join(lines))

@@ -18,6 +18,15 @@ uninterrupted one sees, with no data-loader state to save.
 
 Shorter sequences are right-padded; :meth:`TrainingData.batch` returns the real lengths
 (the losses leave padding out).
+
+Training draws from a fixed pool (:meth:`TrainingData.pool`), so the teacher's outputs are
+computed once per sequence (:mod:`evictlab.gates.teacher`): the training pool is the
+sequences ``(0, j)``, ``j < n_pool``, the validation set the sequences ``(1, j)``,
+``j < n_val`` (other draws from the same sources: held out from the training draws, not
+from the text). Step ``s`` trains on draws ``s x batch .. s x batch + batch - 1``; draw
+``d`` is pool entry ``perm_e[d mod n_pool]`` with ``e = d // n_pool`` the epoch and
+``perm_e`` a permutation drawn from ``default_rng([seed, 2, e])`` (:func:`step_indices`):
+every epoch visits each pool entry once, and a step's batch is a function of the step.
 """
 
 from __future__ import annotations
@@ -31,11 +40,17 @@ import torch
 
 from evictlab.errors import InputError, refuse_duplicates
 
-__all__ = ["MIN_TASK_SEQ_LEN", "TASK_SEED_BASE", "DataSpec", "TrainingData"]
+__all__ = ["MAX_POOL", "MIN_TASK_SEQ_LEN", "POOL_STREAM", "TASK_SEED_BASE", "VAL_STREAM", "DataSpec", "TrainingData",
+           "step_indices"]
 
 TASK_SEED_BASE = 10 ** 15
 #: Shortest sequence that holds a task: 64 context tokens plus question and answer.
 MIN_TASK_SEQ_LEN = 192
+#: The ``step`` argument of :meth:`TrainingData.sequence` that names the training pool and
+#: the validation set (their task seeds stay distinct while ``j < 1000``).
+POOL_STREAM, VAL_STREAM = 0, 1
+#: Largest pool or validation set (sequence ``j`` of a stream has task seed ``... + j``, ``j < 1000``).
+MAX_POOL = 999
 
 
 @dataclass(frozen=True)
@@ -141,3 +156,29 @@ class TrainingData:
             ids[j, :len(s)] = torch.tensor(s, dtype=torch.long)
         lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
         return ids.to(device), lengths.to(device)
+
+    def pool(self, n_pool: int, n_val: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids (n_pool + n_val, seq_len) int64, lengths (n_pool + n_val,))``: the training
+        pool's sequences, then the validation set's (module docstring)."""
+        if not (0 < n_pool <= MAX_POOL and 0 <= n_val <= MAX_POOL):
+            raise InputError("--pool", f"pool {n_pool} / validation {n_val} sequences",
+                             f"use 1 to {MAX_POOL} pool and 0 to {MAX_POOL} validation sequences")
+        seqs = ([self.sequence(POOL_STREAM, j)[0] for j in range(n_pool)]
+                + [self.sequence(VAL_STREAM, j)[0] for j in range(n_val)])
+        T = self.spec.seq_len
+        ids = torch.full((len(seqs), T), self.pad_id, dtype=torch.long)
+        for j, s in enumerate(seqs):
+            ids[j, :len(s)] = torch.tensor(s, dtype=torch.long)
+        return ids, torch.tensor([len(s) for s in seqs], dtype=torch.long)
+
+
+def step_indices(seed: int, step: int, batch: int, n_pool: int) -> list[int]:
+    """The pool entries step ``step`` trains on (``batch`` of them; module docstring)."""
+    out = []
+    perms: dict[int, np.ndarray] = {}
+    for d in range(step * batch, step * batch + batch):
+        e = d // n_pool
+        if e not in perms:
+            perms[e] = np.random.default_rng([int(seed), 2, e]).permutation(n_pool)
+        out.append(int(perms[e][d % n_pool]))
+    return out

@@ -11,6 +11,13 @@ A finished gates folder ``DIR`` holds
   seconds, final loss terms) and ``sha256`` of the safetensors file;
 - ``losses.parquet`` (one row per step) and ``run_record.json``.
 
+Shipped gates (``data/gates/<name>/``, a finished folder each, plus ``training.json``: the
+command, commit, data, steps and final losses of the run that made them) are found by
+:func:`default_gates_for` (``--scorer-param gates=default``): the folder whose
+``gates.json`` records the loaded model's ``weights_digest``
+(:func:`evictlab.models.loading.weights_digest`, float32 weights as the registry loads
+them); another model is refused in one line.
+
 During training ``checkpoint.pt`` (:func:`save_checkpoint`) holds the step, the gate
 parameters, the optimizer state, the RNG states and the loss history; it is replaced
 atomically every K steps and removed once the folder is finished.
@@ -32,8 +39,8 @@ from evictlab.gates.modules import GateSpec, RetentionGates
 from evictlab.io import atomic_path, atomic_write_json, read_json, sha256_file
 
 __all__ = [
-    "CHECKPOINT_FILE", "CONFIG_FILE", "FORMAT", "FORMAT_VERSION", "LOSSES_FILE", "WEIGHTS_FILE",
-    "capture_rng", "geometry_meta", "is_finished", "load_checkpoint", "load_gates", "read_config", "restore_rng",
+    "CHECKPOINT_FILE", "CONFIG_FILE", "DEFAULT", "FORMAT", "FORMAT_VERSION", "LOSSES_FILE", "SHIPPED_DIR",
+    "WEIGHTS_FILE", "capture_rng", "default_gates_for", "shipped_folders", "geometry_meta", "is_finished", "load_checkpoint", "load_gates", "read_config", "restore_rng",
     "save_checkpoint", "save_gates",
 ]
 
@@ -43,6 +50,10 @@ WEIGHTS_FILE = "gates.safetensors"
 CONFIG_FILE = "gates.json"
 CHECKPOINT_FILE = "checkpoint.pt"
 LOSSES_FILE = "losses.parquet"
+#: ``gates=default``: the shipped gates of the loaded model
+DEFAULT = "default"
+#: Where the shipped gates live (the repository's ``data/gates/``).
+SHIPPED_DIR = Path(__file__).resolve().parents[2] / "data" / "gates"
 
 
 #: The ``geometry`` entry of ``gates.json``: its keys and their types.
@@ -206,3 +217,37 @@ def load_checkpoint(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
     except Exception as exc:  # torch raises assorted types on damaged files
         raise CorruptFileError(str(path), f"cannot be read ({type(exc).__name__})",
                                f"delete {path} to restart the training from step 0") from None
+
+
+# --------------------------------------------------------------------------- shipped gates
+
+
+def shipped_folders(root: str | os.PathLike[str] | None = None) -> list[Path]:
+    """The finished gates folders under ``root`` (default :data:`SHIPPED_DIR`), sorted."""
+    base = Path(root) if root is not None else SHIPPED_DIR
+    if not base.is_dir():
+        return []
+    return sorted(p for p in base.iterdir() if p.is_dir() and is_finished(p))
+
+
+def default_gates_for(model: Any, field: str = "scorer_param", root: str | os.PathLike[str] | None = None) -> Path:
+    """The shipped gates folder for ``model`` (``gates=default``): the one whose config's
+    ``weights_digest`` is the model's. :class:`InputError` (``field``) naming the shipped
+    sets when none is for this model."""
+    from evictlab.models.geometry import model_geometry
+    from evictlab.models.loading import weights_digest
+
+    folders = shipped_folders(root)
+    digest = weights_digest(model)
+    have = []
+    for folder in folders:
+        cfg = read_config(folder, field)
+        if cfg.get("weights_digest") == digest:
+            return folder
+        geo = cfg["geometry"]
+        have.append(f"{cfg.get('model')} ({geo['n_layers']} layers x {geo['kv_heads']} KV heads)")
+    g = model_geometry(model)
+    shipped = "; ".join(have) or f"none under {root or SHIPPED_DIR}"
+    raise InputError(field, f"gates=default: no shipped gates for this model ({g.n_layers} layers x {g.kv_heads} KV "
+                     f"heads, weights digest {digest}); shipped: {shipped}",
+                     "train gates for it (evictlab gates train --model ... --out DIR) and pass gates=DIR")

@@ -13,6 +13,10 @@ Three pieces, each a pure function of tensors:
   ``C_t = L x H x (t + 1)`` is ``S_t``'s largest value (every beta = 1), over the steps with
   ``C_t > M_global`` (earlier steps cannot overshoot). Each term lies in [0, 1]: 0 when the
   retained mass fits the budget, 1 when nothing decays.
+- :func:`topk_distillation_terms`: the same two terms against the teacher's cached top-k
+  outputs (:mod:`evictlab.gates.teacher`), the KL taken between the two distributions
+  coarsened to the teacher's ``k`` tokens plus one bucket for the rest (a lower bound of
+  the full KL; equal to it when ``k`` is the vocabulary). Training uses this one.
 - :func:`distillation_terms`: the next-token cross-entropy of the gated student and
   ``KL(teacher || student)`` against the same frozen model without the bias, averaged over
   the positions that predict a real next token.
@@ -27,7 +31,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-__all__ = ["capacity_loss", "distillation_terms", "retained_mass", "retention_bias"]
+__all__ = ["capacity_loss", "distillation_terms", "per_sequence_retained", "retained_mass", "retention_bias",
+           "topk_distillation_terms"]
 
 
 def _ages(q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
@@ -125,3 +130,42 @@ def distillation_terms(student_logits: torch.Tensor, teacher_logits: torch.Tenso
     ce = F.nll_loss(ls, ids[:, 1:][valid])
     kl = (lt.exp() * (lt - ls)).sum(-1).mean()
     return ce, kl
+
+
+def topk_distillation_terms(student_logits: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor | None,
+                            top_idx: torch.Tensor, top_logp: torch.Tensor,
+                            tail_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ce, kl)`` scalars (nats) against cached teacher targets, averaged like
+    :func:`distillation_terms` over the positions with a real next token.
+
+    ``kl = sum_{i in K} p_i (log p_i - log q_i) + p_rest (log p_rest - log q_rest)``: ``K`` the
+    teacher's top-k tokens, ``rest`` every other token (``q_rest`` from the student's full
+    softmax). Shapes: logits ``(b, T, V)``, ids ``(b, T)``, lengths ``(b,)`` or None,
+    ``top_idx``/``top_logp`` ``(b, T-1, k)``, ``tail_logp`` ``(b, T-1)``.
+    """
+    b, T, _ = student_logits.shape
+    valid = torch.ones(b, T - 1, dtype=torch.bool, device=ids.device)
+    if lengths is not None:
+        valid = torch.arange(T - 1, device=ids.device)[None, :] + 1 < lengths.to(ids.device)[:, None]
+    ls = F.log_softmax(student_logits[:, :-1].float(), dim=-1)[valid]  # (n, V)
+    idx = top_idx[valid].long()
+    lp = top_logp[valid].float()
+    tail = tail_logp[valid].float()
+    ce = F.nll_loss(ls, ids[:, 1:][valid])
+    lq = ls.gather(-1, idx)
+    kl_top = (lp.exp() * (lp - lq)).sum(-1)
+    if idx.shape[-1] >= ls.shape[-1]:  # k covers the vocabulary: no rest (and no -inf logsumexp to differentiate)
+        return ce, kl_top.mean()
+    lq_tail = ls.scatter(-1, idx, float("-inf")).logsumexp(-1)
+    p_tail = tail.exp()
+    kl = (kl_top + p_tail * (tail - lq_tail)).mean()
+    return ce, kl
+
+
+def per_sequence_retained(log_betas: Sequence[torch.Tensor], m_global: float, lengths: torch.Tensor) -> torch.Tensor:
+    """``(b,)`` float32: each sequence's ``max_t S_t / M_global`` over its real steps
+    (1 = its retained mass peaks exactly at the budget)."""
+    with torch.no_grad():
+        s = retained_mass(log_betas)
+        real = torch.arange(s.shape[1], device=s.device)[None, :] < lengths.to(s.device)[:, None]
+        return torch.where(real, s, float("-inf")).amax(dim=1) / float(m_global)

@@ -43,7 +43,9 @@ class TrimKV(Scorer):
 
     score[i] = (t - i) * log beta_i, ``beta_i`` from the gates in the folder ``gates`` (made
     by ``evictlab gates train``; checked when the scorer is built, matched against the
-    model when the run starts), ``t`` the position of the next token.
+    model when the run starts), ``t`` the position of the next token. ``gates=default``:
+    the gates shipped in ``data/gates/`` for the loaded model, picked when the run starts
+    (:func:`evictlab.gates.files.default_gates_for`; another model's run is refused).
 
     Shapes: ``positions (s,)`` of one cell (``inputs.cell``) -> ``(1, 1, s)``; with
     ``inputs.cell`` None, ``keys (b, hk, s, d)`` -> ``(b, hk, s)``. Query-agnostic: the
@@ -64,11 +66,31 @@ class TrimKV(Scorer):
 
     def load(self) -> TrimKV:
         """Check the gates folder (the registry's factory calls this once): a missing or
-        unfinished folder is refused now, before any model loads."""
-        from evictlab.gates.files import read_config
+        unfinished folder is refused now, before any model loads (``gates=default``: that
+        gates are shipped at all; which set is picked when the model is known)."""
+        from evictlab.gates.files import SHIPPED_DIR, read_config, shipped_folders
 
+        if self.is_default:
+            if not shipped_folders():
+                raise InputError("gates", f"gates=default: no shipped gates under {SHIPPED_DIR}",
+                                 "pass gates=DIR (a folder written by `evictlab gates train`)")
+            return self
         read_config(self.gates, "gates")
         return self
+
+    @property
+    def is_default(self) -> bool:
+        """``gates=default``: the shipped gates of the model the run loads."""
+        from evictlab.gates.files import DEFAULT
+
+        return self.gates is not None and str(self.gates) == DEFAULT
+
+    def folder_for(self, model: torch.nn.Module) -> Path:
+        """The gates folder this scorer uses on ``model`` (resolves ``gates=default``)."""
+        from evictlab.gates.files import default_gates_for
+
+        assert self.gates is not None
+        return default_gates_for(model) if self.is_default else self.gates
 
     @contextlib.contextmanager
     def attach(self, model: torch.nn.Module, cache: Any) -> Iterator[None]:
@@ -79,7 +101,7 @@ class TrimKV(Scorer):
         from evictlab.gates.side import LogBetaTable
 
         device = next(model.parameters()).device
-        gates, _ = load_gates(self.gates, "scorer_param", device=device)
+        gates, _ = load_gates(self.folder_for(model), "scorer_param", device=device)
         table = LogBetaTable(gates.spec.n_layers)
         empty = torch.empty(0, dtype=torch.int64, device=device)
 
