@@ -12,6 +12,14 @@ certificate the median relative width ``(es_cert - cert_lb) / es_cert`` of the o
     .venv/bin/python benchmarks/bench_certify.py --rows DIR [DIR ...] [--sample 60] [--nodes 20000000]
     # synthetic rows at n = 64, 128, 256 when no --rows is given
 
+``--bound`` instead compares today's certificate with the certified lower bound of
+``evictlab.solve.bound`` (``--bound-nodes``, default 64) in the same run, on the same rows
+and seeds, at n = 256 and 512 and s = 8, 16 by default: per (dataset, s) the closure rate
+of each (the certificate with ``--cert-max-n`` raised to the rows' n), CPU seconds per row,
+and the median relative width ``(upper - lower) / upper`` of the rows each leaves open:
+
+    .venv/bin/python benchmarks/bench_certify.py --bound [--rows DIR ...] [--sample 60] [--nodes 20000000]
+
 Real rows used in docs/performance.md (SmolLM2-135M, Gemma-3-270M; shakespeare; n in
 [C/2 + 1, C] for context C):
     evictlab capture --model smollm2-135m --context 128 --positions 8 --prompts 8 --out rows-smollm2-128
@@ -100,6 +108,44 @@ def baseline_certify(p: np.ndarray, V: np.ndarray, s: int, inc_set: np.ndarray, 
     return inc, 0, nodes
 
 
+def bound_table(args: argparse.Namespace) -> None:
+    """The certificate against the lower bound of ``solve.bound``, same rows and seeds, one thread."""
+    from evictlab.solve.bound import batch_bound
+
+    print("| rows | n | s | closed cert | closed bound | CPU s/row cert / bound | open width cert / bound (median) |")
+    print("|---|---|---|---|---|---|---|")
+    for name, batch in _datasets(args):
+        rng = np.random.default_rng(0)
+        idx = np.sort(rng.choice(batch.n_rows, size=min(args.sample, batch.n_rows), replace=False))
+        b = batch.take(idx)
+        p = np.ascontiguousarray(b.p, dtype=np.float64)
+        off, vs = b.p_off, b.v_start
+        V = np.ascontiguousarray(b.values, dtype=np.float64)
+        bud = np.asarray(args.budgets, dtype=np.int64)
+        n = np.diff(off)
+        out = batch_solve(p, off, V, vs, bud, 2, 2, 64)
+        ls = batch_localsearch(p, off, V, vs, bud, b.meta["row_id"].to_numpy(), out[4], out[5], out[6], out[1],
+                               np.ones((b.n_rows, bud.size), dtype=np.bool_), 8, 0, 0)
+        seeds_all = np.stack([out[5], ls[1]])
+        batch_certify(p, off[:2], V, vs[:1], bud, seeds_all[:, :1], 10**6, 64, 100)  # compile
+        batch_bound(p, off[:2], V, vs[:1], bud, seeds_all[:, :1], 3)
+        for k, s in enumerate(args.budgets):
+            sb = bud[k:k + 1]
+            seeds = seeds_all[:, :, k:k + 1]
+            t0 = time.process_time()
+            es, _, st, lb, _ = batch_certify(p, off, V, vs, sb, seeds, int(n.max()), int(s), args.nodes)
+            t_cert = time.process_time() - t0
+            t1 = time.process_time()
+            blb, bub, bst, _ = batch_bound(p, off, V, vs, sb, seeds, args.bound_nodes)
+            t_bound = time.process_time() - t1
+            oc, ob = st[:, 0] != 0, bst[:, 0] != 0
+            wc = ((es[:, 0] - lb[:, 0]) / es[:, 0])[oc]
+            wb = ((bub[:, 0] - blb[:, 0]) / bub[:, 0])[ob]
+            print(f"| {name} | {n.min()}-{n.max()} | {s} | {1 - oc.mean():.1%} | {1 - ob.mean():.1%} | "
+                  f"{t_cert / b.n_rows:.3f} / {t_bound / b.n_rows:.3f} | "
+                  f"{np.median(wc) if wc.size else 0:.3f} / {np.median(wb) if wb.size else 0:.3f} |", flush=True)
+
+
 def _datasets(args: argparse.Namespace) -> list[tuple[str, object]]:
     from evictlab.rows.reader import RowStore
     from evictlab.rows.synth import SynthConfig, synthesize
@@ -110,7 +156,7 @@ def _datasets(args: argparse.Namespace) -> list[tuple[str, object]]:
             st = RowStore.open(d)
             out.append((f"{st.manifest.get('model')} {Path(d).name}", next(st.iter_batches(st.n_rows))))
         return out
-    for n in (64, 128, 256):
+    for n in args.sizes:
         path = args.work / f"synth-{n}"
         if not (path / "manifest.json").exists():
             synthesize(path, SynthConfig(rows=args.sample, keys=n, dim=64, seed=n, spread=0.0))
@@ -124,11 +170,22 @@ def main() -> None:
     ap.add_argument("--rows", type=Path, nargs="*", default=None, help="row datasets (default: synthetic)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/evictlab-bench-certify"))
     ap.add_argument("--sample", type=int, default=60, help="rows per dataset (seeded sample)")
-    ap.add_argument("--budgets", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--budgets", type=int, nargs="+", default=None, help="default 4 8 (--bound: 8 16)")
+    ap.add_argument("--sizes", type=int, nargs="+", default=None,
+                    help="n of the synthetic rows (default 64 128 256; --bound: 256 512)")
     ap.add_argument("--nodes", type=int, default=20_000_000, help="node limit per (row, s), both methods")
+    ap.add_argument("--bound", action="store_true", help="compare the certificate with solve.bound instead")
+    ap.add_argument("--bound-nodes", type=int, default=64, help="with --bound: the bound's node limit")
     args = ap.parse_args()
+    if args.budgets is None:
+        args.budgets = [8, 16] if args.bound else [4, 8]
+    if args.sizes is None:
+        args.sizes = [256, 512] if args.bound else [64, 128, 256]
     numba.set_num_threads(1)
     print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; one thread; node limit {args.nodes:,}")
+    if args.bound:
+        bound_table(args)
+        return
     print("| rows | n | s | closed new | closed baseline | median nodes new / base | nodes/s new | nodes/s base "
           "| CPU s/row new / base | open width (median, new) |")
     print("|---|---|---|---|---|---|---|---|---|---|")

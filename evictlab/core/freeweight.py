@@ -144,6 +144,28 @@ def _gram_affine_min(g: np.ndarray, active: np.ndarray, na: int, shift: float) -
 
 
 @njit(cache=True)
+def gram_minor_cycle(
+    g: np.ndarray, scale: float, w: np.ndarray, active: np.ndarray, member: np.ndarray, na: int
+) -> tuple[int, bool]:
+    """Wolfe's minor cycle from the Gram matrix ``g`` of the points (Cholesky of the active set).
+
+    ``w`` (weights indexed like the rows of ``g``), ``active[:na]`` and ``member`` are
+    updated in place; returns ``(active size, ok)``, ``ok = False`` when a Cholesky solve
+    breaks down (the caller falls back to :func:`minor_cycle` on the coordinates). Also
+    used by the relaxation of ``evictlab.solve.bound``, whose points are generated on the fly.
+    """
+    while True:
+        alpha, ok = _gram_affine_min(g, active, na, scale)
+        if not ok:
+            return na, False
+        if alpha.min() > WEIGHT_TOL:
+            for t in range(na):
+                w[active[t]] = alpha[t]
+            return na, True
+        na = _ratio_step(w, active, member, na, alpha)
+
+
+@njit(cache=True)
 def _wolfe_gram(
     g: np.ndarray, scale: float, w: np.ndarray, active: np.ndarray, member: np.ndarray, na: int
 ) -> tuple[int, bool]:
@@ -172,22 +194,16 @@ def _wolfe_gram(
         active[na] = jn
         member[jn] = True
         na += 1
-        while True:  # minor cycle
-            alpha, ok = _gram_affine_min(g, active, na, scale)
-            if not ok:
-                return na, False
-            if alpha.min() > WEIGHT_TOL:
-                for t in range(na):
-                    w[active[t]] = alpha[t]
-                break
-            na = _ratio_step(w, active, member, na, alpha)
+        na, ok = gram_minor_cycle(g, scale, w, active, member, na)
+        if not ok:
+            return na, False
         if not member[jn]:
             return na, True  # the new point left at once (rounding): let the certificate decide
     return na, False
 
 
 @njit(cache=True)
-def _minor_cycle(x: np.ndarray, w: np.ndarray, active: np.ndarray, member: np.ndarray, na: int) -> int:
+def minor_cycle(x: np.ndarray, w: np.ndarray, active: np.ndarray, member: np.ndarray, na: int) -> int:
     """Wolfe's minor cycle on the coordinates ``x`` (SVD least squares); returns the active size."""
     d = x.shape[1]
     while True:
@@ -203,7 +219,7 @@ def _minor_cycle(x: np.ndarray, w: np.ndarray, active: np.ndarray, member: np.nd
 
 
 @njit(cache=True)
-def _hull_point(x: np.ndarray, w: np.ndarray, active: np.ndarray, na: int, y: np.ndarray) -> float:
+def hull_point(x: np.ndarray, w: np.ndarray, active: np.ndarray, na: int, y: np.ndarray) -> float:
     """Write ``y = sum_{t < na} w[active[t]] x[active[t]]`` (shape ``(d,)``) and return ``||y||^2``."""
     d = x.shape[1]
     for j in range(d):
@@ -229,9 +245,9 @@ def _wolfe_direct(x: np.ndarray, scale: float, w: np.ndarray, active: np.ndarray
     k, d = x.shape
     y = np.empty(d)
     dots = np.empty(k)
-    na = _minor_cycle(x, w, active, member, na)
+    na = minor_cycle(x, w, active, member, na)
     for _ in range(50 * (k + d) + 100):
-        yy = _hull_point(x, w, active, na, y)
+        yy = hull_point(x, w, active, na, y)
         for i in range(k):
             acc = 0.0
             for j in range(d):
@@ -243,7 +259,7 @@ def _wolfe_direct(x: np.ndarray, scale: float, w: np.ndarray, active: np.ndarray
         active[na] = jn
         member[jn] = True
         na += 1
-        na = _minor_cycle(x, w, active, member, na)
+        na = minor_cycle(x, w, active, member, na)
         if not member[jn]:
             break
     return na
@@ -282,7 +298,7 @@ def _min_norm_weights(x: np.ndarray) -> tuple[np.ndarray, bool]:
     na, ok = _wolfe_gram(g, scale, w, active, member, 1)
     if ok:
         y = np.empty(d)
-        yy = _hull_point(x, w, active, na, y)
+        yy = hull_point(x, w, active, na, y)
         ub = np.sqrt(yy)
         if ub <= 1e-13 * np.sqrt(scale):
             return w, False  # mu lies in the hull up to rounding of the values

@@ -5,6 +5,7 @@
   selector, and the fused per-batch driver :func:`batch_solve`.
 * :mod:`evictlab.solve.localsearch` -- all-key local search (single/pair swaps, kicks): ES_ls.
 * :mod:`evictlab.solve.certify` -- branch and bound for the true ES(s) over all keys.
+* :mod:`evictlab.solve.bound` -- a certified lower bound on ES(s) at any n (the relaxation, best first).
 * :mod:`evictlab.solve.reference` -- itertools / numpy references the kernels are tested against.
 * :mod:`evictlab.solve.runner` -- rows -> results Parquet (``evictlab solve``), resumable.
 * :mod:`evictlab.solve.ablation` -- the free-weight ablation re-solve of a row sample (``ablation_rows``).
@@ -18,7 +19,7 @@ Algorithms, limits and certificates: ``docs/solvers.md``.
 from __future__ import annotations
 
 __all__ = [
-    "CERT_COLUMNS", "KAPPA_EPS", "LS_COLUMNS", "MAX_SUBSETS", "RESULT_COLUMNS", "SEARCH_MODES", "ZERO_REL", "SolveConfig",
+    "BOUND_COLUMNS", "CERT_COLUMNS", "KAPPA_EPS", "LS_COLUMNS", "MAX_SUBSETS", "RESULT_COLUMNS", "SEARCH_MODES", "ZERO_REL", "SolveConfig",
     "SolveSummary", "check_config", "solve_batch", "solve_rows",
 ]
 

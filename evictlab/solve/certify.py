@@ -153,7 +153,7 @@ def axis_bound(S: np.ndarray, PF: float, j: int, k: int, lo: np.ndarray, hi: np.
 
 
 @njit(cache=True)
-def _k_smallest(w: np.ndarray, j: int, k: int, buf: np.ndarray, idx: np.ndarray) -> float:
+def k_smallest(w: np.ndarray, j: int, k: int, buf: np.ndarray, idx: np.ndarray) -> float:
     """Sum of the k smallest ``w[i]``, ``i >= j`` (their indices into ``idx[:k]``), O((n - j) k)."""
     n = w.shape[0]
     for a in range(k):
@@ -186,7 +186,7 @@ def direction_phi(Rrow: np.ndarray, nrm: float, PF: float, pw: np.ndarray, j: in
     n = Rrow.shape[0]
     for i in range(j, n):
         w[i] = Rrow[i] / nrm - lam * pw[i]
-    return nrm - lam * PF + _k_smallest(w, j, k, buf, idx)
+    return nrm - lam * PF + k_smallest(w, j, k, buf, idx)
 
 
 @njit(cache=True)
@@ -217,7 +217,7 @@ def direction_bound(Rrow: np.ndarray, nrm: float, PF: float, pw: np.ndarray, j: 
     # D_min: the k smallest masses of the suffix
     for i in range(j, n):
         w[i] = pw[i]
-    dmin = PF + _k_smallest(w, j, k, buf, idx)
+    dmin = PF + k_smallest(w, j, k, buf, idx)
     if dmin <= 0.0:
         return 0.0
     direction_phi(Rrow, nrm, PF, pw, j, k, 0.0, w, buf, idx)  # K0: the k smallest <u, x_i>
@@ -249,6 +249,24 @@ def certify_setup(p: np.ndarray, V: np.ndarray, kmax: int) -> tuple:
     ``||x_i||``, ties to the larger index), their principal coordinates ``Y`` ``(n, r)``,
     masses ``pw``, Gram matrix ``G = X X^T`` ``(n, n)`` and the suffix tables for ``k <= kmax``.
     """
+    mu, order, X, Y, pw = principal_coordinates(p, V)
+    G = X @ X.T
+    lo, hi, pk = _suffix_tables(Y, pw, min(kmax, V.shape[0]))
+    return mu, order, Y, pw, G, lo, hi, pk
+
+
+@njit(cache=True)
+def principal_coordinates(p: np.ndarray, V: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                                                                   np.ndarray]:
+    """The row in the search order and principal coordinates (shared with ``solve.bound``).
+
+    ``p`` ``(n,)`` masses summing to 1, ``V`` ``(n, d)`` values. Returns
+    ``(mu, order, X, Y, pw)``: the dense output ``(d,)``; the search order (decreasing
+    ``||x_i||`` for ``x_i = p_i (v_i - mu)``, ties to the larger index); ``X`` ``(n, d)``
+    the ``x_i`` in that order; ``Y = X V_r`` ``(n, r)`` their coordinates on the principal
+    axes (an orthonormal basis of their span, ``r`` = its dimension, or one zero column when
+    every ``x_i = 0``), so ``||sum_A Y_i|| = ||sum_A x_i||``; ``pw`` the masses in that order.
+    """
     n, d = V.shape
     mu = row_weighted_sum(p, V)
     X0 = np.empty((n, d))
@@ -266,7 +284,6 @@ def certify_setup(p: np.ndarray, V: np.ndarray, kmax: int) -> tuple:
     for a in range(n):
         pw[a] = p[order[a]]
         X[a] = X0[order[a]]
-    G = X @ X.T
     # Principal axes of the x_i (an orthonormal basis of their span).
     _, sv, vt = np.linalg.svd(X, full_matrices=False)
     r = 0
@@ -277,8 +294,7 @@ def certify_setup(p: np.ndarray, V: np.ndarray, kmax: int) -> tuple:
         Y = X @ np.ascontiguousarray(vt[:r].T)
     else:  # every x_i = 0: all errors are 0; one zero coordinate keeps the shapes valid
         Y = np.zeros((n, 1))
-    lo, hi, pk = _suffix_tables(Y, pw, min(kmax, n))
-    return mu, order, Y, pw, G, lo, hi, pk
+    return mu, order, X, Y, pw
 
 
 @njit(cache=True)
@@ -301,7 +317,7 @@ def _less(key: np.ndarray, a: int, b: int) -> bool:
 
 
 @njit(cache=True)
-def _heap_push(heap: np.ndarray, size: int, key: np.ndarray, slot: int) -> int:
+def heap_push(heap: np.ndarray, size: int, key: np.ndarray, slot: int) -> int:
     """Push record ``slot`` onto the binary min-heap ``heap[:size]``; returns the new size."""
     i = size
     heap[i] = slot
@@ -316,7 +332,7 @@ def _heap_push(heap: np.ndarray, size: int, key: np.ndarray, slot: int) -> int:
 
 
 @njit(cache=True)
-def _heap_pop(heap: np.ndarray, size: int, key: np.ndarray) -> int:
+def heap_pop(heap: np.ndarray, size: int, key: np.ndarray) -> int:
     """Remove the minimum ``heap[0]``; returns the new size."""
     size -= 1
     heap[0] = heap[size]
@@ -410,7 +426,7 @@ def _best_first(setup: tuple, s: int, front_F: np.ndarray, front_d: np.ndarray, 
             rec_d[used] = d
             rec_j[used] = front_j[u]
             key[used] = b
-            size = _heap_push(heap, size, key, used)
+            size = heap_push(heap, size, key, used)
             used += 1
     while size > 0:
         top = heap[0]
@@ -421,7 +437,7 @@ def _best_first(setup: tuple, s: int, front_F: np.ndarray, front_d: np.ndarray, 
         k = s - d
         if nodes + (n - j if k == 1 else 2) > budget:
             break
-        size = _heap_pop(heap, size, key)
+        size = heap_pop(heap, size, key)
         P, q = _state(rec_F[top], d, Y, pw, G, S, R)
         if k == 1:
             for i in range(j, n):
@@ -467,7 +483,7 @@ def _best_first(setup: tuple, s: int, front_F: np.ndarray, front_d: np.ndarray, 
                 rec_d[used] = dc
                 rec_j[used] = j + 1
                 key[used] = b
-                size = _heap_push(heap, size, key, used)
+                size = heap_push(heap, size, key, used)
                 used += 1
     closed = size == 0 or key[heap[0]] >= thr
     lb = thr if closed else key[heap[0]]

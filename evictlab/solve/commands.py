@@ -145,6 +145,11 @@ def solve(
     ls_pairs: int = typer.Option(8, "--ls-pairs", help="All-key search: pair swaps among this many shortlisted keys (0: single swaps only)."),
     ls_kicks: int = typer.Option(0, "--ls-kicks", help="All-key search: random restarts from the best set (slower, finds more)."),
     ls_seed: int = typer.Option(0, "--ls-seed", help="All-key search: seed of the kicks."),
+    bound: bool = typer.Option(False, "--bound",
+                               help="Also a certified lower bound on ES(s) at any n (columns es_lb, es_bb, "
+                                    "gap_closed_ub, gap_closed_bb, lb_status, lb_nodes; docs/solvers.md)."),
+    bound_nodes: int = typer.Option(64, "--bound-nodes",
+                                    help="With --bound: node evaluations per (row, s) (1..100000; more: tighter, slower)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out."),
     restart: bool = typer.Option(False, "--restart", help="Discard part files of a different earlier job."),
     executor: str = EXECUTOR_OPTIONS["executor"],
@@ -168,14 +173,19 @@ def solve(
     for param in ("cert_max_n", "cert_max_s", "cert_nodes"):
         refuse_unused(ctx, param, "--" + param.replace("_", "-"), certify, "--certify")
     for param in ("ls_pairs", "ls_kicks", "ls_seed"):  # the all-key search also seeds the certificate
-        refuse_unused(ctx, param, "--" + param.replace("_", "-"), search == "all" or certify,
-                      "--search all (or --certify)")
+        refuse_unused(ctx, param, "--" + param.replace("_", "-"), search == "all" or certify or bound,
+                      "--search all (or --certify, --bound)")
+    refuse_unused(ctx, "bound_nodes", "--bound-nodes", bound, "--bound")
+    if bound:
+        from evictlab.solve.runner import check_bound_nodes
+
+        check_bound_nodes(bound_nodes)
 
     bud = _parse_budgets(budgets)
     cfg = SolveConfig(budgets=bud, r_m=pool[0], r_e=pool[1], max_swaps=max_swaps, certify=certify,
                       cert_max_n=cert_max_n, cert_max_s=cert_max_s, cert_nodes=cert_nodes,
                       chunk_rows=chunk_rows, search=search, ls_pairs=ls_pairs, ls_kicks=ls_kicks,
-                      ls_seed=ls_seed)
+                      ls_seed=ls_seed, bound=bound, bound_nodes=bound_nodes)
     with executor_for(executor, address) as ex:
         summary = solve_rows(rows, out, cfg, threads=threads, overwrite=overwrite, restart=restart, progress=not quiet,
                              notify=lambda msg: typer.echo(msg, err=True), executor=ex)

@@ -60,6 +60,8 @@ RESULT_COLUMNS: tuple[str, ...] = (
 CERT_COLUMNS: tuple[str, ...] = ("es_cert", "cert_status", "cert_lb", "cert_gap", "cert_nodes", "kept_cert")
 #: Columns added by ``--search all`` (the all-key local search, ``evictlab.solve.localsearch``).
 LS_COLUMNS: tuple[str, ...] = ("es_ls", "gap_closed_ls", "kept_ls", "ls_moves")
+#: Columns added by ``--bound`` (the lower bound of ``evictlab.solve.bound``, at any n).
+BOUND_COLUMNS: tuple[str, ...] = ("es_lb", "es_bb", "gap_closed_ub", "gap_closed_bb", "lb_status", "lb_nodes")
 #: Values of ``--search``: the candidate pool only, or also the all-key search.
 SEARCH_MODES: tuple[str, ...] = ("pool", "all")
 
@@ -76,7 +78,9 @@ class SolveConfig:
     to add the all-key local search (columns :data:`LS_COLUMNS`) with a pair shortlist of
     ``ls_pairs`` keys, ``ls_kicks`` perturbation rounds and seed ``ls_seed``. The
     certificate is seeded with the all-key search's set (run internally for the certified
-    rows when ``search == "pool"``).
+    rows when ``search == "pool"``). bound: also the certified lower bound on ES(s) of
+    every (row, s) at any n (:mod:`evictlab.solve.bound`, columns :data:`BOUND_COLUMNS`)
+    with at most ``bound_nodes`` node evaluations, seeded like the certificate.
     """
 
     budgets: tuple[int, ...]
@@ -93,10 +97,16 @@ class SolveConfig:
     ls_pairs: int = 8
     ls_kicks: int = 0
     ls_seed: int = 0
+    bound: bool = False
+    bound_nodes: int = 64
 
     def to_dict(self) -> dict[str, Any]:
+        """The job's settings (the bound's only when it is on: runs without ``--bound`` keep
+        the job files and run records they had before it existed)."""
         d = asdict(self)
         d["budgets"] = list(self.budgets)
+        if not self.bound:
+            del d["bound"], d["bound_nodes"]
         return d
 
 
@@ -126,6 +136,7 @@ def check_config(cfg: SolveConfig, n_min: int, n_max: int, n_min_row: int | None
     _int(cfg.cert_max_s, "--cert-max-s", 1)
     _int(cfg.cert_nodes, "--cert-nodes", 1)
     _int(cfg.max_subsets, "max_subsets", 1)
+    check_bound_nodes(cfg.bound_nodes)
     if cfg.search not in SEARCH_MODES:
         raise InputError("--search", f"must be one of {', '.join(SEARCH_MODES)}, got {cfg.search!r}",
                          "pass --search pool (candidate pool only) or --search all (also the all-key search)")
@@ -151,6 +162,16 @@ def check_config(cfg: SolveConfig, n_min: int, n_max: int, n_min_row: int | None
     return SolveConfig(**{**asdict(cfg), "budgets": tuple(sorted(bud))})
 
 
+def check_bound_nodes(x: Any) -> int:
+    """``--bound-nodes``: an integer in ``1..BOUND_MAX_NODES`` (InputError otherwise)."""
+    from evictlab.solve.bound import BOUND_MAX_NODES
+
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or not 1 <= int(x) <= BOUND_MAX_NODES:
+        raise InputError("--bound-nodes", f"must be an integer from 1 to {BOUND_MAX_NODES:,}, got {x!r}",
+                         "pass e.g. --bound-nodes 64 (the default; more nodes: a tighter bound, slower)")
+    return int(x)
+
+
 def _list_col(name: str, arr: np.ndarray) -> pl.Series:
     """An ``(N, k)`` int64 array as a polars ``list[i64]`` column."""
     if arr.shape[1] == 0:
@@ -174,6 +195,7 @@ def solve_batch(batch: Any, cfg: SolveConfig, model: str | None = None) -> pl.Da
     ``search == "all"``, + :data:`CERT_COLUMNS` with certify).
     """
     from evictlab.core.threads import single_blas_thread
+    from evictlab.solve.bound import LB_STATUS_NAMES, batch_bound
     from evictlab.solve.certify import STATUS_NAMES, batch_certify
     from evictlab.solve.kernels import batch_solve
     from evictlab.solve.localsearch import batch_localsearch
@@ -195,7 +217,7 @@ def solve_batch(batch: Any, cfg: SolveConfig, model: str | None = None) -> pl.Da
          ef_top, ef_opt, scale) = batch_solve(p, off, vals, vs, bud, cfg.r_m, cfg.r_e, cfg.max_swaps)
         row_ids = np.ascontiguousarray(batch.meta["row_id"].to_numpy(), dtype=np.int64)
         todo = np.zeros((n.shape[0], bud.shape[0]), dtype=np.bool_)
-        if cfg.search == "all":
+        if cfg.search == "all" or cfg.bound:  # the all-key set also seeds the bound
             todo[:] = True
         elif cfg.certify:  # the all-key set seeds the certificate (rows it will certify)
             todo[:] = (n[:, None] <= cfg.cert_max_n) & (bud[None, :] <= cfg.cert_max_s)
@@ -207,6 +229,9 @@ def solve_batch(batch: Any, cfg: SolveConfig, model: str | None = None) -> pl.Da
             seeds = np.stack([kept_opt, kept_ls]) if todo.any() else kept_opt[None]
             es_c, kept_c, st_c, lb_c, nodes_c = batch_certify(
                 p, off, vals, vs, bud, seeds, cfg.cert_max_n, cfg.cert_max_s, cfg.cert_nodes)
+        if cfg.bound:
+            lb_b, ub_b, st_b, nodes_b = batch_bound(p, off, vals, vs, bud, np.stack([kept_opt, kept_ls]),
+                                                    cfg.bound_nodes)
     meta = batch.meta
     key_index = np.asarray(batch.key_index, dtype=np.int64)
     frames = []
@@ -264,6 +289,16 @@ def solve_batch(batch: Any, cfg: SolveConfig, model: str | None = None) -> pl.Da
             ).with_columns(
                 pl.when(pl.col("cert_status") == "skipped").then(None)
                 .otherwise(pl.col("kept_cert")).alias("kept_cert"))
+        if cfg.bound:
+            lb, bb = lb_b[:, b], np.minimum(ub_b[:, b], es_ls[:, b])
+            with np.errstate(divide="ignore", invalid="ignore"):
+                g_ub = np.where(zero, np.nan, (et - lb) / et)
+                g_bb = np.where(zero, np.nan, (et - bb) / et)
+            df = df.with_columns(
+                pl.Series("es_lb", lb), pl.Series("es_bb", bb),
+                pl.Series("gap_closed_ub", g_ub).fill_nan(None), pl.Series("gap_closed_bb", g_bb).fill_nan(None),
+                pl.Series("lb_status", [LB_STATUS_NAMES[int(x)] for x in st_b[:, b]], dtype=pl.String),
+                pl.Series("lb_nodes", nodes_b[:, b]))
         frames.append(df)
     out = pl.concat(frames, how="vertical").sort(["row_id", "s"])
     return out.select(result_columns(cfg))
@@ -272,7 +307,7 @@ def solve_batch(batch: Any, cfg: SolveConfig, model: str | None = None) -> pl.Da
 def result_columns(cfg: SolveConfig) -> list[str]:
     """The columns of a results table (and of every part file) solved with ``cfg``, in order."""
     return (list(RESULT_COLUMNS) + (list(LS_COLUMNS) if cfg.search == "all" else [])
-            + (list(CERT_COLUMNS) if cfg.certify else []))
+            + (list(CERT_COLUMNS) if cfg.certify else []) + (list(BOUND_COLUMNS) if cfg.bound else []))
 
 
 @dataclass
