@@ -159,7 +159,7 @@ def test_decode_contourkv_refusals(tiny_folder: Path, tmp_path: Path, capsys, mo
     # the shipped profiles describe other models: profile=default is refused, before the run
     cases.append((["--allocator-param", "profile=default"], "--allocator-param",
                   "profile=default: no shipped profile describes this model's geometry"))
-    cases.append((["--method", "snapkv+contourkv_offline"], "--allocator-param", "shipped: smollm2-135m"))
+    cases.append((["--method", "snapkv+contourkv_offline"], "--allocator-param", "shipped: gemma3-270m, smollm2-135m"))
     cases.append((["--method", "snapkv+contourkv_error", "--allocator-param", "ranking=query"], "--allocator-param",
                   "contourkv_error parameter ranking='query'"))
     for args, option, problem in cases:
