@@ -156,6 +156,12 @@ def test_decode_contourkv_refusals(tiny_folder: Path, tmp_path: Path, capsys, mo
     other.save(tmp_path / "other.json")
     cases.append((["--allocator-param", f"profile={tmp_path / 'other.json'}"], "--allocator-param",
                   "was fitted on another model geometry (n_layers 3 in the profile, 2 in the model"))
+    # the shipped profiles describe other models: profile=default is refused, before the run
+    cases.append((["--allocator-param", "profile=default"], "--allocator-param",
+                  "profile=default: no shipped profile describes this model's geometry"))
+    cases.append((["--method", "snapkv+contourkv_offline"], "--allocator-param", "shipped: gemma3-270m, smollm2-135m"))
+    cases.append((["--method", "snapkv+contourkv_error", "--allocator-param", "ranking=query"], "--allocator-param",
+                  "contourkv_error parameter ranking='query'"))
     for args, option, problem in cases:
         rc, err = _run([*base, *args], capsys, monkeypatch)
         assert rc == 2, (args, err)

@@ -17,8 +17,10 @@ from evictlab.errors import InputError
 from evictlab.methods import AllocInputs, check_sizes, make_allocator
 from evictlab.models.geometry import ModelGeometry, RopeSpec
 
-#: the geometry of each shipped model (SmolLM2-135M: 30 layers, 9 query / 3 KV heads of 64)
-GEOMETRIES = {"smollm2-135m": (30, 9, 3, 64, (None,) * 30)}
+#: the geometry of each shipped model (SmolLM2-135M: 30 layers, 9 query / 3 KV heads of 64;
+#: Gemma 3 270M: 18 layers, 4 query / 1 KV head of 256, five sliding (512) layers per full one)
+GEOMETRIES = {"smollm2-135m": (30, 9, 3, 64, (None,) * 30),
+              "gemma3-270m": (18, 4, 1, 256, (512, 512, 512, 512, 512, None) * 3)}
 
 
 def _geometry(model: str) -> ModelGeometry:
@@ -58,9 +60,10 @@ def test_default_picks_the_models_profile(model: str) -> None:
 
 
 def test_default_is_refused_for_another_geometry() -> None:
-    other = ModelGeometry(18, 4, 1, 256, torch.bfloat16, 256 ** -0.5, (512, 512, 512, 512, 512, None) * 3,
-                          (RopeSpec(10000.0),) * 18)
-    with pytest.raises(InputError, match="no shipped profile describes this model's geometry .*shipped: smollm2-135m"):
+    other = ModelGeometry(18, 4, 1, 256, torch.bfloat16, 256 ** -0.5, (1024, 1024, 1024, 1024, 1024, None) * 3,
+                          (RopeSpec(10000.0),) * 18)  # Gemma 3 270M's shape, other sliding windows
+    with pytest.raises(InputError, match="no shipped profile describes this model's geometry .*shipped: "
+                       "gemma3-270m, smollm2-135m"):
         default_profile(other)
     with pytest.raises(InputError, match=r"allocator_param: contourkv_offline parameter profile=default: no shipped"):
         make_allocator("contourkv_offline").check(other)
