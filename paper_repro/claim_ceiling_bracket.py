@@ -45,6 +45,7 @@ from evictlab.stats.bracket import PAPER_RANGE, bracket_table
 from evictlab.stats.ceilings import summarize
 from evictlab.stats.claims import ClaimRow, versus, weights_for
 from evictlab.stats.penalty import PAPER_PI
+from evictlab.stats.results import prepare
 
 MODEL_NAMES = ("smollm2-135m", "gemma3-270m")
 SIZES = {
@@ -106,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                 t_sol = _run(["solve", str(rows), "--keep", *map(str, size["keep"]), "--search", "all", "--bound",
                               "--bound-nodes", str(size["nodes"]), "--threads", str(args.threads), "--quiet",
                               "--out", str(res)], args.threads)
-            df = pl.read_parquet(res).with_columns(pl.lit(ctx).alias("context"), pl.lit(model).alias("model"))
+            df = prepare(pl.read_parquet(res), str(res)).with_columns(pl.lit(ctx).alias("context"),
+                                                                      pl.lit(model).alias("model"))
             frames.append(df)
             times.append({"model": model, "context": ctx, "pairs": df.height, "capture_s": round(t_cap, 1),
                           "solve_s": round(t_sol, 1)})

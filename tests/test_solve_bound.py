@@ -232,3 +232,29 @@ def test_cli_bad_bound_nodes_is_one_line_exit_2(rows: Path, tmp_path: Path, args
     err = r.stderr.strip()
     assert match in err and "Traceback" not in r.stderr and len(err.splitlines()) == 1
     assert not out.exists()
+
+
+def test_batch_bound_is_deterministic_across_threads_and_batches() -> None:
+    import numba
+
+    rng = np.random.default_rng(8)
+    rows = [(rng.dirichlet(np.full(n, 0.3)), rng.normal(size=(n, 4))) for n in (30, 45, 60, 33)]
+    p = np.concatenate([r[0] for r in rows])
+    V = np.concatenate([r[1] for r in rows])
+    off = np.cumsum([0] + [r[0].shape[0] for r in rows])
+    bud = np.array([3, 6], dtype=np.int64)
+    seeds = -np.ones((1, len(rows), 2, 6), dtype=np.int64)
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = batch_bound(p, off, V, off[:-1].copy(), bud, seeds, 40)
+        numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+        two = batch_bound(p, off, V, off[:-1].copy(), bud, seeds, 40)
+    finally:
+        numba.set_num_threads(before)
+    for a, b in zip(one, two):
+        assert np.array_equal(a, b)
+    # a row's bound does not depend on the other rows of the batch
+    alone = batch_bound(p[off[2]:off[3]], np.array([0, off[3] - off[2]]), V[off[2]:off[3]], np.array([0]), bud,
+                        seeds[:, 2:3], 40)
+    assert np.array_equal(alone[0][0], one[0][2]) and np.array_equal(alone[3][0], one[3][2])

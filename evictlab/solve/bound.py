@@ -19,7 +19,8 @@ minimising ``<y, .>`` is ``y_{F+K}`` with ``K`` the exact minimiser of the ratio
 k smallest of ``<y, Y_i> - lam p_i``). Every direction gives a **certified dual bound**
 ``max(0, min_K <y, y_{F+K}>) / ||y|| <= R(node) <= min over completions of e``, so the bound
 is valid whether or not Wolfe's iteration converged (it is stopped after
-:data:`BOUND_ITERS` major cycles or a relative duality gap :data:`BOUND_REL_GAP`); a
+:data:`BOUND_ITERS` major cycles, at a relative duality gap :data:`BOUND_REL_GAP`, or
+when the hull's point ``y`` is shorter than :data:`BOUND_SMALL` times the incumbent); a
 rounding margin is subtracted. The first direction is ``S_F`` where ``F`` is not empty (so
 the bound is at least the certificate's direction bound), then the parent's last
 direction or the relaxation's centroid ``z = k / (n - j)``. Nodes with ``k <= 1`` or no
@@ -52,8 +53,12 @@ BOUND_NODES = 64
 BOUND_MAX_NODES = 100_000
 #: Major cycles of Wolfe's algorithm per node (the bound is valid at any stop).
 BOUND_ITERS = 40
-#: Wolfe stops when ``||y||^2 - min <y, q> <= BOUND_REL_GAP ||y||^2`` (relative duality gap).
-BOUND_REL_GAP = 1e-6
+#: Wolfe stops when the node's bound is within this fraction of ``||y||`` (an upper bound on
+#: the relaxation: ``y`` lies in the hull) ...
+BOUND_REL_GAP = 1e-4
+#: ... or when ``||y||`` is below this fraction of the incumbent: the relaxation cannot give
+#: this node a bound above ``BOUND_SMALL`` times the best error, so further cycles are wasted.
+BOUND_SMALL = 1e-3
 #: Rounding margin of the dual bound, relative to the magnitudes it adds.
 _MARGIN = 1e-12
 
@@ -298,9 +303,11 @@ def node_bound(Y: np.ndarray, pw: np.ndarray, SY: np.ndarray, SP: np.ndarray, F:
                 best_set[f + s_] = idx[s_]
         if lb >= thr or it == BOUND_ITERS:
             break
+        if it > 0 and (lb >= ny * (1.0 - BOUND_REL_GAP) or ny <= BOUND_SMALL * thr):
+            break  # converged to the gap, or the relaxation is below BOUND_SMALL of the incumbent
         dot = np.dot(y, q)
-        if it > 0 and yy - dot <= BOUND_REL_GAP * yy:
-            break  # converged: lb is the relaxation to the gap
+        if it > 0 and yy - dot <= 1e-12 * yy:
+            break  # no descent left (rounding)
         slot = -1
         for u in range(cap):
             if not member[u]:
