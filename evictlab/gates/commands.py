@@ -80,7 +80,7 @@ def train(
     teacher_cache: Path = typer.Option(None, "--teacher-cache", help="folder that keeps the teacher's outputs for "
                                        "later runs on the same sequences (default: --out, deleted when finished)"),
     seq_len: int = typer.Option(256, "--seq-len", help="tokens per training sequence"),
-    lr: float = typer.Option(3e-2, "--lr", help="AdamW learning rate (after a linear warmup)"),
+    lr: float = typer.Option(2e-2, "--lr", help="AdamW learning rate (after a linear warmup)"),
     warmup: int = typer.Option(5, "--warmup", help="warmup steps"),
     schedule: str = typer.Option("cosine", "--schedule", help="learning rate after the warmup: cosine (to "
                                  "--min-lr x --lr at --decay-steps) or constant"),

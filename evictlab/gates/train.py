@@ -12,19 +12,21 @@ One step (``batch`` pool sequences of ``seq_len`` tokens, :func:`~evictlab.gates
 1. teacher: read from the cache (``(b, T-1, k)`` top-k log-probabilities and the rest);
 2. student: the same model inside :func:`~evictlab.gates.hooks.gated_attention` (every
    attention logit gets ``(t - i) log beta_i``): logits, and every layer's ``log beta``;
-3. loss = ``(ce + kl) / 2 + lambda_s x capacity`` (:mod:`evictlab.gates.loss`; the KL
-   against the teacher's top-k, :func:`~evictlab.gates.loss.topk_distillation_terms`),
-   with ``M_global = n_layers x kv_heads x capacity`` entries;
+3. loss = ``(ce + kl) / 2 + lambda_s x capacity + budget_weight x (r - 1)^2``
+   (:mod:`evictlab.gates.loss`; the KL against the teacher's top-k,
+   :func:`~evictlab.gates.loss.topk_distillation_terms`; ``capacity`` the hinge on the
+   overshoot; ``r`` the batch's mean of ``max_t S_t / M_global``,
+   :func:`~evictlab.gates.loss.budget_loss`, which pulls the mass to the budget from both
+   sides), with ``M_global = n_layers x kv_heads x capacity`` entries;
 4. AdamW on the gate parameters only (the model's parameters have ``requires_grad=False``
    for the duration of the run and are restored after), gradient norm clipped, learning
    rate warmed up linearly over ``warmup`` steps, then (``schedule="cosine"``) decayed on a
    cosine to ``min_lr x lr`` at step ``decay_steps`` (constant after);
-5. the capacity weight follows the retained mass (dual ascent on the budget constraint):
-   ``lambda_{s+1} = clip(lambda_s x exp(capacity_adapt x clip(r_s - 1, -0.25, 0.25)), 1e-3, 1e3)`` with
-   ``r_s`` the batch's mean of ``max_t S_t / M_global``: it grows while the gates keep
-   more than the budget and shrinks while they keep less, so the retained mass settles at
-   the budget instead of wherever a fixed weight balances the KL (``capacity_adapt = 0``:
-   the fixed weight ``capacity_weight``, which is also ``lambda_0``).
+5. optionally (``capacity_adapt > 0``; off in the recipe: on SmolLM2 it drove the mass to
+   0.6 of the budget, docs/gates.md) the hinge's weight follows the retained mass:
+   ``lambda_{s+1} = clip(lambda_s x exp(capacity_adapt x clip(r_s - 1, -0.25, 0.25)), 1e-3, 1e3)``
+   with ``r_s`` the batch's ``r`` (``capacity_adapt = 0``: the fixed weight
+   ``capacity_weight``, which is also ``lambda_0``).
 
 Validation (the ``val`` sequences, no grad: the loss terms and the retained mass at the
 weight's current value) runs before the first step, every ``val_every`` steps and at the
@@ -122,7 +124,7 @@ class Recipe:
 
     steps: int = 80
     batch: int = 4
-    lr: float = 3e-2
+    lr: float = 2e-2
     warmup: int = 5
     weight_decay: float = 0.0
     grad_clip: float = 1.0
