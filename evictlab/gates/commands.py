@@ -80,7 +80,7 @@ def train(
     teacher_cache: Path = typer.Option(None, "--teacher-cache", help="folder that keeps the teacher's outputs for "
                                        "later runs on the same sequences (default: --out, deleted when finished)"),
     seq_len: int = typer.Option(256, "--seq-len", help="tokens per training sequence"),
-    lr: float = typer.Option(3e-2, "--lr", help="AdamW learning rate (after a linear warmup)"),
+    lr: float = typer.Option(2e-2, "--lr", help="AdamW learning rate (after a linear warmup)"),
     warmup: int = typer.Option(5, "--warmup", help="warmup steps"),
     schedule: str = typer.Option("cosine", "--schedule", help="learning rate after the warmup: cosine (to "
                                  "--min-lr x --lr at --decay-steps) or constant"),
@@ -89,8 +89,10 @@ def train(
     capacity: int = typer.Option(64, "--capacity", help="M: entries per KV head of the training budget "
                                  "(M_global = layers x KV heads x M)"),
     capacity_weight: float = typer.Option(1.0, "--capacity-weight", help="(initial) weight of the capacity loss"),
-    capacity_adapt: float = typer.Option(1.0, "--capacity-adapt", help="rate at which the capacity weight follows "
+    capacity_adapt: float = typer.Option(0.0, "--capacity-adapt", help="rate at which the capacity weight follows "
                                          "the retained mass to the budget (0: a fixed weight)"),
+    budget_weight: float = typer.Option(10.0, "--budget-weight", help="weight kappa of the two-sided budget term "
+                                        "kappa x (retained mass / budget - 1)^2 (0: none)"),
     intermediate: int = typer.Option(64, "--intermediate", help="width of the gate MLP"),
     bias_init: str = typer.Option("auto", "--bias-init", help="initial final bias: auto (the uniform retention "
                                   "that holds the budget at --seq-len) or a number (8: beta = 0.9997, keep all)"),
@@ -130,7 +132,7 @@ def train(
         except ValueError:
             raise InputError("--bias-init", f"{bias_init!r} is not a number", "use auto or a number, e.g. 8") from None
     recipe = Recipe(steps=steps, batch=batch, lr=lr, warmup=warmup, capacity=capacity, capacity_weight=capacity_weight,
-                    capacity_adapt=capacity_adapt, intermediate=intermediate, bias_init=bias, shared=not local,
+                    capacity_adapt=capacity_adapt, budget_weight=budget_weight, intermediate=intermediate, bias_init=bias, shared=not local,
                     seed=seed, checkpoint_every=checkpoint_every, dtype=resolve_dtype(dtype, dev),
                     schedule=schedule, decay_steps=decay_steps or None, min_lr=min_lr, pool=pool, val=val,
                     val_every=val_every, topk=topk,

@@ -31,8 +31,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-__all__ = ["capacity_loss", "distillation_terms", "per_sequence_retained", "retained_mass", "retention_bias",
-           "topk_distillation_terms"]
+__all__ = ["budget_loss", "capacity_loss", "distillation_terms", "per_sequence_retained", "retained_mass",
+           "retention_bias", "topk_distillation_terms"]
 
 
 def _ages(q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
@@ -164,8 +164,15 @@ def topk_distillation_terms(student_logits: torch.Tensor, ids: torch.Tensor, len
 
 def per_sequence_retained(log_betas: Sequence[torch.Tensor], m_global: float, lengths: torch.Tensor) -> torch.Tensor:
     """``(b,)`` float32: each sequence's ``max_t S_t / M_global`` over its real steps
-    (1 = its retained mass peaks exactly at the budget)."""
-    with torch.no_grad():
-        s = retained_mass(log_betas)
-        real = torch.arange(s.shape[1], device=s.device)[None, :] < lengths.to(s.device)[:, None]
-        return torch.where(real, s, float("-inf")).amax(dim=1) / float(m_global)
+    (1 = its retained mass peaks exactly at the budget). Differentiable (the gradient
+    reaches the step of the peak)."""
+    s = retained_mass(log_betas)
+    real = torch.arange(s.shape[1], device=s.device)[None, :] < lengths.to(s.device)[:, None]
+    return torch.where(real, s, float("-inf")).amax(dim=1) / float(m_global)
+
+
+def budget_loss(log_betas: Sequence[torch.Tensor], m_global: float, lengths: torch.Tensor) -> torch.Tensor:
+    """``(mean over sequences of max_t S_t / M_global - 1)^2``: the two-sided budget term
+    (0 exactly at the budget; it pulls the retained mass up as well as down, where the
+    capacity hinge only pushes it down and lets it sink below the budget)."""
+    return (per_sequence_retained(log_betas, m_global, lengths).mean() - 1.0) ** 2

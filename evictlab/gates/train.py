@@ -12,19 +12,21 @@ One step (``batch`` pool sequences of ``seq_len`` tokens, :func:`~evictlab.gates
 1. teacher: read from the cache (``(b, T-1, k)`` top-k log-probabilities and the rest);
 2. student: the same model inside :func:`~evictlab.gates.hooks.gated_attention` (every
    attention logit gets ``(t - i) log beta_i``): logits, and every layer's ``log beta``;
-3. loss = ``(ce + kl) / 2 + lambda_s x capacity`` (:mod:`evictlab.gates.loss`; the KL
-   against the teacher's top-k, :func:`~evictlab.gates.loss.topk_distillation_terms`),
-   with ``M_global = n_layers x kv_heads x capacity`` entries;
+3. loss = ``(ce + kl) / 2 + lambda_s x capacity + budget_weight x (r - 1)^2``
+   (:mod:`evictlab.gates.loss`; the KL against the teacher's top-k,
+   :func:`~evictlab.gates.loss.topk_distillation_terms`; ``capacity`` the hinge on the
+   overshoot; ``r`` the batch's mean of ``max_t S_t / M_global``,
+   :func:`~evictlab.gates.loss.budget_loss`, which pulls the mass to the budget from both
+   sides), with ``M_global = n_layers x kv_heads x capacity`` entries;
 4. AdamW on the gate parameters only (the model's parameters have ``requires_grad=False``
    for the duration of the run and are restored after), gradient norm clipped, learning
    rate warmed up linearly over ``warmup`` steps, then (``schedule="cosine"``) decayed on a
    cosine to ``min_lr x lr`` at step ``decay_steps`` (constant after);
-5. the capacity weight follows the retained mass (dual ascent on the budget constraint):
-   ``lambda_{s+1} = clip(lambda_s x exp(capacity_adapt x clip(r_s - 1, -0.25, 0.25)), 1e-3, 1e3)`` with
-   ``r_s`` the batch's mean of ``max_t S_t / M_global``: it grows while the gates keep
-   more than the budget and shrinks while they keep less, so the retained mass settles at
-   the budget instead of wherever a fixed weight balances the KL (``capacity_adapt = 0``:
-   the fixed weight ``capacity_weight``, which is also ``lambda_0``).
+5. optionally (``capacity_adapt > 0``; off in the recipe: on SmolLM2 it drove the mass to
+   0.6 of the budget, docs/gates.md) the hinge's weight follows the retained mass:
+   ``lambda_{s+1} = clip(lambda_s x exp(capacity_adapt x clip(r_s - 1, -0.25, 0.25)), 1e-3, 1e3)``
+   with ``r_s`` the batch's ``r`` (``capacity_adapt = 0``: the fixed weight
+   ``capacity_weight``, which is also ``lambda_0``).
 
 Validation (the ``val`` sequences, no grad: the loss terms and the retained mass at the
 weight's current value) runs before the first step, every ``val_every`` steps and at the
@@ -57,8 +59,8 @@ from evictlab.errors import InputError
 from evictlab.gates import files
 from evictlab.gates.data import MAX_POOL, DataSpec, TrainingData, step_indices
 from evictlab.gates.hooks import gated_attention
-from evictlab.gates.loss import (capacity_loss, distillation_terms, per_sequence_retained, retained_mass,
-                                 topk_distillation_terms)
+from evictlab.gates.loss import (budget_loss, capacity_loss, distillation_terms, per_sequence_retained,
+                                 retained_mass, topk_distillation_terms)
 from evictlab.gates.modules import GateSpec, RetentionGates
 from evictlab.gates.teacher import TeacherTargets, teacher_targets
 
@@ -122,14 +124,16 @@ class Recipe:
 
     steps: int = 80
     batch: int = 4
-    lr: float = 3e-2
+    lr: float = 2e-2
     warmup: int = 5
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     capacity: int = 64  #: M, entries per KV head; M_global = n_layers x kv_heads x M
     capacity_weight: float = 1.0
     #: rate of the capacity weight's adaptation (0: a fixed weight)
-    capacity_adapt: float = 1.0
+    capacity_adapt: float = 0.0
+    #: weight kappa of the two-sided budget term kappa x (r - 1)^2 (0: none)
+    budget_weight: float = 10.0
     intermediate: int = 64
     bias_init: float | str = "auto"
     shared: bool = True
@@ -182,6 +186,8 @@ class Recipe:
             raise InputError("--schedule", f"unknown schedule {self.schedule!r}", f"use one of: {', '.join(SCHEDULES)}")
         if not 0.0 <= self.min_lr <= 1.0:
             raise InputError("--min-lr", f"{self.min_lr} is not in [0, 1]", "use a fraction of --lr, e.g. 0.1")
+        if not (self.budget_weight >= 0 and math.isfinite(self.budget_weight)):
+            raise InputError("--budget-weight", f"must be >= 0, got {self.budget_weight}", "use e.g. 10 (0: none)")
         if not (self.capacity_adapt >= 0 and math.isfinite(self.capacity_adapt)):
             raise InputError("--capacity-adapt", f"must be >= 0, got {self.capacity_adapt}", "use e.g. 1 (0: fixed)")
         if self.capacity_adapt > 0 and not WEIGHT_RANGE[0] <= self.capacity_weight <= WEIGHT_RANGE[1]:
@@ -201,6 +207,7 @@ class Recipe:
         data = d.get("data", {})
         kw = {k: v for k, v in d.items() if k in names and k != "data"}
         kw.setdefault("bias_init", 8.0)  # recipes written before "auto" recorded the number
+        kw.setdefault("budget_weight", 0.0)  # nor the budget term
         return cls(**kw, data=DataSpec(seq_len=data["seq_len"], text=data["text"], text_fraction=data["text_fraction"],
                                        tasks=tuple(data["tasks"])))
 
@@ -222,6 +229,8 @@ class StepLog:
     retained_mean: float = float("nan")
     #: the capacity weight lambda_s this step used
     capacity_weight: float = float("nan")
+    #: the two-sided budget term (retained_mean - 1)^2 (unweighted; 0 when the recipe has none)
+    budget: float = 0.0
     wall_s: float = 0.0
     cpu_s: float = 0.0
 
@@ -299,7 +308,7 @@ def _next_weight(recipe: Recipe, weight: float, retained_mean: float) -> float:
 
 def train_step(model: torch.nn.Module, gates: RetentionGates, ids: torch.Tensor, lengths: torch.Tensor,
                m_global: float, capacity_weight: float,
-               teacher: TeacherTargets | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+               teacher: TeacherTargets | None = None, budget_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
     """Forward the student (and the teacher, unless its cached ``teacher`` targets for these
     ``ids`` are given: then the KL is the top-k one) and return ``(loss, terms)`` (``loss``
     requires grad when the gates do). ``ids (b, T)``, ``lengths (b,)``."""
@@ -315,6 +324,9 @@ def train_step(model: torch.nn.Module, gates: RetentionGates, ids: torch.Tensor,
         ce, kl = topk_distillation_terms(student, ids, lengths, teacher.top_idx, teacher.top_logp, teacher.tail_logp)
     cap = capacity_loss(lbs, m_global, lengths)
     loss = 0.5 * (ce + kl) + capacity_weight * cap
+    bud = budget_loss(lbs, m_global, lengths) if budget_weight else None
+    if bud is not None:
+        loss = loss + budget_weight * bud
     with torch.no_grad():
         s = retained_mass(lbs)
         real = torch.arange(ids.shape[1], device=ids.device)[None, :] < lengths[:, None]
@@ -322,12 +334,13 @@ def train_step(model: torch.nn.Module, gates: RetentionGates, ids: torch.Tensor,
         per_seq = per_sequence_retained(lbs, m_global, lengths)
         mean_lb = float(torch.stack([lb.mean() for lb in lbs]).mean())
     return loss, {"ce": float(ce.detach()), "kl": float(kl.detach()), "capacity": float(cap.detach()),
-                  "retained_ratio": ratio, "mean_log_beta": mean_lb, "retained_mean": float(per_seq.mean())}
+                  "retained_ratio": ratio, "mean_log_beta": mean_lb, "retained_mean": float(per_seq.mean()),
+                  "budget": float(bud.detach()) if bud is not None else 0.0}
 
 
 @torch.no_grad()
 def validate(model: torch.nn.Module, gates: RetentionGates, targets: TeacherTargets, m_global: float,
-             capacity_weight: float = 1.0, chunk: int = 4) -> dict[str, float]:
+             capacity_weight: float = 1.0, chunk: int = 4, budget_weight: float = 0.0) -> dict[str, float]:
     """The loss terms on fixed sequences (their cached teacher ``targets``), no grad, ``chunk``
     sequences per forward; means over the sequences' predicted positions (ce, kl) and over
     the sequences (capacity, ``retained_mean``: each sequence's ``max_t S_t / M_global``;
@@ -351,7 +364,8 @@ def validate(model: torch.nn.Module, gates: RetentionGates, targets: TeacherTarg
         ratios += per_sequence_retained(lbs, m_global, part.lengths).tolist()
     out = {"ce": acc["ce"] / weight_sum, "kl": acc["kl"] / weight_sum, "capacity": acc["capacity"] / n,
            "retained_mean": sum(ratios) / n, "retained_max": max(ratios)}
-    out["loss"] = 0.5 * (out["ce"] + out["kl"]) + capacity_weight * out["capacity"]
+    out["budget"] = (out["retained_mean"] - 1.0) ** 2
+    out["loss"] = 0.5 * (out["ce"] + out["kl"]) + capacity_weight * out["capacity"] + budget_weight * out["budget"]
     return out
 
 
@@ -435,7 +449,8 @@ def train_gates(
         if recipe.val and not any(v["step"] == step for v in validation):
             gates.eval()
             validation.append({"step": step, "capacity_weight": weight,
-                               **validate(model, gates, val_rows, m_global, weight, chunk=recipe.batch)})
+                               **validate(model, gates, val_rows, m_global, weight, chunk=recipe.batch,
+                                          budget_weight=recipe.budget_weight)})
             gates.train()
 
     done_here = 0
@@ -449,7 +464,8 @@ def train_gates(
             for group in opt.param_groups:
                 group["lr"] = lr
             batch = train_rows.rows(step_indices(recipe.seed, step, recipe.batch, recipe.pool), device)
-            loss, terms = train_step(model, gates, batch.ids, batch.lengths, m_global, weight, teacher=batch)
+            loss, terms = train_step(model, gates, batch.ids, batch.lengths, m_global, weight, teacher=batch,
+                                     budget_weight=recipe.budget_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(gates.parameters(), recipe.grad_clip)
