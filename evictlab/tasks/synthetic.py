@@ -38,8 +38,9 @@ Multi-question families (ours, in the style of RULER; :data:`MULTI_TASKS`)
       for KEY is COLOR." with distinct keys and colours; each question asks one key (one token).
     - ``keys_number``: the same with two-digit numbers, "The special magic number for KEY is
       42." (three tokens: the space and two digits).
-    - ``keys_tagged``: keys are tags "WORD-NN"; every asked tag has a near-miss needle with the
-      same word and another number ("apple-42" asked, "apple-17" a distractor), other colours.
+    - ``keys_tagged``: ``keys_number`` whose keys are tagged, "QUALIFIER NOUN"; every asked key
+      has a near-miss needle with the same noun and another qualifier ("north apple" asked,
+      "quiet apple" a distractor), other numbers.
     - ``values_word`` (RULER's multi-value): two needles "One of the special magic colors for
       KEY is COLOR." per key; a question asks for both, answer "COLOR and COLOR" in order of
       appearance (three tokens).
@@ -56,6 +57,9 @@ Multi-question families (ours, in the style of RULER; :data:`MULTI_TASKS`)
       (:mod:`evictlab.tasks.texts`, the captured part before the held-out boundary) instead of
       the noise filler, the needles on lines of their own; colours that occur in the window
       (any case) are never used.
+    - ``keys_number_prose``: ``keys_number`` in such a window (two-digit numbers; the plays
+      hold no digits in the windows we draw, and none of the asked numbers is in the window,
+      tested).
 
 Fact labels (ours; used by :mod:`evictlab.dilution`)
     Every inserted needle or assignment is a :class:`Fact`: its character span in the
@@ -80,8 +84,9 @@ from evictlab.errors import InputError
 from evictlab.tasks.corpus import encode
 
 #: The multi-question families (module docstring) and the most questions one context can carry.
-MULTI_TASKS: dict[str, int] = {"keys_word": 10, "keys_number": 14, "keys_tagged": 6, "values_word": 6,
-                               "query_word": 6, "vt_chains": 8, "lines": 20, "keys_word_prose": 10}
+MULTI_TASKS: dict[str, int] = {"keys_word": 10, "keys_number": 14, "keys_tagged": 8, "values_word": 6,
+                               "query_word": 6, "vt_chains": 8, "lines": 20, "keys_word_prose": 10,
+                               "keys_number_prose": 14}
 #: Questions per context of a multi-question family when none is asked for.
 QUESTIONS = 4
 TASKS = ("needle", "multi_needle", "multi_key", "variable_tracking", "needle_word", "multi_key_word", "multi_value",
@@ -97,6 +102,9 @@ _KEYS = ("apple", "river", "candle", "tiger", "garden", "piano", "castle", "rock
 # them in the filler (which says green, blue and yellow).
 _COLORS = ("red", "gold", "pink", "gray", "black", "white", "brown", "purple", "orange", "silver", "violet", "amber")
 _VARS = ("QXR", "BLM", "TZK", "WFP", "NDV", "HGS", "YCJ", "PUE", "KRO", "MZA", "SLT", "VOB")
+#: Qualifiers of ``keys_tagged``'s keys (no colour among them: colours are answers elsewhere).
+_QUALIFIERS = ("old", "tiny", "north", "quiet", "wild", "broken", "hidden", "early", "lucky", "frozen",
+               "bright", "secret", "royal", "plain", "dusty", "south")
 #: Variable names of ``vt_chains`` (three per chain, so 24 names for its 8 chains at most).
 _CHAIN_VARS = (*_VARS, "DQA", "FEX", "GWI", "JNU", "LPY", "RVC", "UBH", "XKM", "ZOT", "CIW", "EYN", "ASF")
 #: Words of ``lines``: one token after a space in both registry tokenizers (tested), none in the filler.
@@ -297,15 +305,19 @@ def _pick(rng: np.random.Generator, pool: tuple[str, ...], k: int) -> list[str]:
     return [str(x) for x in rng.choice(pool, size=k, replace=False)]
 
 
-def _key_needles(task: str, rng: np.random.Generator, q: int, colors: tuple[str, ...]
-                 ) -> tuple[list[str], list[Question]]:
+_NUMBERS = tuple(range(10, 100))
+
+
+def _key_needles(task: str, rng: np.random.Generator, q: int, colors: tuple[str, ...],
+                 numbers: tuple[int, ...] = _NUMBERS) -> tuple[list[str], list[Question]]:
     """Needles and questions of the needle families (all but ``lines``), needles in order of
-    appearance; a question's ``asked`` indexes ``needles``."""
+    appearance, values drawn from ``colors`` or ``numbers``; a question's ``asked`` indexes
+    ``needles``."""
     color_q = "What is the special magic color for {k}? Answer: The special magic color for {k} is"
-    if task in ("keys_word", "keys_word_prose", "keys_number"):
+    if task in ("keys_word", "keys_word_prose", "keys_number", "keys_number_prose"):
         keys = _pick(rng, _KEYS, q + 2)
-        if task == "keys_number":
-            vals = [str(v) for v in rng.choice(np.arange(10, 100), size=len(keys), replace=False)]
+        if task in ("keys_number", "keys_number_prose"):
+            vals = [str(v) for v in rng.choice(np.asarray(numbers), size=len(keys), replace=False)]
             needle = "The special magic number for {k} is {v}."
             ask = "What is the special magic number for {k}? Answer: The special magic number for {k} is"
         else:
@@ -314,19 +326,19 @@ def _key_needles(task: str, rng: np.random.Generator, q: int, colors: tuple[str,
         order = rng.choice(len(keys), size=q, replace=False)
         return needles, [Question(ask.format(k=keys[i]), vals[i], (vals[i],), (int(i),)) for i in order]
     if task == "keys_tagged":
-        words = _pick(rng, _KEYS, q)
-        tags = [str(t) for t in rng.choice(np.arange(10, 100), size=2 * q, replace=False)]
-        vals = _pick(rng, colors, 2 * q)
-        # key i: "word_i-tag_i" (asked), and its near miss "word_i-tag_{q+i}" (same word, other tag)
-        recs = [(f"{words[i % q]}-{tags[i]}", vals[i], i < q) for i in range(2 * q)]
-        perm = rng.permutation(2 * q)
-        recs = [recs[j] for j in perm]
-        needles = [f"The special magic color for {k} is {v}." for k, v, _ in recs]
-        where = {k: j for j, (k, _, _) in enumerate(recs)}
+        # key i: "QUALIFIER NOUN" (asked), and its near miss: the same noun, another qualifier
+        nouns = _pick(rng, _KEYS, q)
+        quals = _pick(rng, _QUALIFIERS, 2 * q)
+        vals = [str(v) for v in rng.choice(np.arange(10, 100), size=2 * q, replace=False)]
+        recs = [(f"{quals[i]} {nouns[i % q]}", vals[i]) for i in range(2 * q)]
+        recs = [recs[j] for j in rng.permutation(2 * q)]
+        needles = [f"The special magic number for {k} is {v}." for k, v in recs]
+        where = {k: j for j, (k, _) in enumerate(recs)}
+        ask = "What is the special magic number for {k}? Answer: The special magic number for {k} is"
         out = []
         for i in rng.permutation(q):
-            k = f"{words[i]}-{tags[i]}"
-            out.append(Question(color_q.format(k=k), vals[i], (vals[i],), (where[k],)))
+            k = f"{quals[i]} {nouns[i]}"
+            out.append(Question(ask.format(k=k), vals[i], (vals[i],), (where[k],)))
         return needles, out
     if task == "values_word":
         keys, vals = _pick(rng, _KEYS, q), _pick(rng, colors, 2 * q)
@@ -340,7 +352,7 @@ def _key_needles(task: str, rng: np.random.Generator, q: int, colors: tuple[str,
             at = tuple(j for j, o in enumerate(owner) if o == i)
             parts = tuple(vals[j] for j in at)
             out.append(Question(f"What are the special magic colors for {keys[i]}? Answer: The special magic "
-                                f"colors for {keys[i]} are", " and ".join(parts), parts, at))
+                                f"colors for {keys[i]} are:", ", ".join(parts), parts, at))
         return needles, out
     if task == "query_word":
         keys, vals = _pick(rng, _KEYS, 2 * q), _pick(rng, colors, 2 * q)
@@ -350,7 +362,7 @@ def _key_needles(task: str, rng: np.random.Generator, q: int, colors: tuple[str,
         for a, b in (tuple(int(x) for x in p) for p in pairs):
             both = f"{keys[a]} and {keys[b]}"
             out.append(Question(f"What are the special magic colors for {both}? Answer: The special magic colors "
-                                f"for {both} are", f"{vals[a]} and {vals[b]}", (vals[a], vals[b]), (a, b)))
+                                f"for {both} are:", f"{vals[a]}, {vals[b]}", (vals[a], vals[b]), (a, b)))
         return needles, out
     # vt_chains: q chains of three assignments, interleaved, each chain in order
     names, vals = _pick(rng, _CHAIN_VARS, 3 * q), _pick(rng, colors, q)
@@ -370,10 +382,11 @@ def _key_needles(task: str, rng: np.random.Generator, q: int, colors: tuple[str,
 
 
 def _prose_window(context_tokens: int, rng: np.random.Generator, need: int, field: str
-                  ) -> tuple[list[str], tuple[str, ...]]:
+                  ) -> tuple[list[str], tuple[str, ...], tuple[int, ...]]:
     """Whole lines of a seeded Shakespeare window (about ``context_tokens`` tokens, more than
-    enough) and the colours absent from them (case-insensitive whole words), at least
-    ``need`` of them: windows with fewer are drawn again (at most 32 tries)."""
+    enough), the colours absent from them (case-insensitive whole words), at least ``need``
+    of them (windows with fewer are drawn again, at most 32 tries), and the two-digit
+    numbers absent from them."""
     from evictlab.tasks.texts import load_text_source
 
     docs = load_text_source("shakespeare").documents
@@ -390,7 +403,8 @@ def _prose_window(context_tokens: int, rng: np.random.Generator, need: int, fiel
         text = "\n".join(lines)
         free = tuple(c for c in _COLORS if not re.search(rf"(?<!\w){c}(?!\w)", text, re.IGNORECASE))
         if len(free) >= need:
-            return lines, free
+            nums = tuple(v for v in _NUMBERS if not re.search(rf"(?<!\w){v}(?!\w)", text))
+            return lines, free, nums
     raise RuntimeError("32 Shakespeare windows in a row held too many colour words")  # never seen
 
 
@@ -427,9 +441,9 @@ def _make_multi(task: str, context_tokens: int, tokenizer: Any, seed: int, q: in
                 field: str) -> TaskExample:
     if task == "lines":
         context, needles, qs = _lines_context(tokenizer, context_tokens, rng, q, field)
-    elif task == "keys_word_prose":
-        lines, free = _prose_window(context_tokens, rng, q + 2, field)
-        needles, qs = _key_needles(task, rng, q, free)
+    elif task in ("keys_word_prose", "keys_number_prose"):
+        lines, free, nums = _prose_window(context_tokens, rng, q + 2 if task == "keys_word_prose" else 0, field)
+        needles, qs = _key_needles(task, rng, q, free, nums)
         depths = np.sort(rng.uniform(0.05, 0.95, size=len(needles)))
         context, _ = _fit_lines(tokenizer, lines, needles, depths, context_tokens, field)
     else:
