@@ -61,7 +61,7 @@ def test_asked_rule_per_task() -> None:
     for task in TASKS:
         ex = make_task(task, 500, None, 11)
         counts[task] = [f.asked for f in ex.facts]
-        assert all(f.kind == ("assignment" if task == "variable_tracking" else "needle") for f in ex.facts)
+        assert all(f.kind == ("assignment" if task in ("variable_tracking", "vt_chains") else "needle") for f in ex.facts)
     assert counts["needle"] == [True]
     assert counts["multi_needle"] == [True] * 4
     assert sorted(counts["multi_key"]) == [False, False, False, True]  # near-miss needles are not asked

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from evictlab.tasks.corpus import encode, heldout_split
-from evictlab.tasks.synthetic import TASKS, Fact, Question, TaskExample, fact_token_spans, make_task
+from evictlab.tasks.synthetic import TASKS, Fact, Question, TaskExample, check_questions, fact_token_spans, make_task
 from evictlab.errors import InputError
 
 __all__ = [
@@ -170,19 +170,23 @@ def score_exact_match(prediction: str, answer: str) -> float:
 
 
 def task_suite(
-    names: Sequence[str], n: int, context_tokens: int, tokenizer: Any, seed: int,
+    names: Sequence[str], n: int, context_tokens: int, tokenizer: Any, seed: int, *, questions: int | None = None,
 ) -> list[TaskPrompt]:
     """``n`` seeded examples of each task in ``names``, tokenised (ordered by task, then index).
 
     Example ``i`` of a suite with ``seed`` uses ``seed * 1_000_003 + i`` (``make_task`` also
     mixes in the task), so suites are reproducible and a larger ``n`` extends a smaller one.
+    ``questions``: questions per context of the multi-question families
+    (:func:`~evictlab.tasks.synthetic.check_questions`; None: each task's default, 1 for the
+    single-question tasks).
     """
     unknown = [t for t in names if t not in TASKS]
     if unknown:
         raise InputError("tasks", f"unknown task(s) {unknown}", f"use some of: {', '.join(TASKS)}")
     if n < 1:
         raise InputError("n", f"{n} examples", "use n >= 1")
-    return [tokenize_task(make_task(t, context_tokens, tokenizer, seed * 1_000_003 + i), tokenizer)
+    return [tokenize_task(make_task(t, context_tokens, tokenizer, seed * 1_000_003 + i, questions=questions),
+                          tokenizer)
             for t in names for i in range(n)]
 
 
@@ -235,8 +239,10 @@ HELDOUT_PPL = "heldout_ppl"
 """The fidelity task of the evaluation grid: perplexity on held-out Shakespeare windows."""
 EVAL_TASKS: tuple[str, ...] = (*TASKS, HELDOUT_PPL)
 """Every task name the evaluation grid accepts: the synthetic task families and ``heldout_ppl``."""
-RETRIEVAL_TASKS: tuple[str, ...] = tuple(t for t in TASKS if t != "variable_tracking")
-"""The tasks whose answer is copied from one or more inserted facts (the needle family)."""
+RETRIEVAL_TASKS: tuple[str, ...] = tuple(t for t in TASKS if t not in ("variable_tracking", "vt_chains"))
+"""The tasks whose answer is copied from one or more inserted facts found by their key (the
+needle family, ``lines`` included; not the variable-tracking tasks, whose answer needs a chain
+of facts followed)."""
 
 
 @dataclass(frozen=True)
@@ -271,16 +277,20 @@ class EvalExample:
 
 
 def eval_examples(task: str, n: int, context_tokens: int, tokenizer: Any, seed: int, *,
-                  target_tokens: int = 32) -> list[EvalExample]:
+                  target_tokens: int = 32, questions: int | None = None) -> list[EvalExample]:
     """``n`` seeded examples of ``task`` (one of :data:`EVAL_TASKS`) for the evaluation grid.
 
     Synthetic tasks: example ``i`` is :func:`task_suite`'s (seed ``seed * 1_000_003 + i``),
     the answer ids are ``encode_text(" " + answer)`` (no BOS: the continuation of the
-    answer prefix). ``heldout_ppl``: :func:`heldout_windows` of ``context_tokens +
-    target_tokens`` tokens (window ``i`` from ``default_rng([seed, i])``), split as context
-    = all but the last context token, question = that token, answer = the targets.
+    answer prefix). A multi-question family (``questions`` per context, its default when
+    None) fills ``question_set`` with every question's ``question_ids`` and ``answer_ids``
+    (the same rule), the first equal to the example's own fields. ``heldout_ppl``:
+    :func:`heldout_windows` of ``context_tokens + target_tokens`` tokens (window ``i`` from
+    ``default_rng([seed, i])``), split as context = all but the last context token, question
+    = that token, answer = the targets (one question; ``questions`` must be None or 1).
     """
     if task == HELDOUT_PPL:
+        check_questions(task, questions)
         if context_tokens < 2:
             raise InputError("context_tokens", f"{context_tokens} tokens", "use at least 2 context tokens")
         wins = heldout_windows(tokenizer, n, context_tokens, target_tokens, seed)
@@ -291,4 +301,4 @@ def eval_examples(task: str, n: int, context_tokens: int, tokenizer: Any, seed: 
     return [EvalExample(task, i, seed * 1_000_003 + i, p.context_ids, p.question_ids,
                         encode_text(tokenizer, " " + p.answer, special=False), p.answer,
                         context_text=p.context_text, facts=p.facts, question_set=p.question_set)
-            for i, p in enumerate(task_suite([task], n, context_tokens, tokenizer, seed))]
+            for i, p in enumerate(task_suite([task], n, context_tokens, tokenizer, seed, questions=questions))]
