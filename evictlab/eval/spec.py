@@ -317,6 +317,10 @@ class GridSpec:
             raise InputError("ppl_target", f"{self.target_tokens} target tokens", "use at least 1")
         if self.prefill not in PREFILLS:
             raise InputError("prefill", f"unknown prefill {self.prefill!r}", f"use one of: {', '.join(PREFILLS)}")
+        if self.prefill == ONE_PASS and self.loop.chunk_size != LoopSettings().chunk_size:
+            # a one-pass prefill has no chunk: one value for every one-pass grid, so the
+            # manifest and the cells' keys do not depend on a setting that changes nothing
+            object.__setattr__(self, "loop", replace(self.loop, chunk_size=LoopSettings().chunk_size))
         if self.questions is not None and (isinstance(self.questions, bool) or self.questions < 1):
             raise InputError("questions", f"{self.questions} questions per context",
                              "use 1 or more (or leave it out: every question the task asks)")
