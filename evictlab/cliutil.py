@@ -13,6 +13,12 @@
   complete on disk; an interrupt after that point (Ctrl-C while the summary prints) no
   longer reports the run as interrupted: it exits 0 with one note (:mod:`evictlab.cli`).
 
+* **Config files** (:func:`read_config`, :func:`apply_config`): a command that takes
+  ``--config FILE.toml`` reads its keys (an option's name without its dashes,
+  ``--compress-every`` -> ``compress_every``) as values of those options; an option given on
+  the command line overrides the file; an unknown key is refused, naming it and the valid
+  ones. The file's path, SHA-256 and keys go into the run record (:meth:`ConfigFile.record`).
+
 * **One vocabulary** (docs/architecture.md, "CLI conventions"): ``--budget`` is always a KV
   budget text, ``--keep`` the keys kept per attention row, ``--protocol`` the protocol,
   ``--store`` how the KV cache is held, ``--quiet`` (:data:`QUIET`) silences progress. Option
@@ -24,15 +30,17 @@ Errors are :class:`~evictlab.errors.InputError` naming the option (exit code 2 t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import typer
 
 from evictlab.errors import InputError, refuse_duplicates
 
-__all__ = ["QUIET", "RENAMED", "outputs_written", "parse_ints", "parse_list", "refuse_unused", "renamed_options",
-           "written_outputs"]
+__all__ = ["CONFIG_KINDS", "QUIET", "RENAMED", "ConfigFile", "apply_config", "given", "outputs_written", "parse_ints",
+           "parse_list", "read_config", "refuse_unused", "renamed_options", "written_outputs"]
 
 #: Outputs the running command has declared complete (:func:`outputs_written`).
 _WRITTEN: list[str] = []
@@ -94,6 +102,100 @@ def refuse_unused(ctx: Any, param: str, option: str, applies: bool, needs: str) 
     e.g. ``"--values clustered"``."""
     if not applies and given(ctx, param):
         raise InputError(option, f"only applies with {needs}", f"drop {option}, or pass {needs}")
+
+
+#: What a config file's key may hold: ``list`` (a TOML array of strings or numbers, or a
+#: comma-separated string: the option's text, as on the command line), ``strings`` (a string
+#: or an array of strings: a repeatable option), ``int``, ``str``, ``bool``, ``path``.
+CONFIG_KINDS = ("list", "strings", "int", "str", "bool", "path")
+
+
+@dataclass(frozen=True)
+class ConfigFile:
+    """A config file as read by :func:`read_config`: its ``path`` (as given), the SHA-256 of
+    its bytes, ``values`` (key -> value converted to what the option takes) and ``table``
+    (key -> value as written)."""
+
+    path: str
+    sha256: str
+    values: dict[str, Any]
+    table: dict[str, Any]
+
+    def record(self) -> dict[str, Any]:
+        """What a run record keeps of it: the path, its SHA-256 and the keys as written."""
+        return {"path": self.path, "sha256": self.sha256, "keys": dict(self.table)}
+
+
+def _config_value(value: Any, kind: str, key: str, path: Path, option: str) -> Any:
+    def bad(what: str) -> InputError:
+        return InputError(option, f"{key} in {path} is {value!r}, not {what}", f"write {key} as {what}")
+
+    if kind == "list":
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and value and all(isinstance(v, (str, int)) and not isinstance(v, bool)
+                                                     for v in value):
+            return ",".join(str(v) for v in value)
+        raise bad("a list of values (e.g. [\"a\", \"b\"]) or a comma-separated string")
+    if kind == "strings":
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return list(value)
+        raise bad("a string or a list of strings")
+    if kind == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise bad("a whole number")
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        raise bad("true or false")
+    if kind in ("str", "path"):
+        if isinstance(value, str):
+            return Path(value) if kind == "path" else value
+        raise bad("a string")
+    raise ValueError(f"unknown config kind {kind!r}")
+
+
+def read_config(path: str | Path, keys: Mapping[str, str], option: str = "--config") -> ConfigFile:
+    """Read the TOML file ``path`` whose keys may be those of ``keys`` (key -> one of
+    :data:`CONFIG_KINDS`), each value checked and converted (see :data:`CONFIG_KINDS`).
+    :class:`InputError` on ``option``: no such file, not TOML, an unknown key (naming it
+    and the valid ones), a value of the wrong kind (naming the key)."""
+    import hashlib
+    import tomllib
+
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(option, f"{p} is not a file", "pass a TOML config file, e.g. experiments/smoke.toml")
+    data = p.read_bytes()
+    try:
+        table = tomllib.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise InputError(option, f"{p} is not a TOML file ({exc})", "fix the file's syntax (key = value lines)") from None
+    unknown = [k for k in table if k not in keys]
+    if unknown:
+        raise InputError(option, f"unknown key {unknown[0]!r} in {p}", f"use some of: {', '.join(keys)}")
+    values = {k: _config_value(v, keys[k], k, p, option) for k, v in table.items()}
+    return ConfigFile(str(p), hashlib.sha256(data).hexdigest(), values, table)
+
+
+def apply_config(ctx: Any, params: dict[str, Any], config: ConfigFile | None,
+                 names: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """``params`` (a command's parameter values, by Python name) with every key of ``config``
+    applied where its option was not given on the command line (:func:`given`): the command
+    line overrides the file. ``names`` maps a key to its parameter's name where they differ
+    (``budget`` -> ``budgets``)."""
+    out = dict(params)
+    if config is None:
+        return out
+    names = names or {}
+    for key, value in config.values.items():
+        param = names.get(key, key)
+        if not given(ctx, param):
+            out[param] = value
+    return out
 
 
 def outputs_written(*paths: Any) -> None:

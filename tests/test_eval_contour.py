@@ -145,8 +145,9 @@ def test_the_share_interval_is_the_engines_percentile_interval() -> None:
 
 
 def test_traced_grid_writes_the_per_compression_diagnostics(tmp_path) -> None:
-    """``trace=True``: every evicting cell's compressions, labelled by cell and example, in
-    parts/<key>.trace.parquet and trace.parquet; the cell keys of untraced grids are unchanged."""
+    """``trace=True``: every evicting cell's compressions, labelled by cell, example and
+    question, in parts/<unit key>.trace.parquet (one-pass: a context unit's cells) and
+    trace.parquet; the cell keys of untraced grids are unchanged."""
     import torch
 
     from evictlab.capture.testing import save_tiny_folder
@@ -166,11 +167,17 @@ def test_traced_grid_writes_the_per_compression_diagnostics(tmp_path) -> None:
     t = pl.read_parquet(tmp_path / "g" / TRACE)
     cells = [c for c in traced.cells() if not c.is_full]
     assert set(t["cell"]) == {c.key for c in cells} and set(t["example"]) == {0, 1}
+    for u in traced.units():
+        assert pl.read_parquet(trace_path(tmp_path / "g", u)).equals(
+            t.filter(pl.col("example") == u.example))  # the unit's part: its example's compressions
     for c in cells:
-        part = pl.read_parquet(trace_path(tmp_path / "g", c))
+        part = t.filter(pl.col("cell") == c.key)
         assert part.height and (part["kept"] <= part["held"]).all()
+        # the context's compression is shared by the questions (question null), the rest are each question's
+        assert part.filter(pl.col("compression") == 0)["question"].null_count() == part.filter(
+            pl.col("compression") == 0).height
         # after each compression the cells hold the budget in total (12 per cell on average)
-        per = part.group_by(["example", "compression"]).agg(pl.col("kept").sum())
+        per = part.group_by(["example", "question", "compression"]).agg(pl.col("kept").sum())
         assert (per["kept"] == 12 * part.select("layer", "kv_head").unique().height).all()
         assert part["es_hat"].drop_nulls().len() > 0  # the selection ceiling was measured
     res = pl.read_parquet(tmp_path / "g" / "results.parquet")

@@ -23,7 +23,7 @@ from evictlab.eval.runner import RESULT_COLUMNS, clear_caches, run_cell
 from evictlab.eval.spec import GridSpec, LoopSettings
 
 LOOP = LoopSettings(sinks=2, recent=8, chunk_size=64, compress_every=8, window=16, block_size=8)
-VOLATILE = ["wall_s"]  # everything else is a pure function of the grid
+VOLATILE = ["wall_s", "prefill_s"]  # everything else is a pure function of the grid
 
 
 @pytest.fixture(scope="module")
@@ -137,10 +137,13 @@ def test_results_one_row_per_cell_and_example(grid) -> None:
     assert full["kl"].to_list() == [0.0] * full.height and full["top1_agreement"].to_list() == [1.0] * full.height
     assert set(full["protocol"]) == {"none"} and full["budget"].null_count() == full.height
     ev = res.filter(pl.col("method") != "full")
-    for col in ("protocol", "mode", "chunk_size", "budget_unit", "budget_value", "bytes_live", "bytes_allocated",
-                "bytes_full", "bytes_live_peak", "scorer_params", "allocator_params"):
+    for col in ("protocol", "mode", "prefill", "budget_unit", "budget_value", "bytes_live", "bytes_allocated",
+                "bytes_full", "bytes_live_peak", "scorer_params", "allocator_params", "prefill_s"):
         assert ev[col].null_count() == 0, col
-    assert set(ev["chunk_size"]) == {64} and set(ev["budget"]) == {"24/cell"}
+    # one-pass (the default): no chunk size; one question per context in today's tasks
+    assert set(res["prefill"]) == {"one-pass"} and res["chunk_size"].null_count() == res.height
+    assert set(res["question"]) == {0} and set(res["questions"]) == {1}
+    assert set(ev["budget"]) == {"24/cell"}
     # uniform mode ran the same scorer with equal sizes
     uni = ev.filter(pl.col("mode") == "uniform")
     assert set(uni["allocator"]) == {"uniform"} and set(uni["method"]) == {"snapkv+adakv"}
@@ -174,7 +177,8 @@ def test_rerun_resumes_and_a_different_grid_is_refused(grid, tiny: Path) -> None
     spec, out = grid
     before = (out / RESULTS).stat().st_mtime_ns
     r = run_grid(spec, out)
-    assert (r.ran, r.resumed) == (0, len(spec.cells()))
+    assert (r.ran, r.resumed) == (0, len(spec.units()))
+    assert len(spec.units()) == 2 * spec.n  # one-pass: a unit per (task, example)
     assert (out / RESULTS).stat().st_mtime_ns >= before
     with pytest.raises(InputError) as e:
         run_grid(_spec(tiny, budgets=["20"]), out)
@@ -224,6 +228,12 @@ BAD_RUNS = [
     (["--chunk", "0"], "--chunk"),
     (["--protocol", ""], "--protocol"),
     (["--device", "tpu"], "--device"),
+    (["--chunk", "64"], "--chunk"),  # a one-pass prefill has no chunk
+    (["--prefill", "sliced"], "--prefill"),
+    (["--questions", "0"], "--questions"),
+    (["--workers", "0"], "--workers"),
+    (["--workers", "2", "--executor", "ray"], "--workers"),
+    (["--config", "no-such-file.toml"], "--config"),
 ]
 
 
@@ -311,31 +321,31 @@ def test_two_runs_on_one_folder(tmp_path: Path, tiny: Path) -> None:
 
 
 def test_killed_run_resumes_to_identical_results(tmp_path: Path, tiny: Path) -> None:
-    """SIGKILL mid-grid (no cleanup at all), rerun: the same results as an uninterrupted run."""
+    """SIGKILL mid-grid (no cleanup at all), rerun: the same results as an uninterrupted run
+    (one-pass: the parts are context units, each with every cell's rows of one example)."""
     args = ["eval", "run", "--models", str(tiny), "--tasks", "needle,multi_key", "--context", "160",
             "--budget", "24", "--methods", "snapkv+adakv,h2o", "--store", "physical,uniform,masked",
-            "--protocol", "query-agnostic,query-aware", "--n", "2", "--seed", "3", "--sinks", "2", "--recent", "8",
-            "--chunk", "64", "--compress-every", "8", "--window", "16", "--block-size", "8", "--threads", "1",
-            "--quiet"]
+            "--protocol", "query-agnostic,query-aware", "--n", "3", "--seed", "3", "--sinks", "2", "--recent", "8",
+            "--compress-every", "8", "--window", "16", "--block-size", "8", "--threads", "1", "--quiet"]
     env = {**os.environ, "EVICTLAB_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     killed = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, "-m", "evictlab.cli", *args, "--out", str(killed)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
-        if len(list((killed / PARTS).glob("*.parquet"))) >= 3 if (killed / PARTS).is_dir() else False:
+        if len(list((killed / PARTS).glob("*.parquet"))) >= 1 if (killed / PARTS).is_dir() else False:
             break
         time.sleep(0.05)
     assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     done = len(list((killed / PARTS).glob("*.parquet")))
-    assert (killed / MANIFEST).is_file() and not (killed / RESULTS).exists() and done >= 3
+    spec = _spec(tiny, n=3)
+    assert (killed / MANIFEST).is_file() and not (killed / RESULTS).exists() and 1 <= done < len(spec.units())
     # resume and the reference run in-process (the same run_grid as the CLI; saves two
     # interpreter start-ups, which dominate this test's time on a busy machine)
-    spec = _spec(tiny)
     r = run_grid(spec, killed)
-    assert r.resumed == done and r.ran == len(spec.cells()) - done
+    assert r.resumed == done and r.ran == len(spec.units()) - done
     assert not [p for p in (killed / PARTS).iterdir() if p.name.endswith(".tmp")]
     ref = tmp_path / "ref"
     run_grid(spec, ref)
@@ -347,10 +357,11 @@ def test_killed_run_resumes_to_identical_results(tmp_path: Path, tiny: Path) -> 
 def test_interrupt_then_rerun_and_compare(tmp_path: Path, tiny: Path, capsys: pytest.CaptureFixture[str],
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C halfway: exit 130 with the resume hint; the rerun finishes; compare writes
-    the table, the report, the figures and refuses to overwrite without --overwrite."""
+    the table, the report, the figures and refuses to overwrite without --overwrite (the
+    chunked prefill: the per-arm path, a part per cell)."""
     args = ["eval", "run", "--models", str(tiny), "--tasks", "needle", "--context", "160", "--budget", "16,24",
             "--methods", "snapkv+adakv,streaming_llm", "--store", "physical,uniform,masked", "--n", "2",
-            "--sinks", "2", "--recent", "8", "--chunk", "64", "--threads", "1", "--quiet", "--out", str(tmp_path / "g")]
+            "--sinks", "2", "--recent", "8", "--prefill", "chunked", "--chunk", "64", "--threads", "1", "--quiet", "--out", str(tmp_path / "g")]
     env = {**os.environ, "EVICTLAB_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "evictlab.cli", *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)

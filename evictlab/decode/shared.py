@@ -216,8 +216,8 @@ def answer_full(ctx: SharedContext, qas: Sequence[QA]) -> list[DecodeOutput]:
 
 
 def answer_arm(ctx: SharedContext, cfg: DecodeConfig, qas: Sequence[QA], *, tokenizer: Any = None,
-               protocol: str = "query-agnostic", extended: Callable[[QA], SharedContext] | None = None
-               ) -> list[DecodeOutput]:
+               protocol: str = "query-agnostic", extended: Callable[[QA], SharedContext] | None = None,
+               compression_trace: Any = None, numbers: Sequence[int] | None = None) -> list[DecodeOutput]:
     """One arm (``cfg``: physical or masked, any scorer and allocator) on every question of
     ``ctx``, under the one-pass ``protocol`` (module docstring). Returns one
     :class:`DecodeOutput` per question, as :func:`~evictlab.decode.loop.run_sequence` with
@@ -225,6 +225,11 @@ def answer_arm(ctx: SharedContext, cfg: DecodeConfig, qas: Sequence[QA], *, toke
 
     ``extended(qa)``: the query-aware prefix of a question (the context and the question
     but its last token), shared by the arms of one question; default: built here.
+    ``compression_trace``: a :class:`~evictlab.decode.trace.CompressionTrace` recording every
+    compression, its labels (:meth:`~evictlab.decode.trace.CompressionTrace.label`, set by
+    the caller) extended by ``question``: the question's number (``numbers[i]`` for
+    ``qas[i]``, default ``i``), or None for the context's compression that every question
+    shares (query-agnostic, not question-specific).
     """
     if cfg.mode == "full":
         raise InputError("mode", "the full cache is answer_full's", "pass an evicting mode (physical or masked)")
@@ -245,6 +250,14 @@ def answer_arm(ctx: SharedContext, cfg: DecodeConfig, qas: Sequence[QA], *, toke
     method = cfg.method
     assert method is not None  # an evicting config carries its method
     per_question = aware or method.question_specific
+    numbers = list(range(len(qas))) if numbers is None else list(numbers)
+    if len(numbers) != len(qas):
+        raise ValueError(f"{len(numbers)} question numbers for {len(qas)} questions")
+    labels = dict(compression_trace.labels) if compression_trace is not None else {}
+
+    def label(question: int | None) -> None:
+        if compression_trace is not None:
+            compression_trace.label(**labels, question=question)
 
     def tensors(qa: QA) -> tuple[torch.Tensor, torch.Tensor]:
         return (torch.tensor([qa.question_ids], dtype=torch.long, device=dev),
@@ -263,6 +276,8 @@ def answer_arm(ctx: SharedContext, cfg: DecodeConfig, qas: Sequence[QA], *, toke
     if not per_question:
         t0 = time.perf_counter()
         runner = build(None)
+        runner.compression_trace = compression_trace
+        label(None)
         trace: list[StepTrace] = []
         peak = [_rss()]
 
@@ -286,6 +301,7 @@ def answer_arm(ctx: SharedContext, cfg: DecodeConfig, qas: Sequence[QA], *, toke
                 t1 = time.perf_counter()
                 if i:
                     runner.restore(snap)
+                label(numbers[i])
                 q, a = tensors(qa)
                 own = list(trace)
                 logits, tokens, t_dec = answer(runner, q, a, a.shape[1], compress_every=cfg.loop.compress_every,
@@ -294,11 +310,13 @@ def answer_arm(ctx: SharedContext, cfg: DecodeConfig, qas: Sequence[QA], *, toke
                 outs.append(_output(runner, g, n, q, a, logits, tokens, own, peak[0],
                                     shared_s / len(qas) + now - t1, now - t_dec))
         return outs
-    for qa in qas:
+    for number, qa in zip(numbers, qas):
         t0 = time.perf_counter()
         q, a = tensors(qa)
         base = (extended(qa) if extended is not None else ctx.extended(q[:, :-1])) if aware else ctx
         runner = build(qa)
+        runner.compression_trace = compression_trace
+        label(number)
         own: list[StepTrace] = []
         peak = [_rss()]
 

@@ -30,14 +30,29 @@ RUN_OPTIONS = {
     "question_ids": "--protocol", "n": "--n", "seed": "--seed", "threads": "--threads", "scorer_param": "--scorer-param",
     "allocator_param": "--allocator-param", "ppl_target": "--ppl-target", "out": "--out", "chunk_size": "--chunk",
     "compress_every": "--compress-every", "window": "--window", "block_size": "--block-size", "sinks": "--sinks",
-    "recent": "--recent",
+    "recent": "--recent", "prefill": "--prefill", "questions": "--questions", "question": "--questions",
 }
 COMPARE_OPTIONS = {"tie_rule": "--tie-rule", "tolerance": "--tolerance", "level": "--level", "n_boot": "--n-boot",
                    "results": "GRID", "out": "--out"}
 
 
+#: The keys of an ``eval run --config`` file (docs/evaluation.md, "Config files"): each is
+#: an option's name without its dashes, with the kind of value it takes
+#: (:data:`evictlab.cliutil.CONFIG_KINDS`).
+CONFIG_KEYS: dict[str, str] = {
+    "models": "list", "tasks": "list", "context": "list", "budget": "list", "methods": "list", "store": "list",
+    "protocol": "list", "prefill": "str", "questions": "int", "n": "int", "seed": "int", "out": "path",
+    "scorer_param": "strings", "allocator_param": "strings", "ppl_target": "int", "device": "str", "sinks": "int",
+    "recent": "int", "chunk": "int", "compress_every": "int", "window": "int", "block_size": "int",
+    "threads": "int", "workers": "int", "trace": "bool",
+}
+#: Config keys whose parameter is named otherwise (the option's plural spelling in Python).
+CONFIG_PARAMS = {"budget": "budgets", "store": "modes", "protocol": "protocols"}
+
+
 @eval_app.command("run")
 def run(
+    ctx: typer.Context,
     models: str = typer.Option("smollm2-135m", "--models", "--model",
                                help="comma-separated models: registry names, local HF folders or hub ids"),
     tasks: str = typer.Option("needle", "--tasks", "--task", help="comma-separated tasks (docs/evaluation.md): needle, multi_key, multi_needle, "
@@ -54,61 +69,58 @@ def run(
     protocols: str = typer.Option(None, "--protocol", show_default=False,
                                   help="protocols, comma-separated: query-agnostic, query-aware (default "
                                        "query-agnostic) (formerly --protocols)"),
-    n: int = typer.Option(10, "--n", help="seeded examples per (task, context)"),
+    prefill: str = typer.Option("one-pass", "--prefill",
+                                help="one-pass (the context fed once and compressed after it; one prefill per "
+                                     "context shared by every arm) or chunked (the per-arm path: each arm feeds the "
+                                     "context in --chunk pieces, compressing after each)"),
+    questions: Optional[int] = typer.Option(None, "--questions", show_default=False,
+                                            help="questions answered per context, the first ones (default: every "
+                                                 "question the task asks); one row per (cell, example, question)"),
+    n: int = typer.Option(10, "--n", help="seeded examples (contexts) per (task, context length)"),
     seed: int = typer.Option(0, "--seed", help="seed of the examples"),
-    out: Path = typer.Option(..., "--out", help="grid folder (created; rerun the same command to resume)"),
+    out: Optional[Path] = typer.Option(None, "--out", show_default=False,
+                                       help="grid folder (created; rerun the same command to resume); required, "
+                                            "here or as `out` in the --config file"),
+    config: Optional[Path] = typer.Option(None, "--config", show_default=False,
+                                          help="TOML file of this command's options (keys: the option names without "
+                                               "dashes, e.g. experiments/smoke.toml); options given here override it"),
     scorer_param: list[str] = LOOP_OPTIONS["scorer_param"], allocator_param: list[str] = LOOP_OPTIONS["allocator_param"],
     ppl_target: int = typer.Option(32, "--ppl-target", help="target tokens of a heldout_ppl window"),
     device: str = LOOP_OPTIONS["device"], sinks: int = LOOP_OPTIONS["sinks"], recent: int = LOOP_OPTIONS["recent"],
-    chunk: int = LOOP_OPTIONS["chunk"], compress_every: int = LOOP_OPTIONS["compress_every"],
+    chunk: int = typer.Option(256, "--chunk", help="with --prefill chunked: prefill chunk (tokens) between compressions"),
+    compress_every: int = LOOP_OPTIONS["compress_every"],
     window: int = LOOP_OPTIONS["window"], block_size: int = LOOP_OPTIONS["block_size"],
-    threads: int = typer.Option(0, "--threads", help="torch CPU threads (0 = torch default; with --executor ray: CPUs "
-                                "per cell task, 1 if 0)"),
+    threads: int = typer.Option(0, "--threads", help="torch CPU threads (0 = torch default; with --workers or "
+                                "--executor ray: threads per task, 1 if 0)"),
+    workers: int = EXECUTOR_OPTIONS["workers"],
     quiet: bool = QUIET,
     trace: bool = typer.Option(False, "--trace", help="also write per-compression diagnostics (OUT/trace.parquet: "
-                               "one row per (cell, example, compression, layer, KV head) with kept/held entries, the "
-                               "observation window's dropped mass, e(A), e(T_s), ES_hat; docs/methods.md)"),
+                               "one row per (cell, example, question, compression, layer, KV head) with kept/held "
+                               "entries, the observation window's dropped mass, e(A), e(T_s), ES_hat; docs/methods.md)"),
     executor: str = EXECUTOR_OPTIONS["executor"],
     address: Optional[str] = EXECUTOR_OPTIONS["address"],
 ) -> None:
     """Run (or resume) the grid models x tasks x contexts x budgets x methods x modes x protocols
-    x n examples; one row per (cell, example) in OUT/results.parquet. With --executor ray each
-    cell is one Ray task (models and full-cache references cached per worker); this process
-    writes the parts (docs/cluster.md)."""
-    from evictlab.errors import InputError
-    from evictlab.executor import check_executor
-    from evictlab.cliutil import parse_list
-    from evictlab.decode.config import LoopSettings
-    from evictlab.eval.spec import GridSpec
+    x n examples x their questions; one row per (cell, example, question) in OUT/results.parquet.
+    One-pass (default): each context is prefilled once and every arm answers from it. With
+    --workers N the units run in N local processes; with --executor ray each unit is one Ray
+    task (models cached per worker); this process writes the parts (docs/evaluation.md)."""
     from evictlab.io import check_output_path
-    from evictlab.methods import parse_assignments
     from evictlab.record import RunRecord
 
     with as_options(RUN_OPTIONS):
-        check_executor(executor, address)
-        out = check_output_path(out, "--out", directory=True)
-        if threads < 0:
-            raise InputError("--threads", f"must be >= 0, got {threads}", "pass 0 (torch default) or a thread count")
-        method_list = parse_list(methods, "--methods", "method")
-        evicting = any(m != "full" for m in method_list)
-        budget_list = parse_list(budgets, "--budget", "budget") if budgets is not None else (["64"] if evicting else [])
-        spec = GridSpec.build(
-            models=parse_list(models, "--models", "model"), tasks=parse_list(tasks, "--tasks", "task"),
-            contexts=parse_list(context, "--context", "context length"), methods=method_list,
-            budgets=budget_list, modes=None if modes is None else parse_list(modes, "--store", "store"),
-            protocols=None if protocols is None else parse_list(protocols, "--protocol", "protocol"), n=n, seed=seed,
-            loop=LoopSettings(sinks=sinks, recent=recent, chunk_size=chunk, compress_every=compress_every,
-                              window=window, block_size=block_size),
-            scorer_params=parse_assignments(scorer_param, "--scorer-param"),
-            allocator_params=parse_assignments(allocator_param, "--allocator-param"),
-            target_tokens=ppl_target, device=device, trace=trace)
+        spec, p, cfg_file = grid_of(ctx)
+        out = check_output_path(p["out"], "--out", directory=True)
+        threads = p["threads"]
         spec.check_models()
         from evictlab.models.loading import check_device
 
+        executor, workers, quiet = p["executor"], p["workers"], p["quiet"]
         if executor == "local":
-            check_device(device)  # a remote run's workers own the GPUs (checked there)
-        record = RunRecord(kind="eval.run", model=",".join(spec.models), seed=seed,
-                           config={**spec.to_dict(), "executor": executor})
+            check_device(spec.device)  # a remote run's workers own the GPUs (checked there)
+        record = RunRecord(kind="eval.run", model=",".join(spec.models), seed=spec.seed,
+                           config={**spec.to_dict(), "executor": executor, "workers": workers,
+                                   "config_file": None if cfg_file is None else cfg_file.record()})
 
         import torch
         from tqdm import tqdm
@@ -117,17 +129,18 @@ def run(
         from evictlab.executor import task_bar
         from evictlab.executor.commands import executor_for
 
-        if threads > 0:
+        in_process = executor == "local" and workers == 1
+        if threads > 0 and in_process:
             torch.set_num_threads(threads)
         bar: Any = None
 
         def on_start(total: int, done: int) -> None:
             nonlocal bar
-            if executor == "local":
+            if in_process:
                 bar = tqdm(total=total, initial=done, unit="ex", desc="eval", disable=True if quiet else None,
                            dynamic_ncols=True)
-            else:  # tasks (cells): done, running, queued, failed
-                bar = task_bar("eval", initial=done // spec.n, disable=quiet)
+            else:  # tasks (units): done, running, queued, failed
+                bar = task_bar("eval", initial=0, disable=quiet)
 
         def progress(k: int) -> None:
             if bar is not None:
@@ -137,16 +150,73 @@ def run(
             if bar is not None:
                 bar(counts)
 
-        with executor_for(executor, address) as ex:
-            remote = remote_cells(ex, threads, device, on_tasks) if executor != "local" else (None, None)
+        from evictlab.executor.processes import ProcessExecutor
+
+        pool = ProcessExecutor(workers, threads or 1) if workers > 1 else executor_for(executor, p["address"])
+        with pool as ex:
+            remote = (None, None) if in_process else remote_cells(ex, threads, spec.device, on_tasks)
             try:
                 res = run_grid(spec, out, progress=progress, on_start=on_start, record=record,
                                map_cells=remote[0], check_models=remote[1])
             finally:
                 if bar is not None:
                     bar.close()
-    typer.echo(f"{res.cells} cells ({res.ran} run now, {res.resumed} already done): {res.results}")
+    if spec.prefill == "one-pass":
+        typer.echo(f"{res.cells} cells over {res.units} contexts ({res.ran} contexts run now, {res.resumed} already "
+                   f"done): {res.results}")
+    else:
+        typer.echo(f"{res.cells} cells ({res.ran} run now, {res.resumed} already done): {res.results}")
     typer.echo(f"next: evictlab eval compare {out}")
+
+
+def grid_of(ctx: Any) -> tuple[Any, dict[str, Any], Any]:
+    """The grid ``eval run`` would run: ``(GridSpec, parameters, config file or None)`` from
+    the command's click context (its parameters, the ``--config`` file applied where an
+    option was not given on the command line), every typed value checked (InputError
+    naming the option), no model loaded. Tests and ``experiments/`` checks read a config
+    file's grid through it."""
+    from evictlab.cliutil import apply_config, given, parse_list, read_config
+    from evictlab.decode.config import LoopSettings
+    from evictlab.errors import InputError
+    from evictlab.eval.spec import GridSpec
+    from evictlab.executor import check_executor
+    from evictlab.methods import parse_assignments
+
+    config = ctx.params.get("config")
+    cfg_file = read_config(config, CONFIG_KEYS, "--config") if config is not None else None
+    p = apply_config(ctx, dict(ctx.params), cfg_file, CONFIG_PARAMS)
+    check_executor(p["executor"], p["address"])
+    if p["workers"] < 1:
+        raise InputError("--workers", f"{p['workers']} workers", "use --workers 1 (this process) or more (local processes)")
+    if p["workers"] > 1 and p["executor"] != "local":
+        raise InputError("--workers", f"starts local processes; with --executor {p['executor']} the cluster runs the "
+                         "units", "drop --workers (the cluster runs as many units as it has CPUs), or the --executor")
+    if p["out"] is None:
+        raise InputError("--out", "is required", "pass --out DIR (or out = \"DIR\" in the --config file)")
+    if p["threads"] < 0:
+        raise InputError("--threads", f"must be >= 0, got {p['threads']}", "pass 0 (torch default) or a thread count")
+    in_file = cfg_file is not None and "chunk" in cfg_file.values
+    if p["prefill"] == "one-pass" and (given(ctx, "chunk") or in_file):
+        where = "--chunk" if given(ctx, "chunk") else f"chunk in {cfg_file.path}"  # type: ignore[union-attr]
+        raise InputError("--chunk", f"{where} only applies with --prefill chunked (a one-pass prefill feeds the "
+                         "whole context at once)", "drop it, or pass --prefill chunked")
+    method_list = parse_list(p["methods"], "--methods", "method")
+    evicting = any(m != "full" for m in method_list)
+    budgets, modes, protocols = p["budgets"], p["modes"], p["protocols"]
+    budget_list = parse_list(budgets, "--budget", "budget") if budgets is not None else (["64"] if evicting else [])
+    spec = GridSpec.build(
+        models=parse_list(p["models"], "--models", "model"), tasks=parse_list(p["tasks"], "--tasks", "task"),
+        contexts=parse_list(p["context"], "--context", "context length"), methods=method_list,
+        budgets=budget_list, modes=None if modes is None else parse_list(modes, "--store", "store"),
+        protocols=None if protocols is None else parse_list(protocols, "--protocol", "protocol"), n=p["n"],
+        seed=p["seed"],
+        loop=LoopSettings(sinks=p["sinks"], recent=p["recent"], chunk_size=p["chunk"],
+                          compress_every=p["compress_every"], window=p["window"], block_size=p["block_size"]),
+        scorer_params=parse_assignments(p["scorer_param"], "--scorer-param"),
+        allocator_params=parse_assignments(p["allocator_param"], "--allocator-param"),
+        target_tokens=p["ppl_target"], device=p["device"], trace=p["trace"], prefill=p["prefill"],
+        questions=p["questions"])
+    return spec, p, cfg_file
 
 
 @eval_app.command("compare")

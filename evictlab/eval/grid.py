@@ -1,34 +1,39 @@
-"""Running a grid into a folder, cell by cell, resumably (:func:`run_grid`).
+"""Running a grid into a folder, unit by unit, resumably (:func:`run_grid`).
 
 Layout of ``DIR`` (docs/evaluation.md):
 
     DIR/grid.json          the manifest: format version, the GridSpec, every cell's key,
-                           the skipped combinations; written once the grid has passed the
-                           checks that need its models (:func:`preflight`), never changed
-    DIR/parts/<key>.parquet  one file per finished cell (atomic), rows of run_cell
-    DIR/results.parquet    every part, in the grid's cell order (written when all are done)
-    DIR/parts/<key>.trace.parquet, DIR/trace.parquet   with ``trace``: each evicting
-                           cell's per-compression diagnostics, and all of them in order
+                           every unit's key, the skipped combinations; written once the grid
+                           has passed the checks that need its models (:func:`preflight`),
+                           never changed
+    DIR/parts/<key>.parquet  one file per finished unit (atomic): a one-pass grid's context
+                           unit (one example of one (model, task, context): every cell's
+                           rows for it, :func:`evictlab.eval.runner.run_context`), a chunked
+                           grid's cell (:func:`evictlab.eval.runner.run_cell`)
+    DIR/results.parquet    every row, sorted by the grid's cell order, then example, then
+                           question (written when all units are done)
+    DIR/parts/<key>.trace.parquet, DIR/trace.parquet   with ``trace``: each unit's
+                           per-compression diagnostics, and all of them in unit order
     DIR/run_record.json    the run record (RunRecord), written last: marks a finished grid
 
 Every Parquet file here carries its checksum (:func:`evictlab.io.write_checked_parquet`). The
 parts are a part store (:mod:`evictlab.parts`, :func:`part_store`): a rerun with the same
-grid resumes: cells whose part exists and is intact (checksum, columns, one row per example)
-are not run again; a damaged part, or one without a checksum (an older evictlab), is named
-in one warning line, discarded and run again. A different
-grid into the same folder is refused (:class:`InputError` naming ``out``) with the fields
-that differ. A grid refused by :func:`preflight` writes nothing (the corrected command
-can use the same folder). One writer at a time (:func:`evictlab.io.exclusive_lock`). A killed run leaves
-finished parts and at most a temporary file (removed on the next run), never a part or
-``results.parquet`` that looks complete but is not.
+grid resumes: units whose part exists and is intact (checksum, columns, the unit's cells and
+examples, one row per question) are not run again; a damaged part, or one without a
+checksum (an older evictlab), is named in one warning line, discarded and run again. A
+different grid into the same folder is refused (:class:`InputError` naming ``out``) with the
+fields that differ. A grid refused by :func:`preflight` writes nothing (the corrected command
+can use the same folder). One writer at a time (:func:`evictlab.io.exclusive_lock`). A killed
+run leaves finished parts and at most a temporary file (removed on the next run), never a
+part or ``results.parquet`` that looks complete but is not.
 
-Executors: ``map_cells(fn, cells)`` yields ``(cell, frame)`` for every cell as each
-finishes (any order); the default runs them here, one after the other. With a remote
-executor (``executor=``, ``eval run --executor ray``) every cell is one task
-(:func:`run_cell_task`: :func:`evictlab.eval.runner.run_cell` on a worker, whose model and
-full-cache references are cached per worker process), the checks that need the models
-(:func:`preflight`) run as one task too (the driver needs no model and no GPU), and the
-driver writes the parts, as here (``docs/cluster.md``).
+Executors: ``map_cells(fn, units)`` yields ``(unit, frame)`` for every unit as each
+finishes (any order); the default runs them here, one after the other. With another
+executor (``executor=``: ``eval run --workers N``, local processes of one thread each, or
+``--executor ray``) every unit is one task (:func:`run_cell_task`: the unit on a worker,
+whose model, examples and references are cached per worker process), the checks that need
+the models (:func:`preflight`) run as one task too (the driver needs no model and no GPU),
+and the driver writes the parts, as here (``docs/cluster.md``).
 """
 
 from __future__ import annotations
@@ -41,58 +46,76 @@ from typing import Any
 import polars as pl
 
 from evictlab.errors import CorruptFileError, InputError
-from evictlab.eval.runner import RESULT_COLUMNS, check_context, check_lengths, load_cached, run_cell, run_cell_traced
-from evictlab.eval.spec import GRID_VERSION, CellSpec, GridSpec
+from evictlab.eval.runner import RESULT_COLUMNS, check_context, check_lengths, load_cached, run_unit
+from evictlab.eval.spec import GRID_VERSION, CellSpec, ContextUnit, GridSpec
 
-__all__ = ["CellTask", "CheckModels", "GridRun", "MapCells", "local_map", "preflight", "read_manifest", "remote_cells",
-           "run_cell_task", "run_grid", "write_manifest"]
+__all__ = ["CellTask", "CheckModels", "ContextTask", "GridRun", "MapCells", "local_map", "preflight", "read_manifest",
+           "remote_cells", "run_cell_task", "run_grid", "sort_results", "write_manifest"]
+
+Unit = CellSpec | ContextUnit
+"""A unit of work of a grid (:meth:`GridSpec.units`)."""
 
 MANIFEST = "grid.json"
 RESULTS = "results.parquet"
 TRACE = "trace.parquet"
 PARTS = "parts"
 
-MapCells = Callable[[Callable[..., pl.DataFrame], list[CellSpec]], Iterable[tuple[CellSpec, pl.DataFrame]]]
-"""``map_cells(run_cell, cells)`` -> ``(cell, frame)`` pairs as cells finish."""
+MapCells = Callable[[Callable[..., Any], list[Any]], Iterable[tuple[Any, Any]]]
+"""``map_cells(fn, units)`` -> ``(unit, result)`` pairs as units finish; ``fn(unit, progress)``
+returns the unit's frame (``(frame, trace)`` in a traced grid)."""
 
 
 @dataclass(frozen=True)
 class GridRun:
-    """What :func:`run_grid` did: the folder, the cells run now, resumed (already done)."""
+    """What :func:`run_grid` did: the folder, its cells and units (the cells of a chunked
+    grid, the context units of a one-pass one), the units run now and resumed (already done)."""
 
     out: Path
     cells: int
     ran: int
     resumed: int
     results: Path
+    units: int = 0
 
 
 def local_map(progress: Callable[[int], None] | None = None) -> MapCells:
-    """The local executor: cells one after the other in this process (``progress`` gets 1
-    per example)."""
+    """The local executor: units one after the other in this process (``progress`` gets 1
+    per (cell, example) done)."""
 
-    def map_cells(fn: Callable[..., pl.DataFrame], cells: list[CellSpec]) -> Iterator[tuple[CellSpec, pl.DataFrame]]:
-        for cell in cells:
-            yield cell, fn(cell, progress)
+    def map_cells(fn: Callable[..., Any], units: list[Any]) -> Iterator[tuple[Any, Any]]:
+        for unit in units:
+            yield unit, fn(unit, progress)
 
     return map_cells
 
 
 @dataclass(frozen=True)
 class CellTask:
-    """One remote task: ``cell`` on ``threads`` torch CPU threads."""
+    """One task of a chunked grid: ``cell`` on ``threads`` torch CPU threads."""
 
     cell: CellSpec
     threads: int
 
+    @property
+    def unit(self) -> CellSpec:
+        return self.cell
 
-def run_cell_task(task: CellTask) -> Any:
-    """:func:`~evictlab.eval.runner.run_cell` on a worker, with the task's torch threads
-    (:func:`~evictlab.eval.runner.run_cell_traced` for a traced cell: ``(frame, trace)``)."""
+
+@dataclass(frozen=True)
+class ContextTask:
+    """One task of a one-pass grid: the context ``unit`` on ``threads`` torch CPU threads."""
+
+    unit: ContextUnit
+    threads: int
+
+
+def run_cell_task(task: CellTask | ContextTask) -> Any:
+    """The task's unit on a worker (:func:`~evictlab.eval.runner.run_unit`), with the task's
+    torch threads (``(frame, trace)`` for a traced unit)."""
     import torch
 
     torch.set_num_threads(task.threads)
-    return run_cell_traced(task.cell) if _traced(task.cell) else run_cell(task.cell)
+    return run_unit(task.unit, None, _traced(task.unit))
 
 
 def preflight_task(task: tuple[GridSpec, list[CellSpec], int]) -> None:
@@ -110,8 +133,9 @@ CheckModels = Callable[[GridSpec, list[CellSpec]], None]
 
 def remote_cells(executor: Any, threads: int, device: str,
                  on_progress: Callable[..., None] | None = None) -> tuple[MapCells, CheckModels]:
-    """``(map_cells, check_models)`` over a remote executor (:mod:`evictlab.executor`): one
-    task per cell with ``threads`` CPUs (1 if 0) and one GPU when ``device`` is CUDA, and
+    """``(map_cells, check_models)`` over another executor (:mod:`evictlab.executor`: Ray, or
+    :class:`~evictlab.executor.processes.ProcessExecutor`): one task per unit with
+    ``threads`` CPUs (1 if 0) and one GPU when ``device`` is CUDA, and
     :func:`preflight` as one task; ``on_progress`` gets the executor's task counts."""
     import contextlib
 
@@ -119,13 +143,14 @@ def remote_cells(executor: Any, threads: int, device: str,
 
     spec = TaskSpec(cpus=threads or 1, gpus=1 if device.startswith("cuda") else 0)
 
-    def map_cells(fn: Callable[..., pl.DataFrame], cells: list[CellSpec]) -> Iterator[tuple[CellSpec, pl.DataFrame]]:
-        if fn is not run_cell and fn is not run_cell_traced:
-            raise ValueError("a remote executor runs run_cell (or run_cell_traced) only")
-        tasks = [CellTask(c, threads or 1) for c in cells]
+    def map_cells(fn: Callable[..., Any], units: list[Any]) -> Iterator[tuple[Any, Any]]:
+        if fn is not _run_unit:
+            raise ValueError("a remote executor runs the grid's units only")
+        tasks = [ContextTask(u, threads or 1) if isinstance(u, ContextUnit) else CellTask(u, threads or 1)
+                 for u in units]
         with contextlib.closing(executor.map(run_cell_task, tasks, spec=spec, on_progress=on_progress)) as it:
             for task, frame in it:
-                yield task.cell, frame
+                yield task.unit, frame
 
     def check_models(grid: GridSpec, cells: list[CellSpec]) -> None:
         list(executor.map(preflight_task, [(grid, cells, threads or 1)], spec=spec))
@@ -133,17 +158,24 @@ def remote_cells(executor: Any, threads: int, device: str,
     return map_cells, check_models
 
 
-def part_path(out: Path, cell: CellSpec) -> Path:
-    return out / PARTS / f"{cell.key}.parquet"
+def part_path(out: Path, unit: Unit) -> Path:
+    return out / PARTS / f"{unit.key}.parquet"
 
 
-def trace_path(out: Path, cell: CellSpec) -> Path:
-    """The per-compression diagnostics of a traced evicting cell."""
-    return out / PARTS / f"{cell.key}.trace.parquet"
+def trace_path(out: Path, unit: Unit) -> Path:
+    """The per-compression diagnostics of a traced unit (a context unit, an evicting cell)."""
+    return out / PARTS / f"{unit.key}.trace.parquet"
 
 
-def _traced(cell: CellSpec) -> bool:
-    return cell.trace and not cell.is_full
+def _traced(unit: Unit) -> bool:
+    if isinstance(unit, ContextUnit):
+        return any(c.trace for c in unit.evicting)
+    return unit.trace and not unit.is_full
+
+
+def _run_unit(unit: Unit, progress: Callable[[int], None] | None = None) -> Any:
+    """What a grid runs per unit (:func:`~evictlab.eval.runner.run_unit`, traced as the grid is)."""
+    return run_unit(unit, progress, _traced(unit))
 
 
 def read_manifest(out: Path) -> dict[str, Any]:
@@ -161,34 +193,65 @@ def _checked_manifest(d: Any, out: Path) -> dict[str, Any]:
 
 
 def _manifest(spec: GridSpec) -> dict[str, Any]:
-    """What ``grid.json`` holds: the format version, the grid, its cells' keys, the skips."""
+    """What ``grid.json`` holds: the format version, the grid, its cells' and units' keys, the skips."""
     return {"version": GRID_VERSION, "spec": spec.to_dict(), "cells": [c.key for c in spec.cells()],
-            "skipped": spec.skipped()}
+            "units": [u.key for u in spec.units()], "skipped": spec.skipped()}
 
 
 def part_store(spec: GridSpec, out: Path, notify: Callable[[str], None] | None = None) -> Any:
-    """The grid's part store (:class:`evictlab.parts.PartStore`): a part per cell in
+    """The grid's part store (:class:`evictlab.parts.PartStore`): a part per unit in
     ``out/parts`` (``<key>.parquet``, with ``<key>.trace.parquet`` written first for a traced
-    cell), ``grid.json`` as its manifest, compared field by field of the grid (a manifest
+    unit), ``grid.json`` as its manifest, compared field by field of the grid (a manifest
     written by an earlier version reads with the defaults of the fields it lacks). A results
-    part must hold the grid's columns and one row per example. A cell's key names
-    everything it is computed from, so parts without a manifest (copied in from another
-    grid) are verified and used."""
+    part must hold the grid's columns, the unit's cells and examples, each with the same
+    questions, one row each. A unit's key names everything it is computed from, so parts
+    without a manifest (copied in from another grid) are verified and used."""
     from evictlab.parts import PartStore
 
-    cells = {c.key: c for c in spec.cells()}
+    units = {u.key: u for u in spec.units()}
 
     def differences(old: Any) -> list[str]:
         return spec.differences(GridSpec.from_dict(_checked_manifest(old, out)["spec"]))
 
     def check(key: str, df: pl.DataFrame) -> str | None:
-        if list(df.columns) != list(RESULT_COLUMNS) or df.height != cells[key].n:
-            return f"holds {df.height} rows with other columns than a cell of this grid writes"
-        return None
+        return _content_problem(units[key], df)
 
-    return PartStore(out / PARTS, _manifest(spec), {k: ("trace",) if _traced(c) else () for k, c in cells.items()},
+    return PartStore(out / PARTS, _manifest(spec), {k: ("trace",) if _traced(u) else () for k, u in units.items()},
                      field="out", manifest=out / MANIFEST, name=lambda key, side: f"{key}{'.' + side if side else ''}.parquet",
                      check=check, differences=differences, adopt=True, notify=notify)
+
+
+def _content_problem(unit: Unit, df: pl.DataFrame) -> str | None:
+    """Why ``df`` is not what ``unit`` computes (None: it is): the grid's columns, every cell
+    of the unit with its examples, the same questions for each cell of an example, one row
+    per (cell, example, question)."""
+    if list(df.columns) != list(RESULT_COLUMNS):
+        return "holds other columns than a unit of this grid writes"
+    cells = [c.key for c in unit.cells] if isinstance(unit, ContextUnit) else [unit.key]
+    examples = [unit.example] if isinstance(unit, ContextUnit) else list(range(unit.n))
+    if df.height == 0 or sorted(set(df["cell"].to_list())) != sorted(cells):
+        return "holds other cells than this unit computes"
+    if df.select("cell", "example", "question").is_duplicated().any():
+        return "holds a (cell, example, question) twice"
+    per = df.group_by("cell", "example").agg(pl.col("question").sort(), pl.col("questions").first())
+    if per.height != len(cells) * len(examples) or sorted(set(per["example"].to_list())) != examples:
+        return f"holds other examples than {examples}"
+    for qs, k in zip(per["question"].to_list(), per["questions"].to_list()):
+        if qs != list(range(k)):
+            return "holds another set of questions than each example asks"
+    asked = per.group_by("example").agg(pl.col("questions").n_unique().alias("k"))
+    if (asked["k"] != 1).any():
+        return "holds other questions for one cell than for another"
+    return None
+
+
+def sort_results(spec: GridSpec, results: pl.DataFrame) -> pl.DataFrame:
+    """``results`` sorted by the grid's cell order, then example, then question."""
+    if results.height == 0:
+        return results
+    order = {c.key: i for i, c in enumerate(spec.cells())}
+    return (results.with_columns(pl.col("cell").replace_strict(order, return_dtype=pl.Int64).alias("_order"))
+            .sort(["_order", "example", "question"], maintain_order=True).drop("_order"))
 
 
 def _check_folder(out: Path) -> None:
@@ -249,8 +312,8 @@ def run_grid(spec: GridSpec, out: str | Path, *, map_cells: MapCells | None = No
              notify: Callable[[str], None] | None = None) -> GridRun:
     """Run (or resume) ``spec`` into the folder ``out``; see the module docstring.
 
-    ``progress`` gets 1 per finished example (local executor); ``on_start(total_examples,
-    done_examples)`` is called once the pending work is known; ``record`` is a
+    ``progress`` gets 1 per finished (cell, example) (local executor); ``on_start(total,
+    done)`` is called once the pending work is known, in (cell, example) pairs; ``record`` is a
     :class:`~evictlab.record.RunRecord` written as ``run_record.json`` at the end;
     ``check_models`` replaces :func:`preflight` (a remote executor's, :func:`remote_cells`);
     ``notify`` gets one-line warnings (a damaged part discarded; default: stderr).
@@ -260,6 +323,7 @@ def run_grid(spec: GridSpec, out: str | Path, *, map_cells: MapCells | None = No
 
     out = check_output_path(out, "out", directory=True)
     cells = spec.cells()
+    units = spec.units()
     check = check_models or preflight
     parts = part_store(spec, out, notify)
     with parts.lock(out, "--out"):  # the option is named in the fix text too
@@ -271,27 +335,42 @@ def run_grid(spec: GridSpec, out: str | Path, *, map_cells: MapCells | None = No
             check(spec, cells)
         parts.start()
         todo = set(parts.pending())
-        pending = [c for c in cells if c.key in todo]
-        done = len(cells) - len(pending)
+        pending = [u for u in units if u.key in todo]
+        done = len(units) - len(pending)
         if resume and pending:
-            check(spec, pending)
+            check(spec, _cells_of(pending))
         if on_start is not None:
-            on_start(len(cells) * spec.n, done * spec.n)
+            on_start(sum(_pairs(u) for u in units), sum(_pairs(u) for u in units if u.key not in todo))
         mapper = map_cells or local_map(progress)
-        for cell, frame in mapper(run_cell_traced if spec.trace else run_cell, pending):
+        for unit, frame in mapper(_run_unit, pending):
             sides = {}
-            if isinstance(frame, tuple):  # run_cell_traced: (results, trace)
+            if isinstance(frame, tuple):  # traced: (results, trace)
                 frame, trace = frame
-                if _traced(cell):
+                if _traced(unit):
                     sides["trace"] = trace
-            if list(frame.columns) != list(RESULT_COLUMNS) or frame.height != cell.n:
-                raise RuntimeError(f"cell {cell.key} returned {frame.height} rows with columns {frame.columns}")
-            parts.write(cell.key, frame, sides)
-        results = parts.collect(empty=pl.DataFrame(schema=RESULT_COLUMNS))
+            why = _content_problem(unit, frame)
+            if why is not None:
+                raise RuntimeError(f"unit {unit.key} returned {frame.height} rows that are not its own: {why}")
+            parts.write(unit.key, frame, sides)
+        results = sort_results(spec, parts.collect(empty=pl.DataFrame(schema=RESULT_COLUMNS)))
         if spec.trace:
             write_checked_parquet(parts.collect("trace"), out / TRACE)
         write_checked_parquet(results, out / RESULTS)
         if record is not None:
-            record.write(record_path(out, folder=True), outputs=[str(out / RESULTS)], cells=len(cells), ran=len(pending),
-                         resumed=done, rows=results.height)
-    return GridRun(out, len(cells), len(pending), done, out / RESULTS)
+            record.write(record_path(out, folder=True), outputs=[str(out / RESULTS)], cells=len(cells),
+                         units=len(units), ran=len(pending), resumed=done, rows=results.height)
+    return GridRun(out, len(cells), len(pending), done, out / RESULTS, len(units))
+
+
+def _pairs(unit: Unit) -> int:
+    """The (cell, example) pairs of a unit (the progress count)."""
+    return len(unit.cells) if isinstance(unit, ContextUnit) else unit.n
+
+
+def _cells_of(units: list[Any]) -> list[CellSpec]:
+    """The cells of ``units``, each once, in order."""
+    out: dict[str, CellSpec] = {}
+    for u in units:
+        for c in (u.cells if isinstance(u, ContextUnit) else (u,)):
+            out.setdefault(c.key, c)
+    return list(out.values())

@@ -2,7 +2,8 @@
 work (:class:`CellSpec`).
 
 A grid is models x tasks x context lengths x budgets x methods x modes x protocols, each
-over the same ``n`` seeded examples. Its **cells** are:
+over the same ``n`` seeded examples (contexts) and, of each context, its first ``questions``
+questions (all the task asks when None). Its **cells** are:
 
 - one ``full`` cell per (model, task, context): the full cache (stock ``DynamicCache``,
   nothing evicted), the reference for KL and top-1 agreement and the accuracy every
@@ -19,6 +20,15 @@ paged store that frees evicted entries; ``uniform`` = the same scorer with equal
 sizes (``+uniform``: a fixed selection under a real budget); ``masked`` = the allocator's
 ragged sizes held in the masked store (the full cache stays in memory: the audit of
 others). Protocols: :data:`evictlab.decode.config.PROTOCOLS`.
+
+Prefills (:data:`PREFILLS`, one per grid): ``one-pass`` (the default) feeds the whole
+context in one pass and compresses once after it, so the prefill is the same for every arm:
+the grid runs per **context unit** (:class:`ContextUnit`: one (model, task, context,
+example) with every cell of that (model, task, context)), prefilling the context once
+(:class:`evictlab.decode.shared.SharedContext`) and answering every question with the full
+cache and every evicting arm from it. ``chunked`` is the per-arm path: every cell feeds the
+context in chunks of ``loop.chunk_size`` tokens, compressing after each, and runs alone
+(a cell is the unit); its rows name the chunk size, one-pass rows have none.
 
 A :class:`CellSpec` carries everything its run needs (model name, task, sizes, seeds, the
 loop settings, the method's parameters), is frozen, hashable and picklable, so a local loop
@@ -49,18 +59,25 @@ __all__ = [
     "FULL",
     "GRID_VERSION",
     "MODES",
+    "PREFILLS",
     "PROTOCOLS",
     "CellSpec",
+    "ContextUnit",
     "GridSpec",
     "budget_text",
 ]
 
-GRID_VERSION = 1
-"""Version of the grid's manifest and of the results' columns (bump on any change)."""
+GRID_VERSION = 2
+"""Version of the grid's manifest and of the results' columns (bump on any change).
+2: the prefill (one-pass units) and several questions per context (rows per question)."""
 FULL = "full"
 """The method (and mode) name of the full-cache reference rows."""
 MODES: tuple[str, ...] = ("physical", "uniform", "masked")
 PROTOCOLS: tuple[str, ...] = ("query-agnostic", "query-aware")
+PREFILLS: tuple[str, ...] = ("one-pass", "chunked")
+"""How a context is fed: once, compressed after it, shared by every arm (``one-pass``), or in
+chunks of ``chunk_size`` tokens compressed as they come, per arm (``chunked``)."""
+ONE_PASS = "one-pass"
 NO_PROTOCOL = "none"
 """The protocol of the full-cache rows: nothing is compressed, so neither applies."""
 
@@ -106,6 +123,8 @@ class CellSpec:
     ``allocator_params`` are this method's ``(key, value)`` pairs as typed (strings), sorted.
     ``target_tokens`` is the length of a ``heldout_ppl`` target window. ``trace``: also
     record the per-compression diagnostics (:func:`evictlab.eval.runner.run_cell_traced`).
+    ``prefill``: one of :data:`PREFILLS`; ``questions``: how many questions of each
+    context are answered (the first ones; None: all the task asks).
     """
 
     model: str
@@ -123,6 +142,8 @@ class CellSpec:
     target_tokens: int = 32
     device: str = "cpu"
     trace: bool = False
+    prefill: str = ONE_PASS
+    questions: int | None = None
 
     @property
     def is_full(self) -> bool:
@@ -173,6 +194,48 @@ class CellSpec:
 
 
 @dataclass(frozen=True)
+class ContextUnit:
+    """One unit of work of a ``one-pass`` grid: example number ``example`` of one (model,
+    task, context), with ``cells``, every cell of that (model, task, context) in the grid's
+    order, the full cell first. Its context is prefilled once and every cell answers every
+    question from it (:func:`evictlab.eval.runner.run_context`): one row per (cell,
+    question). Frozen, hashable and picklable, like a cell."""
+
+    cells: tuple[CellSpec, ...]
+    example: int
+
+    def __post_init__(self) -> None:
+        if not self.cells or not self.cells[0].is_full:
+            raise ValueError("a context unit starts with its full cell")
+        first = self.cells[0]
+        if any((c.model, c.task, c.context, c.prefill) != (first.model, first.task, first.context, ONE_PASS)
+               for c in self.cells):
+            raise ValueError("a context unit holds one-pass cells of one (model, task, context)")
+        if not 0 <= self.example < first.n:
+            raise ValueError(f"example {self.example} of {first.n}")
+
+    @property
+    def full(self) -> CellSpec:
+        """The full cell (the reference of every arm of this context)."""
+        return self.cells[0]
+
+    @property
+    def evicting(self) -> tuple[CellSpec, ...]:
+        """The evicting cells (the arms)."""
+        return self.cells[1:]
+
+    @property
+    def key(self) -> str:
+        """A stable, file-name-safe id: readable parts plus a hash of every cell's key and
+        the example (a cell's key names everything it is computed from)."""
+        c = self.full
+        readable = re.sub(r"[^A-Za-z0-9.+=-]+", "_",
+                          "__".join([Path(c.model).name or c.model, c.task, str(c.context), f"ex{self.example}"]))
+        digest = hashlib.sha256(json.dumps([[x.key for x in self.cells], self.example]).encode()).hexdigest()[:12]
+        return f"{readable[:150]}__{digest}"
+
+
+@dataclass(frozen=True)
 class GridSpec:
     """The grid the user asked for; validated on construction, before any model loads.
 
@@ -198,13 +261,16 @@ class GridSpec:
     target_tokens: int = 32
     device: str = "cpu"
     trace: bool = False
+    prefill: str = ONE_PASS
+    questions: int | None = None
 
     @classmethod
     def build(cls, *, models: Sequence[str], tasks: Sequence[str], contexts: Sequence[int | str],
               methods: Sequence[str], budgets: Sequence[str] | None = None, modes: Sequence[str] | None = None,
               protocols: Sequence[str] | None = None, n: int = 10, seed: int = 0, loop: LoopSettings | None = None,
               scorer_params: Mapping[str, str] | None = None, allocator_params: Mapping[str, str] | None = None,
-              target_tokens: int = 32, device: str = "cpu", trace: bool = False) -> GridSpec:
+              target_tokens: int = 32, device: str = "cpu", trace: bool = False, prefill: str = ONE_PASS,
+              questions: int | None = None) -> GridSpec:
         """A validated grid from lists as typed (``None`` modes / protocols: ``physical`` /
         ``query-agnostic`` when an evicting method is asked for)."""
         ctx: list[int] = []
@@ -225,7 +291,8 @@ class GridSpec:
                    modes=tuple(modes), protocols=tuple(protocols), n=int(n), seed=int(seed),
                    loop=loop or LoopSettings(), scorer_params=tuple(sorted((scorer_params or {}).items())),
                    allocator_params=tuple(sorted((allocator_params or {}).items())),
-                   target_tokens=int(target_tokens), device=device, trace=bool(trace))
+                   target_tokens=int(target_tokens), device=device, trace=bool(trace), prefill=prefill,
+                   questions=None if questions is None else int(questions))
 
     def __post_init__(self) -> None:
         from evictlab.tasks.examples import EVAL_TASKS
@@ -248,6 +315,15 @@ class GridSpec:
             raise InputError("seed", f"{self.seed} is negative", "use a seed >= 0, e.g. 0")
         if self.target_tokens < 1:
             raise InputError("ppl_target", f"{self.target_tokens} target tokens", "use at least 1")
+        if self.prefill not in PREFILLS:
+            raise InputError("prefill", f"unknown prefill {self.prefill!r}", f"use one of: {', '.join(PREFILLS)}")
+        if self.prefill == ONE_PASS and self.loop.chunk_size != LoopSettings().chunk_size:
+            # a one-pass prefill has no chunk: one value for every one-pass grid, so the
+            # manifest and the cells' keys do not depend on a setting that changes nothing
+            object.__setattr__(self, "loop", replace(self.loop, chunk_size=LoopSettings().chunk_size))
+        if self.questions is not None and (isinstance(self.questions, bool) or self.questions < 1):
+            raise InputError("questions", f"{self.questions} questions per context",
+                             "use 1 or more (or leave it out: every question the task asks)")
         _nonempty(self.methods, "methods", "name at least one scorer or scorer+allocator (or full)")
         canon = [m if m == FULL else _canonical_method(m)[0] for m in self.methods]
         refuse_duplicates(canon, "methods", "method")
@@ -320,7 +396,8 @@ class GridSpec:
                 for context in self.contexts:
                     base = CellSpec(model=model, task=task, context=context, method=FULL, mode=FULL,
                                     protocol=NO_PROTOCOL, budget=None, n=self.n, seed=self.seed, loop=self.loop,
-                                    target_tokens=self.target_tokens, device=self.device)
+                                    target_tokens=self.target_tokens, device=self.device, prefill=self.prefill,
+                                    questions=self.questions)
                     out.append(base)
                     for protocol in self.protocols:
                         for budget in self.budgets:
@@ -332,6 +409,18 @@ class GridSpec:
                                                            budget=budget, scorer_params=sp, allocator_params=ap,
                                                            trace=self.trace))
         return out
+
+    def units(self) -> list[CellSpec] | list[ContextUnit]:
+        """The units of work, in the grid's order: the cells of a ``chunked`` grid; for
+        ``one-pass``, one :class:`ContextUnit` per (model, task, context, example), the
+        examples of one (model, task, context) adjacent."""
+        cells = self.cells()
+        if self.prefill != ONE_PASS:
+            return cells
+        groups: dict[tuple[str, str, int], list[CellSpec]] = {}
+        for c in cells:
+            groups.setdefault((c.model, c.task, c.context), []).append(c)
+        return [ContextUnit(tuple(g), i) for g in groups.values() for i in range(self.n)]
 
     def skipped(self) -> list[dict[str, str]]:
         """The (task, method, mode, protocol) combinations that are not cells, with why."""

@@ -1,4 +1,5 @@
-"""The ``--executor`` / ``--address`` options shared by ``capture``, ``solve`` and ``eval run``."""
+"""The ``--executor`` / ``--address`` options shared by ``capture``, ``solve`` and ``eval run``,
+and ``--workers`` (local processes: :class:`~evictlab.executor.processes.ProcessExecutor`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ EXECUTOR_OPTIONS = {
                             help="With --executor ray: the cluster's HOST:PORT (`ray start --head` prints it), "
                                  "ray://HOST:10001 (Ray Client) or auto; omitted: RAY_ADDRESS, else a local "
                                  "Ray instance started for this run."),
+    "workers": typer.Option(1, "--workers", help="local processes running the units of work, one torch thread "
+                            "each unless --threads says more (1: in this process)"),
 }
 
 
