@@ -92,8 +92,9 @@ def eval_run_options() -> set[str]:
 
 def _grid_args(args: argparse.Namespace, methods: list[str], out: Path, prefill: str | None) -> list[str]:
     a = ["--models", args.model, "--tasks", args.task, "--context", str(args.context), "--methods", ",".join(methods),
-         "--n", str(args.n), "--seed", "0", "--threads", str(args.threads), "--chunk", str(args.chunk), "--quiet",
-         "--out", str(out)]
+         "--n", str(args.n), "--seed", "0", "--threads", str(args.threads), "--quiet", "--out", str(out)]
+    if prefill != "one-pass":  # a one-pass prefill has no chunk (eval run refuses one)
+        a += ["--chunk", str(args.chunk)]
     if any(m != "full" for m in methods):
         a += ["--budget", args.budget]
     if prefill is not None:

@@ -58,7 +58,7 @@ case "$DEVICE" in cuda|cpu) ;; *) echo "error: --device $DEVICE. Fix: use cuda o
 if [ "$SMALL" = 1 ]; then
   # CPU-sized: a short context, one example, a small budget (the tiny models keep 4 + 16 always)
   # and three decode runs (each a fresh process: their start dominates at this size)
-  CTX=160; NEW=4; KEPT=24; GRID_EXTRA=(--context 160 --n 1 --budget 24 --chunk 64)
+  CTX=160; NEW=4; KEPT=24; GRID_EXTRA=(--context 160 --n 1 --budget 24)
   RUNS=full,snapkv,shared_prefill
   DEFAULT_LIMITS=300,600,600,300
 else

@@ -119,10 +119,15 @@ configurations without exact match (``heldout_ppl``), not counted; ``answers`` /
 
 def with_question_columns(results: pl.DataFrame) -> pl.DataFrame:
     """``results`` with the columns of :data:`QUESTION_COLUMNS`, each filled with its implied
-    value where a frame written before it existed lacks it (``prefill`` "chunked",
-    ``question`` 0, ``questions`` 1); frames that have them are returned unchanged."""
-    missing = [pl.lit(v, dtype=t).alias(c) for c, (v, t) in QUESTION_COLUMNS.items() if c not in results.columns]
-    return results.with_columns(missing) if missing else results
+    value where a frame written before it existed lacks it or holds nulls (``prefill``
+    "chunked", ``question`` 0, ``questions`` 1); frames with every value are returned unchanged."""
+    fill = []
+    for c, (v, t) in QUESTION_COLUMNS.items():
+        if c not in results.columns:
+            fill.append(pl.lit(v, dtype=t).alias(c))
+        elif results[c].null_count():
+            fill.append(pl.col(c).cast(t).fill_null(pl.lit(v, dtype=t)))
+    return results.with_columns(fill) if fill else results
 
 
 @dataclass(frozen=True)
