@@ -12,8 +12,9 @@ the same seeded examples (``--task`` at ``--context`` tokens, ``--n`` contexts, 
   re-runs the prefill of the same context, compressing after every ``--chunk`` tokens);
 - ``kvpress``: the kvpress pipeline on the same examples as outside reference (its own venv,
   ``benchmarks/peer_kvpress.py`` as ``bench_decode.py`` runs it, one process per example and
-  press: no press, and SnapKV keeping the same entries per head), wall time excluding its
-  model load; skipped with ``--no-peer``.
+  press: no press, and SnapKV keeping the same entries per head; every question of a context
+  answered from its own copy of the one compressed cache), wall time excluding its model
+  load; skipped with ``--no-peer``.
 
 It reports, per run, the wall and CPU seconds, ``examples x arms per minute`` (arms = the
 evicting arms plus the full cache; kvpress: its two presses) and the issue's ratios:
@@ -143,14 +144,18 @@ def _peer(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["OMP_NUM_THREADS"] = str(args.threads)
     kept = _kept_per_cell(args.budget)
-    runs, load0 = [], os.getloadavg()[0]
+    runs, load0, answers = [], os.getloadavg()[0], 0
     for ex in examples:
         prompt = work / f"prompt.{ex.index}.json"
-        prompt.write_text(json.dumps({"context_ids": list(ex.context_ids), "question_ids": list(ex.question_ids)}))
+        qs = list(ex.questions)[:args.questions or None]  # the grid's --questions: the first K (all when 0)
+        prompt.write_text(json.dumps({"context_ids": list(ex.context_ids), "question_ids": list(qs[0].question_ids),
+                                      "questions": [{"question_ids": list(q.question_ids),
+                                                     "new": max(1, len(q.answer_ids))} for q in qs]}))
+        answers += len(qs)
         for press in ("none", "snapkv"):
             out = work / f"kvpress.{ex.index}.{press}.json"
             cmd = [str(py), str(HERE / "peer_kvpress.py"), "--model-dir", model_dir, "--prompt", str(prompt),
-                   "--press", press, "--kept", str(kept), "--new", str(max(1, len(ex.answer_ids))),
+                   "--press", press, "--kept", str(kept), "--new", "1",
                    "--threads", str(args.threads), "--device", args.peer_device, "--result", str(out)]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if proc.returncode != 0:
@@ -158,7 +163,7 @@ def _peer(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             runs.append(json.loads(out.read_text()))
     wall = sum(r["wall_s"] for r in runs)
     return {"run": "kvpress", "wall_s": wall, "cpu_s": sum(r["cpu_s"] for r in runs), "arms": 2,
-            "examples": len(examples), "kept_per_head": kept, "tool": runs[0]["tool"] if runs else "",
+            "examples": len(examples), "rows": 2 * answers, "kept_per_head": kept, "tool": runs[0]["tool"] if runs else "",
             "load_before": load0, "load_after": os.getloadavg()[0], "per_run": runs}
 
 
