@@ -326,6 +326,10 @@ def test_accuracy_verdict_rule_and_unscored_configurations() -> None:
     r = configurations(pairs).row(0, named=True)
     assert (r["configurations"], r["unscored"], r["answers"]) == (0, 1, 0)
     assert configurations(pairs.clear()).columns == list(CONFIG_COLUMNS)
+    # a mode pair (one method, two stores) reads the method's allocator on both sides
+    modes = _qframe({("snapkv+adakv", "masked"): [[1, 1, 1]], ("snapkv+adakv", "uniform"): [[0, 0, 1]]})
+    m = configurations(compare(modes, TieRule(n_boot=50), kinds=("mode",))).row(0, named=True)
+    assert (m["a"], m["a_mode"], m["b"], m["b_mode"], m["wins"]) == ("+adakv", "masked", "+adakv", "uniform", 1)
 
 
 def test_report_shows_the_configuration_counts() -> None:

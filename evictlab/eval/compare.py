@@ -315,8 +315,9 @@ def configurations(pairs: pl.DataFrame, *, pool_scorers: bool = True) -> pl.Data
     """Wins / ties / losses over configurations, the papers' unit (module docstring): one row
     per comparison family of ``pairs`` (:func:`compare`'s table), columns
     :data:`CONFIG_COLUMNS`. With ``pool_scorers``, two arms with the same scorer and
-    different allocators (or the same allocator in two stores) are labelled by their
-    allocators (``+contourkv`` vs ``+adakv``) and pooled over scorers, as the papers pool
+    different allocators are labelled by their allocators (``+contourkv`` vs ``+adakv``; a
+    mode pair, one method in two stores, by the method's: ``+adakv`` [masked] vs ``+adakv``
+    [uniform]) and pooled over scorers, as the papers pool
     "ContourKV vs KVzip" over their settings; otherwise (and for pairs of different scorers
     or against the full cache) arms are their methods."""
     if pairs.height == 0:
@@ -325,7 +326,9 @@ def configurations(pairs: pl.DataFrame, *, pool_scorers: bool = True) -> pl.Data
     pooled = same if pool_scorers else pl.lit(False)
     p = pairs.with_columns(
         a=pl.when(pooled).then(pl.format("+{}", "a_allocator")).otherwise(pl.col("a_method")),
-        b=pl.when(pooled).then(pl.format("+{}", "b_allocator")).otherwise(pl.col("b_method")),
+        # a mode pair is one method in two stores: both sides read the method's allocator
+        b=pl.when(pooled & (pl.col("kind") == "mode")).then(pl.format("+{}", "a_allocator"))
+        .when(pooled).then(pl.format("+{}", "b_allocator")).otherwise(pl.col("b_method")),
         scored=pl.col("accuracy_verdict") != "n/a")
     out = (p.group_by(["kind", "a", "a_mode", "b", "b_mode", "protocol", "prefill"], maintain_order=True)
            .agg(scorers=pl.col("a_scorer").unique(maintain_order=True).str.join(", "),
