@@ -94,7 +94,7 @@ def eval_run_options() -> set[str]:
 def _grid_args(args: argparse.Namespace, methods: list[str], out: Path, prefill: str | None) -> list[str]:
     a = ["--models", args.model, "--tasks", args.task, "--context", str(args.context), "--methods", ",".join(methods),
          "--n", str(args.n), "--seed", "0", "--threads", str(args.threads), "--quiet", "--out", str(out)]
-    if prefill != "one-pass":  # a one-pass prefill has no chunk (eval run refuses one)
+    if prefill in ("chunked", None):  # a one-pass prefill has no chunk (eval run refuses one)
         a += ["--chunk", str(args.chunk)]
     if any(m != "full" for m in methods):
         a += ["--budget", args.budget]
@@ -199,7 +199,7 @@ def grid_bench(args: argparse.Namespace) -> dict[str, Any]:
               "per-arm path", file=sys.stderr)
     work = Path(args.work or tempfile.mkdtemp(prefix="bench_eval_"))
     work.mkdir(parents=True, exist_ok=True)
-    plan = [("full", ["full"], None), ("one-pass", [*arms, "full"], "one-pass" if has_prefill else None),
+    plan = [("full", ["full"], "one-pass" if has_prefill else None), ("one-pass", [*arms, "full"], "one-pass" if has_prefill else None),
             ("chunked", [*arms, "full"], "chunked" if has_prefill else None)]
     runs = []
     for name, methods, prefill in plan:
