@@ -55,20 +55,20 @@ def full_cache_table(results: pl.DataFrame, *, seed: int = 0, n_boot: int = 2000
 
 
 def protocol_bytes_table(results: pl.DataFrame) -> pl.DataFrame:
-    """Per (model, context, budget, mode, protocol): K/V bytes held after compressions, the
+    """Per (model, context, budget, mode, protocol, prefill): K/V bytes held after compressions, the
     peak held at any step (what the protocol needs), the peak allocated, the budget's and the
     full cache's bytes (means over examples and methods, MiB)."""
-    ev = results.filter(pl.col("method") != "full")
+    ev = with_question_columns(results).filter(pl.col("method") != "full")
     if ev.height == 0:
         return pl.DataFrame()
     mib = 2.0**20
-    return (ev.group_by(["model", "context", "budget", "mode", "protocol"], maintain_order=True)
+    return (ev.group_by(["model", "context", "budget", "mode", "protocol", "prefill"], maintain_order=True)
             .agg((pl.col("bytes_budget").mean() / mib).alias("budget MiB"),
                  (pl.col("bytes_live").mean() / mib).alias("held after compression MiB"),
                  (pl.col("bytes_live_peak").mean() / mib).alias("peak held MiB"),
                  (pl.col("bytes_allocated").mean() / mib).alias("peak allocated MiB"),
                  (pl.col("bytes_full").mean() / mib).alias("full cache MiB"))
-            .sort(["model", "context", "budget", "mode", "protocol"]))
+            .sort(["model", "context", "budget", "mode", "protocol", "prefill"]))
 
 
 def _method_means(results: pl.DataFrame) -> pl.DataFrame:
@@ -121,8 +121,9 @@ def evaluation_markdown(results: pl.DataFrame, pairs: pl.DataFrame, *, rule: str
         "",
         "Models: " + "; ".join(f"{m} ({weights_for(m, 'weights as loaded')})" for m in models) + ".",
         "",
-        "**Protocols.** `query-agnostic`: the context is compressed (chunk by chunk) before the question is "
-        "appended, so no ranking that evicts context sees it. `query-aware` (labelled option): nothing is "
+        "**Protocols.** `query-agnostic`: the context is compressed before the question is appended (prefill "
+        "`one-pass`: once after the whole context, every arm starting from one shared prefill; `chunked`: after "
+        "every chunk, per arm), so no ranking that evicts context sees it. `query-aware` (labelled option): nothing is "
         "compressed before the question (all but its last token) is fed; one compression then fixes the kept "
         "set with the question in view, and the last question token goes through the compressed cache. It holds "
         "the whole context until then: see the peak bytes below.",
@@ -158,8 +159,9 @@ def evaluation_markdown(results: pl.DataFrame, pairs: pl.DataFrame, *, rule: str
     if ev.height:
         lines += ["## Bytes each protocol and mode needs", "",
                   "`held after compression` = the budget in physical/uniform mode and the full cache in masked mode; "
-                  "`peak held` = the most K/V bytes held at any step (query-agnostic: budget + one chunk; "
-                  "query-aware: the whole context and question before its compression).", "",
+                  "`peak held` = the most K/V bytes held at any step (query-agnostic chunked: budget + one chunk; "
+                  "one-pass: the whole context before its compression; query-aware: the whole context and question "
+                  "before its compression).", "",
                   table(protocol_bytes_table(results), digits=3), ""]
     if claims:
         lines += ["## The papers' claims, our numbers beside theirs", "", claims_table(claims), ""]
