@@ -12,8 +12,9 @@ from evictlab.errors import InputError
 from evictlab.eval.claims.common import versus
 from evictlab.eval.claims.enforcement import enforcement_cost
 from evictlab.eval.claims.margin import query_aware_margin
-from evictlab.eval.compare import (CONFIG_COLUMNS, CONFIG_RULE, TieRule, accuracy_verdict, compare, configurations,
-                                   context_design, example_outcomes, paired_mean, with_question_columns, wtl_table)
+from evictlab.eval.compare import (CONFIG_COLUMNS, CONFIG_RULE, TieRule, accuracy_verdict, compare,
+                                   configuration_lines, configurations, context_design, example_outcomes, paired_mean,
+                                   with_question_columns, wtl_table)
 from evictlab.stats.bootstrap import Design, bootstrap_mean
 from evictlab.eval.runner import RESULT_COLUMNS
 
@@ -311,6 +312,9 @@ def test_configuration_counts_by_hand_with_the_one_answer_tie_rule() -> None:
     assert (r["configurations"], r["wins"], r["ties"], r["losses"], r["unscored"]) == (6, 2, 3, 1, 0)
     assert (r["answers"], r["contexts"]) == (24, 12)
     assert r["counts"] == "2 wins / 3 ties / 1 losses over 6 comparisons" and r["rule"] == CONFIG_RULE
+    assert configuration_lines(c) == [
+        "method: +contourkv [physical] vs +adakv [physical] (query-agnostic, prefill one-pass): 2 wins / 3 ties / "
+        "1 losses over 6 comparisons"]
     per_scorer = configurations(pairs, pool_scorers=False)
     assert per_scorer["a"].to_list() == ["snapkv+contourkv", "kvzip+contourkv"]
     assert per_scorer.select("wins", "ties", "losses").rows() == [(1, 1, 1), (1, 2, 0)]

@@ -60,7 +60,7 @@ from evictlab.eval.spec import FULL
 from evictlab.stats.bootstrap import Design, bootstrap_mean
 
 __all__ = ["CONFIG_COLUMNS", "CONFIG_RULE", "PAIR_COLUMNS", "PAIR_ON", "QUESTION_COLUMNS", "TieRule",
-           "accuracy_verdict", "compare", "configurations", "context_design", "example_outcomes", "paired_mean",
+           "accuracy_verdict", "compare", "configuration_lines", "configurations", "context_design", "example_outcomes", "paired_mean",
            "with_question_columns", "wtl_table"]
 
 GROUP = ("model", "task", "context", "protocol", "prefill", "budget")
@@ -343,6 +343,14 @@ def configurations(pairs: pl.DataFrame, *, pool_scorers: bool = True) -> pl.Data
                                           "losses", "configurations"),
                          rule=pl.lit(CONFIG_RULE)))
     return out.select(list(CONFIG_COLUMNS)).cast(CONFIG_COLUMNS)
+
+
+def configuration_lines(configs: pl.DataFrame) -> list[str]:
+    """One line per row of :func:`configurations`' table, for a command's output:
+    ``kind: a [a_mode] vs b [b_mode] (protocol, prefill prefill): W wins / T ties / L losses
+    over N comparisons``."""
+    return [f"{r['kind']}: {r['a']} [{r['a_mode']}] vs {r['b']} [{r['b_mode']}] ({r['protocol']}, prefill "
+            f"{r['prefill']}): {r['counts']}" for r in configs.iter_rows(named=True)]
 
 
 def wtl_table(pairs: pl.DataFrame, kind: str = "method") -> pl.DataFrame:
