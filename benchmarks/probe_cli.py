@@ -198,7 +198,8 @@ def probe_contour_fit_interrupt(fx: Fixtures, d: Path) -> None:
 def probe_eval_damaged_files(fx: Fixtures, d: Path) -> None:
     """A flipped bit in an eval part (resumed run) and in results.parquet (eval compare)."""
     args = ["eval", "run", "--models", str(fx.tiny()), "--context", "160", "--n", "2", "--budget", "24",
-            "--methods", "snapkv,h2o", "--sinks", "2", "--recent", "8", "--chunk", "64", "--quiet"]
+            "--methods", "snapkv,h2o", "--sinks", "2", "--recent", "8", "--prefill", "chunked", "--chunk", "64",
+            "--quiet"]  # chunked: a part per cell
     assert cli(*args, "--out", str(d / "clean"), cwd=d).returncode == 0
     assert cli(*args, "--out", str(d / "g"), cwd=d).returncode == 0
     (d / "g" / "results.parquet").unlink()
@@ -216,7 +217,7 @@ def probe_oracle_labels(fx: Fixtures, d: Path) -> None:
     import polars as pl
 
     args = ["eval", "run", "--models", str(fx.tiny()), "--context", "160", "--n", "3", "--budget", "24",
-            "--sinks", "2", "--recent", "8", "--chunk", "64", "--quiet"]
+            "--sinks", "2", "--recent", "8", "--prefill", "chunked", "--chunk", "64", "--quiet"]
     assert cli(*args, "--methods", "oracle_labels,streaming_llm", "--out", str(d / "g"), cwd=d).returncode == 0
     res = pl.read_parquet(d / "g" / "results.parquet")
     o = res.filter(pl.col("method") == "oracle_labels").sort("example")["answer_logprob"]

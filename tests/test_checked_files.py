@@ -107,31 +107,35 @@ def _spec(model: Path) -> GridSpec:
 
 def test_a_damaged_eval_part_is_discarded_and_run_again(tiny: Path, tmp_path: Path) -> None:
     """Used to be trusted: a flipped bit in a part changed answer_logprob in results.parquet
-    with exit 0. Now the part is named in one warning, deleted and its cell run again."""
+    with exit 0. Now the part is named in one warning, deleted and its unit (one context:
+    every cell's rows of one example) run again."""
     import torch
+
+    from evictlab.eval.grid import part_path
 
     torch.set_num_threads(1)
     spec = _spec(tiny)
+    volatile = ["wall_s", "prefill_s"]
     clean = tmp_path / "clean"
     run_grid(spec, clean)
-    reference = pl.read_parquet(clean / RESULTS).drop("wall_s")
+    reference = pl.read_parquet(clean / RESULTS).drop(volatile)
     out = tmp_path / "g"
     run_grid(spec, out)
     (out / RESULTS).unlink()  # as an interrupted run leaves it: parts only
-    (part,) = [p for p in (out / PARTS).iterdir() if "snapkv" in p.name]
+    part = part_path(out, spec.units()[0])
     _flip(part, part.stat().st_size // 3)
     lines: list[str] = []
     r = run_grid(spec, out, notify=lines.append)
     assert len(lines) == 1 and f"discarded the damaged part file {part}" in lines[0] and "checksum" in lines[0]
-    assert (r.ran, r.resumed) == (1, len(spec.cells()) - 1)
-    assert pl.read_parquet(out / RESULTS).drop("wall_s").equals(reference)
+    assert (r.ran, r.resumed) == (1, len(spec.units()) - 1)
+    assert pl.read_parquet(out / RESULTS).drop(volatile).equals(reference)
     # a part from an older evictlab (no checksum) is run again too
     (out / RESULTS).unlink()
     pl.read_parquet(part).write_parquet(part)
     lines.clear()
     r = run_grid(spec, out, notify=lines.append)
     assert r.ran == 1 and "carries no checksum" in lines[0]
-    assert pl.read_parquet(out / RESULTS).drop("wall_s").equals(reference)
+    assert pl.read_parquet(out / RESULTS).drop(volatile).equals(reference)
 
 
 def test_eval_compare_refuses_a_damaged_results_file(tiny: Path, tmp_path: Path, capsys) -> None:

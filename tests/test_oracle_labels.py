@@ -90,7 +90,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_eval_run_passes_the_labels(tiny: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "evo"
     code = cli.run(["eval", "run", "--models", str(tiny), "--context", "160", "--n", "2", "--budget", "24",
-                    "--methods", "oracle_labels,streaming_llm", "--sinks", "2", "--recent", "8", "--chunk", "64",
+                    "--methods", "oracle_labels,streaming_llm", "--sinks", "2", "--recent", "8",
                     "--out", str(out), "--quiet", "--threads", "1"])
     assert code == 0, capsys.readouterr().err
     res = pl.read_parquet(out / RESULTS)

@@ -246,8 +246,8 @@ def test_eval_grid_on_ray_equals_local_with_a_killed_worker(ray_local, tmp_path:
     save_tiny_folder(folder, "llama")
     args = ["eval", "run", "--models", str(folder), "--tasks", "needle", "--context", "160", "--budget", "24",
             "--methods", "snapkv+adakv,h2o", "--store", "physical", "--protocol", "query-agnostic", "--n", "2",
-            "--seed", "3", "--sinks", "2", "--recent", "8", "--chunk", "64", "--compress-every", "8",
-            "--window", "16", "--block-size", "8", "--threads", "1"]
+            "--seed", "3", "--sinks", "2", "--recent", "8", "--prefill", "chunked", "--chunk", "64",
+            "--compress-every", "8", "--window", "16", "--block-size", "8", "--threads", "1"]  # a task per cell
     code, _, err = _cli(capsys, *args, "--out", str(tmp_path / "local"), "--quiet")
     assert code == 0, err
     marks = tmp_path / "marks"

@@ -295,7 +295,8 @@ def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any
             continue  # nothing of that kind in this grid (e.g. only the full cache)
     spec = manifest["spec"]
     config = {k: spec[k] for k in ("models", "tasks", "contexts", "budgets", "methods", "modes", "protocols", "n",
-                                   "seed", "loop", "scorer_params", "allocator_params", "device")}
+                                   "seed", "loop", "scorer_params", "allocator_params", "device", "prefill",
+                                   "questions") if k in spec}
     md = evaluation_markdown(results, pairs, rule=rule.describe(), claims=[*claims_e, *claims_m, *claims_c],
                              enforcement=detail_e, margin=detail_m, contour=detail_c,
                              figures=[(f.png.name, f.caption) for f in figs], config=config,

@@ -69,7 +69,7 @@ from typing import Any
 import polars as pl
 
 from evictlab.errors import InputError
-from evictlab.eval.spec import FULL, ONE_PASS, CellSpec, ContextUnit
+from evictlab.eval.spec import ONE_PASS, CellSpec, ContextUnit
 from evictlab.models.loading import clear_loaded, load_cached
 
 __all__ = ["RESULT_COLUMNS", "FullReference", "check_context", "check_lengths", "clear_caches", "full_reference",
