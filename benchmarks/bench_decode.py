@@ -11,6 +11,12 @@ the question, then ``--new`` greedy tokens), one torch thread each:
   cell (default 1/8 of the context), prefill chunk ``--chunk``, compression every 16 steps;
 - ``snapkv_onepass``: the same with one prefill pass (chunk >= context);
 - ``snapkv:N``: the ``snapkv`` run with prefill chunk ``N`` (any number of these);
+- ``shared_prefill``: the shared prefill every one-pass arm of the grid starts from
+  (:meth:`evictlab.decode.shared.SharedContext.prefill`: the stock cache plus the recorded
+  queries) against the full cache's own prefill of the same context (the stock
+  ``DynamicCache``, one causal call, as ``FullCache`` feeds it), in one process,
+  alternating, ``--prefill-reps`` times each (medians; the first pair is a warm-up and not
+  counted); the ratio "shared prefill / full prefill" (target <= 1.05, issue 23 item 9);
 - ``kvpress_full`` / ``kvpress_snapkv``: kvpress 0.5.5 in its own venv
   (``benchmarks/peer_kvpress.py``): no press, and ``SnapKVPress`` keeping the same entries
   per head (``compression_ratio = 1 - kept / context``).
@@ -26,6 +32,7 @@ torch==2.13.0`` first, then ``kvpress==0.5.5 'transformers<5.3' gguf accelerate`
 
     .venv/bin/python benchmarks/bench_decode.py --context 4096 --reps 2 --out bench_decode.json
     .venv/bin/python benchmarks/bench_decode.py --runs full,snapkv --device cuda   # on a GPU
+    .venv/bin/python benchmarks/bench_decode.py --runs shared_prefill --reps 1 --context 1024   # smaller
 
 ``--device cuda`` runs the evictlab and transformers runs on the GPU (peak GPU memory is
 reported as well); the kvpress runs stay on the CPU unless ``--peer-device cuda``.
@@ -43,7 +50,7 @@ import sys
 import time
 from pathlib import Path
 
-RUNS = ("hf_generate", "full", "snapkv", "snapkv_onepass", "kvpress_full", "kvpress_snapkv")
+RUNS = ("hf_generate", "full", "snapkv", "snapkv_onepass", "shared_prefill", "kvpress_full", "kvpress_snapkv")
 PEER_PACKAGES = ("kvpress==0.5.5", "transformers<5.3", "gguf", "accelerate")
 HERE = Path(__file__).resolve().parent
 #: The issue's targets (label, run, baseline run, result key, target), each on wall time and
@@ -62,6 +69,12 @@ RATIOS = (
     ("snapkv decode tok/cpu-s / full decode tok/cpu-s", "snapkv", "full", "decode_cpu_tok_s", "(cpu) >= 1.6"),
     ("full wall / kvpress_full wall", "full", "kvpress_full", "wall_s", "(info)"),
     ("full cpu / kvpress_full cpu", "full", "kvpress_full", "cpu_s", "(info)"),
+)
+#: Ratios of two measurements of one run (label, run, key, baseline key, target): the shared
+#: prefill against the full cache's prefill of the same context, in the same process.
+INNER_RATIOS = (
+    ("shared prefill / full prefill", "shared_prefill", "prefill_s", "full_prefill_s", "<= 1.05"),
+    ("shared prefill cpu / full prefill cpu", "shared_prefill", "prefill_cpu_s", "full_prefill_cpu_s", "(cpu) <= 1.05"),
 )
 
 
@@ -95,7 +108,9 @@ def _child(args: argparse.Namespace) -> dict:
         torch.cuda.reset_peak_memory_stats()
     res: dict = {"run": args.child, "context": n, "question": question.shape[1], "new_tokens": args.new,
                  "load_s": load_s, "torch": torch.__version__}
-    if args.child == "hf_generate":
+    if args.child == "shared_prefill":
+        res.update(_shared_prefill(model, ctx, args.prefill_reps, dev))
+    elif args.child == "hf_generate":
         import transformers
         from transformers import LogitsProcessor, LogitsProcessorList
 
@@ -154,6 +169,42 @@ def _child(args: argparse.Namespace) -> dict:
     if dev.type == "cuda":
         res["cuda_peak_bytes"] = torch.cuda.max_memory_allocated()
     return res
+
+
+def _shared_prefill(model, ctx, reps: int, dev) -> dict:  # noqa: ANN001 - a loaded model, tensors
+    """The shared prefill (``SharedContext.prefill``) and the full cache's prefill of ``ctx``,
+    alternating (shared first on even repetitions), ``reps`` timed pairs after one warm-up
+    pair; medians of wall and CPU seconds per side."""
+    import torch
+    from transformers import DynamicCache
+
+    from evictlab.decode.shared import SharedContext
+
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def full() -> None:
+        with torch.no_grad():  # FullCache.forward on the whole context: the stock cache, one causal call
+            model(input_ids=ctx, cache=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
+
+    def shared() -> None:
+        SharedContext.prefill(model, ctx)
+
+    times: dict[str, list[tuple[float, float]]] = {"shared": [], "full": []}
+    for rep in range(reps + 1):
+        order = (("shared", shared), ("full", full)) if rep % 2 == 0 else (("full", full), ("shared", shared))
+        for name, fn in order:
+            sync()
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            sync()
+            if rep > 0:  # the first pair warms both paths up
+                times[name].append((time.perf_counter() - t0, time.process_time() - c0))
+    med = {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in times.items()}
+    return {"tool": "evictlab SharedContext.prefill vs stock DynamicCache prefill", "prefill_s": med["shared"][0],
+            "prefill_cpu_s": med["shared"][1], "full_prefill_s": med["full"][0], "full_prefill_cpu_s": med["full"][1],
+            "wall_s": med["shared"][0], "cpu_s": med["shared"][1], "prefill_reps": reps,
+            "prefill_times": {k: [list(t) for t in v] for k, v in times.items()}, "tokens": [],
+            "kv_peak_bytes": ctx.shape[1] * _entry_bytes(model)}
 
 
 def reset_peak_rss() -> int:
@@ -241,7 +292,8 @@ def _run_one(name: str, args: argparse.Namespace, work: Path, peer_py: Path | No
     else:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--prompt", str(work / "prompt.json"),
                "--model", args.model, "--chunk", str(args.chunk), "--kept", str(args.kept or 0), "--new", str(args.new),
-               "--threads", str(args.threads), "--device", args.device, "--result", str(result)]
+               "--threads", str(args.threads), "--device", args.device, "--prefill-reps", str(args.prefill_reps),
+               "--result", str(result)]
         env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(args.threads)
     if not args.malloc_default:  # every run alike: glibc returns freed large blocks at once (see docs)
@@ -275,7 +327,7 @@ def _summary(results: list[dict], runs: list[str]) -> tuple[list[dict], list[dic
                 "peak_rss_bytes")
         med = {k: statistics.median(x[k] for x in xs if k in x) for k in keys if any(k in x for x in xs)}
         rows.append({"run": r, "reps": len(xs), "wall_s": med["wall_s"], "cpu_s": med["cpu_s"],
-                     "prefill_s": med["prefill_s"], "decode_tok_s": med["decode_tok_s"],
+                     "prefill_s": med["prefill_s"], "decode_tok_s": med.get("decode_tok_s"),
                      "decode_cpu_tok_s": med.get("decode_cpu_tok_s"), "kv_peak_MB": med["kv_peak_bytes"] / 1e6,
                      "peak_rss_MB": med["peak_rss_bytes"] / 1e6, "tool": xs[0].get("tool", "")})
     ratios = []
@@ -296,6 +348,11 @@ def _summary(results: list[dict], runs: list[str]) -> tuple[list[dict], list[dic
 
     for label, a, b, key, target in RATIOS:
         ratio(label, a, b, key, target)
+    for label, a, key, base, target in INNER_RATIOS:
+        vals = [x[key] / x[base] for x in by.get(a, []) if x.get(base)]
+        if vals:
+            ratios.append({"ratio": label, "min": min(vals), "median": statistics.median(vals), "max": max(vals),
+                           "target": target})
     return rows, ratios
 
 
@@ -343,6 +400,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=256, help="prefill chunk of the chunked snapkv run")
     ap.add_argument("--new", type=int, default=32, help="generated tokens")
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--prefill-reps", type=int, default=3,
+                    help="timed pairs (shared, full) inside one shared_prefill run, after a warm-up pair")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu", help="device of the evictlab and transformers runs")
     ap.add_argument("--peer-device", default="cpu", help="device of the kvpress runs")
@@ -385,7 +444,9 @@ def main() -> None:
         for name in runs:
             res = _run_one(name, args, work, peer_py, rep)
             results.append(res)
-            print(f"rep {rep} {name}: wall {res['wall_s']:.1f} s, cpu {res['cpu_s']:.1f} s, decode {res['decode_tok_s']:.2f} tok/s, "
+            decode = (f"decode {res['decode_tok_s']:.2f} tok/s" if "decode_tok_s" in res else
+                      f"full prefill {res['full_prefill_s']:.2f} s")
+            print(f"rep {rep} {name}: wall {res['wall_s']:.1f} s, cpu {res['cpu_s']:.1f} s, {decode}, "
                   f"KV peak {res['kv_peak_bytes'] / 1e6:.1f} MB, RSS {res['peak_rss_bytes'] / 1e6:.0f} MB, "
                   f"load {res['load_before'][0]:.1f}->{res['load_after'][0]:.1f}", file=sys.stderr, flush=True)
     print(f"context {n} tokens (+{results[0]['question']} question), {args.new} new tokens, kept {args.kept} per "

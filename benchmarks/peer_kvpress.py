@@ -9,7 +9,9 @@ question with ``logits_to_keep=1`` at positions continuing the original context 
 the same number of tokens). Writes one JSON result: times, tokens, the peak K/V bytes the
 cache held (measured by a forward hook on every attention module, registered before the
 press's own hooks, so it sees each layer's full K/V just before the press prunes it), and
-the process's peak RSS.
+the process's peak RSS. A prompt with ``questions`` (a list of ``{"question_ids", "new"}``,
+as ``bench_eval.py`` writes for a context asked several questions) answers each from its
+own copy of the compressed cache (``new`` greedy tokens each), after one prefill.
 
     python peer_kvpress.py --model-dir DIR --prompt prompt.json --press snapkv --kept 512 --result out.json
 """
@@ -17,6 +19,7 @@ the process's peak RSS.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import resource
 import time
@@ -52,7 +55,8 @@ def main() -> None:
     prompt = json.load(open(args.prompt))
     dev = torch.device(args.device)
     ctx = torch.tensor([prompt["context_ids"]], device=dev)
-    question = torch.tensor([prompt["question_ids"]], device=dev)
+    asked = prompt.get("questions") or [{"question_ids": prompt["question_ids"], "new": args.new}]
+    question = torch.tensor([asked[0]["question_ids"]], device=dev)
     n = ctx.shape[1]
     t_load = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, attn_implementation="sdpa", dtype=torch.float32)
@@ -91,31 +95,43 @@ def main() -> None:
         kv_after_prefill = cache_bytes(cache)
         for h in handles:  # the peak is in the prefill; decoding only appends
             h.remove()
-        pos = torch.arange(n, n + question.shape[1], device=dev)[None]
-        out = model(input_ids=question, past_key_values=cache, position_ids=pos, logits_to_keep=1)
-        tokens = [int(out.logits[0, -1].argmax())]
-        pos = pos[:, -1:] + 1
-        t_dec, c_dec = time.perf_counter(), time.process_time()
-        for i in range(args.new - 1):
-            out = model(input_ids=torch.tensor([[tokens[-1]]], device=dev), past_key_values=cache,
-                        position_ids=pos + i)
-            tokens.append(int(out.logits[0, -1].argmax()))
-        sync()
+        dec_s = dec_cpu = 0.0
+        answers, end_bytes = [], 0
+        for qa in asked:
+            qcache = copy.deepcopy(cache) if len(asked) > 1 else cache  # each question from the compressed cache
+            q = torch.tensor([qa["question_ids"]], device=dev)
+            pos = torch.arange(n, n + q.shape[1], device=dev)[None]
+            out = model(input_ids=q, past_key_values=qcache, position_ids=pos, logits_to_keep=1)
+            tokens = [int(out.logits[0, -1].argmax())]
+            pos = pos[:, -1:] + 1
+            t_dec, c_dec = time.perf_counter(), time.process_time()
+            for i in range(int(qa["new"]) - 1):
+                out = model(input_ids=torch.tensor([[tokens[-1]]], device=dev), past_key_values=qcache,
+                            position_ids=pos + i)
+                tokens.append(int(out.logits[0, -1].argmax()))
+            sync()
+            dec_s, dec_cpu = dec_s + time.perf_counter() - t_dec, dec_cpu + time.process_time() - c_dec
+            answers.append(tokens)
+            end_bytes = max(end_bytes, cache_bytes(qcache))
         t_end, c_end = time.perf_counter(), time.process_time()
+        new_total = sum(int(qa["new"]) - 1 for qa in asked)
     run_peak = run_peak_rss()
     from importlib.metadata import version
 
     result = {
         "run": f"kvpress_{args.press}", "tool": f"kvpress {version('kvpress')} (transformers {version('transformers')}, sdpa)",
         "transformers": version("transformers"), "torch": torch.__version__,
-        "context": n, "question": question.shape[1], "new_tokens": args.new, "compression_ratio": ratio,
+        "context": n, "question": question.shape[1], "new_tokens": int(asked[0]["new"]), "questions": len(asked),
+        "compression_ratio": ratio,
         "kept_per_head": args.kept if press is not None else n, "load_s": t_load,
-        "wall_s": t_end - t0, "cpu_s": c_end - c0, "prefill_s": t_prefill, "decode_s": t_end - t_dec,
-        "decode_cpu_s": c_end - c_dec,
-        "decode_tok_s": (args.new - 1) / (t_end - t_dec), "kv_peak_bytes": max(peak[0], cache_bytes(cache)),
-        "kv_after_prefill_bytes": kv_after_prefill, "kv_end_bytes": cache_bytes(cache),
+        "wall_s": t_end - t0, "cpu_s": c_end - c0, "prefill_s": t_prefill, "decode_s": dec_s,
+        "decode_cpu_s": dec_cpu,
+        "decode_tok_s": new_total / dec_s if dec_s > 0 else float("nan"),
+        "kv_peak_bytes": max(peak[0], end_bytes), "kv_after_prefill_bytes": kv_after_prefill,
+        "kv_end_bytes": end_bytes,
         "peak_rss_bytes": run_peak, "rss_loaded_bytes": rss_loaded,
-        "process_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "tokens": tokens,
+        "process_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "tokens": answers[0],
+        "answers": answers,
     }
     if dev.type == "cuda":
         result["cuda_peak_bytes"] = torch.cuda.max_memory_allocated()

@@ -318,7 +318,7 @@ def test_the_claim_configs_expand_to_their_grids(name: str) -> None:
 
 def test_every_experiment_file_parses() -> None:
     files = sorted((ROOT / "experiments").glob("*.toml"))
-    assert {f.name for f in files} == {*CLAIMS, "smoke.toml"}
+    assert {f.name for f in files} == {*CLAIMS, "smoke.toml", "gpu_check.toml"}  # gpu_check: benchmarks/gpu_check.sh
     for f in files:
         spec, _, _ = _grid_of(["--config", str(f)])
         assert spec.cells()

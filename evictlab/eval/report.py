@@ -3,6 +3,9 @@
 Every comparison is printed next to the full cache's own accuracy on the same task and
 context length, so a floor is never read as a method effect; where exact match sits at a
 floor or a ceiling the answer log-probability and KL columns rank the methods instead.
+Results are read at both levels: per answer (paired by (example, question), intervals over
+whole contexts) and per configuration, the papers' unit
+(:func:`evictlab.eval.compare.configurations`).
 """
 
 from __future__ import annotations
@@ -12,12 +15,12 @@ from typing import Any
 
 import polars as pl
 
-from evictlab.eval.compare import wtl_table
+from evictlab.eval.compare import CONFIG_RULE, configurations, context_design, with_question_columns, wtl_table
 from evictlab.report.markdown import ci, claims_table, table
 from evictlab.stats.bootstrap import bootstrap_mean
 from evictlab.stats.claims import weights_for
 
-__all__ = ["FLOOR", "evaluation_markdown", "full_cache_table", "protocol_bytes_table"]
+__all__ = ["FLOOR", "configurations_section", "evaluation_markdown", "full_cache_table", "protocol_bytes_table"]
 
 FLOOR = 0.1
 """A full cache whose exact match is at most this is "at the floor" on that task and length."""
@@ -30,16 +33,21 @@ def _ci_column(df: pl.DataFrame, name: str, digits: int) -> pl.Series:
 
 
 def full_cache_table(results: pl.DataFrame, *, seed: int = 0, n_boot: int = 2000) -> pl.DataFrame:
-    """Per (model, task, context): the full cache's exact match (95% bootstrap CI over
-    examples), mean answer log-probability, perplexity of the answer tokens, and its regime
-    (``floor``: exact match <= :data:`FLOOR`; ``ceiling``: every example right)."""
+    """Per (model, task, context): the full cache's exact match (95% whole-context bootstrap
+    CI: a context brings all its questions), mean answer log-probability, perplexity of the
+    answer tokens, and its regime (``floor``: exact match <= :data:`FLOOR`; ``ceiling``:
+    every answer right). ``n``: answers; ``contexts``: the contexts they come from."""
     rows = []
-    full = results.filter(pl.col("method") == "full")
+    full = with_question_columns(results).filter(pl.col("method") == "full")
     for (model, task, context), g in full.group_by(["model", "task", "context"], maintain_order=True):
-        em = g["exact_match"].cast(pl.Float64).drop_nulls().to_numpy()
-        est = bootstrap_mean(em, seed=seed, key=f"full|{model}|{task}|{context}", n_boot=n_boot)
+        g = g.unique(["example", "question"], keep="first", maintain_order=True)
+        scored = g.filter(pl.col("exact_match").is_not_null())
+        em = scored["exact_match"].cast(pl.Float64).to_numpy()
+        est = bootstrap_mean(em, seed=seed, key=f"full|{model}|{task}|{context}", n_boot=n_boot,
+                             clusters=context_design(scored["example"].to_numpy()))
         regime = "n/a" if em.size == 0 else "floor" if est.value <= FLOOR else "ceiling" if est.value == 1 else "open"
         rows.append({"model": model, "task": task, "context": context, "n": g.height,
+                     "contexts": g["example"].n_unique(),
                      "exact_match [95% CI]": est.fmt(2) if em.size else "n/a (perplexity)",
                      "answer_logprob": g["answer_logprob"].mean(), "answer_ppl": g["ppl"].mean(), "regime": regime,
                      "context_tokens": g["context_tokens"].mean()})
@@ -47,26 +55,27 @@ def full_cache_table(results: pl.DataFrame, *, seed: int = 0, n_boot: int = 2000
 
 
 def protocol_bytes_table(results: pl.DataFrame) -> pl.DataFrame:
-    """Per (model, context, budget, mode, protocol): K/V bytes held after compressions, the
+    """Per (model, context, budget, mode, protocol, prefill): K/V bytes held after compressions, the
     peak held at any step (what the protocol needs), the peak allocated, the budget's and the
     full cache's bytes (means over examples and methods, MiB)."""
-    ev = results.filter(pl.col("method") != "full")
+    ev = with_question_columns(results).filter(pl.col("method") != "full")
     if ev.height == 0:
         return pl.DataFrame()
     mib = 2.0**20
-    return (ev.group_by(["model", "context", "budget", "mode", "protocol"], maintain_order=True)
+    return (ev.group_by(["model", "context", "budget", "mode", "protocol", "prefill"], maintain_order=True)
             .agg((pl.col("bytes_budget").mean() / mib).alias("budget MiB"),
                  (pl.col("bytes_live").mean() / mib).alias("held after compression MiB"),
                  (pl.col("bytes_live_peak").mean() / mib).alias("peak held MiB"),
                  (pl.col("bytes_allocated").mean() / mib).alias("peak allocated MiB"),
                  (pl.col("bytes_full").mean() / mib).alias("full cache MiB"))
-            .sort(["model", "context", "budget", "mode", "protocol"]))
+            .sort(["model", "context", "budget", "mode", "protocol", "prefill"]))
 
 
 def _method_means(results: pl.DataFrame) -> pl.DataFrame:
-    ev = results.filter(pl.col("method") != "full")
-    return (ev.group_by(["model", "task", "context", "protocol", "budget", "method", "mode"], maintain_order=True)
-            .agg(pl.len().alias("n"), pl.col("exact_match").mean(), pl.col("answer_logprob").mean(),
+    ev = with_question_columns(results).filter(pl.col("method") != "full")
+    return (ev.group_by(["model", "task", "context", "protocol", "prefill", "budget", "method", "mode"],
+                        maintain_order=True)
+            .agg(pl.len().alias("n"), pl.col("example").n_unique().alias("contexts"), pl.col("exact_match").mean(), pl.col("answer_logprob").mean(),
                  pl.col("kl").mean(), pl.col("top1_agreement").mean(), pl.col("ppl").mean(),
                  (pl.col("bytes_live").mean() / 2**20).alias("held MiB")))
 
@@ -75,11 +84,28 @@ def _verdicts(pairs: pl.DataFrame, kind: str) -> pl.DataFrame:
     p = pairs.filter(pl.col("kind") == kind)
     if p.height == 0:
         return p
-    return (p.group_by(["a_method", "a_mode", "b_method", "b_mode", "protocol"], maintain_order=True)
+    return (p.group_by(["a_method", "a_mode", "b_method", "b_mode", "protocol", "prefill"], maintain_order=True)
             .agg(pl.len().alias("comparisons"), (pl.col("verdict") == "win").sum().alias("wins"),
                  (pl.col("verdict") == "tie").sum().alias("ties"), (pl.col("verdict") == "loss").sum().alias("losses"),
-                 pl.col("wins").sum().alias("example wins"), pl.col("ties").sum().alias("example ties"),
-                 pl.col("losses").sum().alias("example losses")))
+                 pl.col("wins").sum().alias("answer wins"), pl.col("ties").sum().alias("answer ties"),
+                 pl.col("losses").sum().alias("answer losses"), pl.col("n").sum().alias("answers"),
+                 pl.col("contexts").sum().alias("contexts")))
+
+
+def configurations_section(pairs: pl.DataFrame) -> list[str]:
+    """The report's lines on the papers' unit: wins / ties / losses over configurations per
+    comparison family (:func:`evictlab.eval.compare.configurations`), with the rule."""
+    if pairs.height == 0:
+        return []
+    c = configurations(pairs)
+    if c.height == 0:
+        return []
+    return ["## Configurations: the papers' unit", "",
+            f"One comparison per configuration, as the papers count them (\"93 wins / 22 ties / 22 losses over 160 "
+            f"comparisons\"). Rule: {CONFIG_RULE}. Two allocators under the same scorer read `+allocator` and are "
+            "pooled over scorers (listed); configurations without exact match (`unscored`) are not counted. The "
+            "per-answer reading (paired, whole-context intervals) is in the sections below.", "",
+            table(c.drop("rule")), ""]
 
 
 def evaluation_markdown(results: pl.DataFrame, pairs: pl.DataFrame, *, rule: str, claims: Sequence[Any] = (),
@@ -95,8 +121,9 @@ def evaluation_markdown(results: pl.DataFrame, pairs: pl.DataFrame, *, rule: str
         "",
         "Models: " + "; ".join(f"{m} ({weights_for(m, 'weights as loaded')})" for m in models) + ".",
         "",
-        "**Protocols.** `query-agnostic`: the context is compressed (chunk by chunk) before the question is "
-        "appended, so no ranking that evicts context sees it. `query-aware` (labelled option): nothing is "
+        "**Protocols.** `query-agnostic`: the context is compressed before the question is appended (prefill "
+        "`one-pass`: once after the whole context, every arm starting from one shared prefill; `chunked`: after "
+        "every chunk, per arm), so no ranking that evicts context sees it. `query-aware` (labelled option): nothing is "
         "compressed before the question (all but its last token) is fed; one compression then fixes the kept "
         "set with the question in view, and the last question token goes through the compressed cache. It holds "
         "the whole context until then: see the peak bytes below.",
@@ -112,8 +139,9 @@ def evaluation_markdown(results: pl.DataFrame, pairs: pl.DataFrame, *, rule: str
         "Shakespeare perplexity on `heldout_ppl`). Budgets count *kept* entries summed over cells "
         "(cell = layer x KV head), as given (`/cell`, `total`, `B`).",
         "",
-        f"**Tie rule.** {rule}. Intervals: 95% percentile bootstrap over examples (rows of one example are "
-        "never resampled separately).",
+        f"**Tie rule.** {rule}. Answers are paired by (example, question); intervals: 95% percentile "
+        "bootstrap over whole contexts (a context is drawn with all its questions; its answers are never "
+        "resampled separately). `n` counts paired answers, `contexts` the contexts they come from.",
         "",
     ]
     if config:
@@ -131,8 +159,9 @@ def evaluation_markdown(results: pl.DataFrame, pairs: pl.DataFrame, *, rule: str
     if ev.height:
         lines += ["## Bytes each protocol and mode needs", "",
                   "`held after compression` = the budget in physical/uniform mode and the full cache in masked mode; "
-                  "`peak held` = the most K/V bytes held at any step (query-agnostic: budget + one chunk; "
-                  "query-aware: the whole context and question before its compression).", "",
+                  "`peak held` = the most K/V bytes held at any step (query-agnostic chunked: budget + one chunk; "
+                  "one-pass: the whole context before its compression; query-aware: the whole context and question "
+                  "before its compression).", "",
                   table(protocol_bytes_table(results), digits=3), ""]
     if claims:
         lines += ["## The papers' claims, our numbers beside theirs", "", claims_table(claims), ""]
@@ -143,22 +172,23 @@ def evaluation_markdown(results: pl.DataFrame, pairs: pl.DataFrame, *, rule: str
         lines += ["### Query-aware margin per comparison (points)", "", table(margin, digits=2), ""]
     if contour is not None and contour.height:
         lines += ["### ContourKV against the other allocators, same scorer, matched bytes (physical)", "",
-                  "One row per comparison, from ContourKV's side: example wins / ties / losses under the tie rule, "
-                  "the comparison's verdict (more example wins than losses), and the bytes each arm held (MiB; "
+                  "One row per comparison, from ContourKV's side: answer wins / ties / losses under the tie rule, "
+                  "the comparison's verdict (more answer wins than losses), and the bytes each arm held (MiB; "
                   "`MiB_baseline_masked`: the baseline held masked, where the grid ran it).", "",
                   table(contour, digits=3), ""]
+    lines += configurations_section(pairs)
     if ev.height:
-        lines += ["## Methods (means over examples)", "", table(_method_means(results), digits=3), ""]
+        lines += ["## Methods (means over answers)", "", table(_method_means(results), digits=3), ""]
     for kind, title in (("method", "Method pairs (same mode, same budget)"),
                         ("mode", "Mode pairs (same method, same budget): the enforcement cost"),
                         ("full", "Against the full cache")):
         p = pairs.filter(pl.col("kind") == kind) if pairs.height else pairs
         if p.height == 0:
             continue
-        lines += [f"## {title}", "", "Per comparison group (model, task, context, protocol, budget), verdicts "
-                  "under the tie rule; example counts beside them:", "", table(_verdicts(pairs, kind)), ""]
+        lines += [f"## {title}", "", "Per comparison group (model, task, context, protocol, prefill, budget), "
+                  "verdicts under the tie rule; answer counts beside them:", "", table(_verdicts(pairs, kind)), ""]
         if kind != "full":
-            lines += ["Wins/ties/losses over examples (arm A's side), tasks x budgets; the full cache's exact match "
+            lines += ["Wins/ties/losses over answers (arm A's side), tasks x budgets; the full cache's exact match "
                       "per task and length is printed above each table:", ""]
             wide = wtl_table(pairs, kind)
             for (model, context), g in wide.group_by(["model", "context"], maintain_order=True):

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from evictlab.eval.claims.common import full_em, full_note, versus
+from evictlab.eval.claims.common import PAIR_ON, contexts, full_em, full_note, versus, with_question_columns
 from evictlab.stats.bootstrap import Design, bootstrap_mean
 from evictlab.stats.claims import ClaimRow, weights_for
 
@@ -43,15 +43,16 @@ CONTOUR_INTERVAL = ("95% percentile bootstrap resampling prompts (one model, tas
 def contour_outcomes(results: pl.DataFrame, tolerance: float = 0.1) -> pl.DataFrame:
     """Per example, ContourKV (any allocator of :data:`CONTOUR_ALLOCATORS`) against every
     other allocator with the **same scorer**, in ``physical`` mode at the same budget (so
-    the same bytes: both stores hold exactly the budget), same protocol: one row per
-    (comparison, example) with ``outcome`` +1 / 0 / -1 from ContourKV's side under the
+    the same bytes: both stores hold exactly the budget), same protocol and prefill: one row
+    per (comparison, example, question) (answers paired by (example, question)) with ``outcome`` +1 / 0 / -1 from ContourKV's side under the
     per-example tie rule (:func:`~evictlab.eval.compare.example_outcomes`), both arms'
     exact match, log-probability and bytes held (``bytes_live`` / ``bytes_live_b``).
     Also ``baseline_masked_bytes``: what the baseline held in ``masked`` mode where the grid
     ran it (its outputs equal the physical run's; the full cache stays in memory)."""
     from evictlab.eval.compare import example_outcomes
 
-    on = ["model", "task", "context", "protocol", "budget", "scorer", "example"]
+    on = ["model", "task", "context", "protocol", "prefill", "budget", "scorer", *PAIR_ON]
+    results = with_question_columns(results)
     phys = results.filter((pl.col("method") != "full") & (pl.col("mode") == "physical"))
     ours = pl.col("allocator").is_in(list(CONTOUR_ALLOCATORS))
     j = phys.filter(ours).join(phys.filter(~ours), on=on, suffix="_b", how="inner")
@@ -68,21 +69,21 @@ def contour_outcomes(results: pl.DataFrame, tolerance: float = 0.1) -> pl.DataFr
         "baseline_masked_bytes")
 
 
-_COMPARISON = ["model", "task", "context", "protocol", "budget", "scorer", "method", "baseline"]
+_COMPARISON = ["model", "task", "context", "protocol", "prefill", "budget", "scorer", "method", "baseline"]
 
 
 def _counts(o: pl.DataFrame) -> np.ndarray:
     """(wins, ties, losses) over comparisons: a comparison is won when ContourKV wins more
-    of its examples than it loses (the ``em-logprob`` rule)."""
+    of its answers than it loses (the ``em-logprob`` rule)."""
     s = o.group_by(_COMPARISON).agg(pl.col("outcome").sum())["outcome"].to_numpy()
     return np.array([(s > 0).sum(), (s == 0).sum(), (s < 0).sum()], dtype=np.int64)
 
 
 def share_design(o: pl.DataFrame) -> tuple[Any, Any, Any]:
     """``(design, outcome, comparison)`` of the shares' bootstrap over the outcome rows ``o``:
-    prompts resampled within each (model, task, context) group (its example indices drawn
-    with replacement, each with all its rows: the same draw for every budget, scorer and
-    method pair of that prompt), the groups kept (strata); ``comparison`` labels each row's
+    prompts (contexts) resampled within each (model, task, context) group (its example
+    indices drawn with replacement, each with all its rows: every question, and the same
+    draw for every budget, scorer and method pair of that prompt), the groups kept (strata); ``comparison`` labels each row's
     comparison (:data:`_COMPARISON`)."""
     from evictlab.stats.bootstrap import Design
 
@@ -116,12 +117,12 @@ def contourkv_versus(results: pl.DataFrame, *, tolerance: float = 0.1, seed: int
 
     Rows: per ContourKV method and baseline allocator, pooled over models, tasks, budgets
     and scorers, the comparisons' wins / ties / losses (the ``em-logprob`` rule: more
-    example wins than losses) with the share won and its prompt-clustered interval; and the
+    answer wins than losses) with the share won and its prompt-clustered interval; and the
     paper's three rows, each with the scorer held fixed on both sides (so the row measures
     the allocation): ContourKV vs KVzip (``kvzip+contourkv`` vs ``kvzip+adakv``: KVzip as
     kvpress runs it, per-head ragged and masked, whose outputs our physical run equals),
     vs SnapKV on the retrieval tasks at 128 per cell (``snapkv+contourkv`` vs ``snapkv``:
-    per (model, task) the share of examples each side wins), and ties with Compactor
+    per (model, task) the share of answers each side wins), and ties with Compactor
     (``compactor+contourkv`` vs ``compactor``).
     """
     from evictlab.tasks.examples import RETRIEVAL_TASKS
@@ -130,7 +131,8 @@ def contourkv_versus(results: pl.DataFrame, *, tolerance: float = 0.1, seed: int
     if o.height == 0:
         return [], pl.DataFrame()
     detail = (o.group_by(_COMPARISON, maintain_order=True)
-              .agg(pl.len().alias("n"), (pl.col("outcome") > 0).sum().alias("wins"),
+              .agg(pl.len().alias("n"), pl.col("example").n_unique().alias("contexts"),
+                   (pl.col("outcome") > 0).sum().alias("wins"),
                    (pl.col("outcome") == 0).sum().alias("ties"), (pl.col("outcome") < 0).sum().alias("losses"),
                    pl.col("exact_match").mean().alias("em_contour"), pl.col("exact_match_b").mean().alias("em_baseline"),
                    (pl.col("answer_logprob") - pl.col("answer_logprob_b")).mean().alias("d_logprob"),
@@ -143,13 +145,13 @@ def contourkv_versus(results: pl.DataFrame, *, tolerance: float = 0.1, seed: int
     models = sorted(set(o["model"]))
     where = {"model": "; ".join(f"{m} ({weights_for(m, 'weights as loaded')})" for m in models)}
     defs = ("physical mode, same budget (bytes held equal: see MiB columns of the detail), same scorer on both sides; "
-            "per example: higher exact match wins, else answer log-prob within +-{:g} nats ties; comparison: more "
-            "example wins than losses (ours)").format(tolerance)
+            "per answer: higher exact match wins, else answer log-prob within +-{:g} nats ties; comparison: more "
+            "answer wins than losses (ours)").format(tolerance)
     claims: list[ClaimRow] = []
 
     def rows_text(g: pl.DataFrame) -> dict[str, str]:
         n_cmp = g.select(_COMPARISON).unique().height
-        return {"rows": f"{g.height} paired examples, {n_cmp} comparison{'s' if n_cmp != 1 else ''} ({', '.join(sorted(set(g['task'])))}; "
+        return {"rows": f"{g.height} paired answers ({contexts(g)} contexts), {n_cmp} comparison{'s' if n_cmp != 1 else ''} ({', '.join(sorted(set(g['task'])))}; "
                         f"scorers {', '.join(sorted(set(g['scorer'])))})",
                 "budgets": ", ".join(dict.fromkeys(g["budget"].to_list()))}  # the grid's order
 
@@ -213,8 +215,8 @@ def contourkv_versus(results: pl.DataFrame, *, tolerance: float = 0.1, seed: int
                        f"{w.fmt(2)} vs {lz.fmt(2)}; {full_note_of(sk)}"),
             verdict=f"ContourKV's: {versus(w.lo, w.hi, c_lo, c_hi)}; SnapKV's: {versus(lz.lo, lz.hi, s_lo, s_hi)}",
             **where, **rows_text(sk),
-            interval="95% percentile bootstrap resampling prompts (model, task, context, example index)",
-            definitions=defs + "; win rate = share of examples won under the per-example rule"))
+            interval="95% percentile bootstrap resampling prompts (model, task, context, example index), each with all its questions",
+            definitions=defs + "; win rate = share of answers won under the per-answer rule"))
     else:
         claims.append(_not_run("contourkv:vs_snapkv_retrieval_128",
                                "on retrieval at 128 per cell, ContourKV wins far more examples than SnapKV",

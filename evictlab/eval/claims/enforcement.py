@@ -38,16 +38,18 @@ def _mib_text(v: float | None) -> str:
 def enforcement_cost(results: pl.DataFrame, *, seed: int = 0, n_boot: int = 2000
                      ) -> tuple[list[ClaimRow], pl.DataFrame]:
     """Claim rows (one per model, per-head method and protocol) and the detail table (one
-    row per (model, method, protocol, task, context, budget)) of the enforcement cost."""
-    on = ["model", "task", "context", "protocol", "budget", "method"]
+    row per (model, method, protocol, prefill, task, context, budget)) of the enforcement cost;
+    answers paired by (example, question)."""
+    on = ["model", "task", "context", "protocol", "prefill", "budget", "method"]
+    results = C.with_question_columns(results)
     ragged = pl.col("allocator") != "uniform"
     j = C.paired(results.filter(pl.col("method") != "full"), on,
                 (pl.col("mode") == "masked") & ragged, pl.col("mode") == "uniform")
     if j.height == 0:
         return [], pl.DataFrame()
     phys = results.filter((pl.col("mode") == "physical") & ragged).select(
-        [*on, "example", pl.col("exact_match").alias("em_physical"), pl.col("bytes_live").alias("bytes_physical")])
-    j = j.join(phys, on=[*on, "example"], how="left").with_columns(
+        [*on, *C.PAIR_ON, pl.col("exact_match").alias("em_physical"), pl.col("bytes_live").alias("bytes_physical")])
+    j = j.join(phys, on=[*on, *C.PAIR_ON], how="left").with_columns(
         d=pl.col("exact_match") - pl.col("exact_match_b"),
         d_phys=pl.col("em_physical") - pl.col("exact_match"),
     ).filter(pl.col("d").is_not_null())
@@ -82,6 +84,6 @@ def enforcement_cost(results: pl.DataFrame, *, seed: int = 0, n_boot: int = 2000
             **C.claim_fields(model, g, d),
             interval=C.INTERVAL,
             definitions="exact match = greedy reproduces the answer (teacher-forced argmax); points = 100 x mean "
-                        "difference; 95% bootstrap CI over examples (ours)",
+                        "difference; 95% bootstrap CI over whole contexts (ours)",
         ))
     return claims, detail

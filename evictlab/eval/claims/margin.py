@@ -21,11 +21,13 @@ MARGIN_SCORERS = ("snapkv", "kvzip", "expected_attention", "h2o")
 def query_aware_margin(results: pl.DataFrame, tasks: tuple[str, ...] | None = None, *, seed: int = 0,
                        n_boot: int = 2000) -> tuple[list[ClaimRow], pl.DataFrame]:
     """Claim rows (one per model and method) and the detail table (one row per (model,
-    method, task, context, budget)) of the query-aware margin on the retrieval tasks."""
+    method, prefill, task, context, budget)) of the query-aware margin on the retrieval tasks;
+    answers paired by (example, question)."""
     from evictlab.tasks.examples import RETRIEVAL_TASKS
 
     tasks = tasks or RETRIEVAL_TASKS
-    on = ["model", "task", "context", "budget", "method", "mode"]
+    on = ["model", "task", "context", "prefill", "budget", "method", "mode"]
+    results = C.with_question_columns(results)
     base = results.filter(pl.col("scorer").is_in(list(MARGIN_SCORERS)) & pl.col("task").is_in(list(tasks))
                           & (pl.col("mode") == "physical"))
     j = C.paired(base, on, pl.col("protocol") == "query-aware", pl.col("protocol") == "query-agnostic")
@@ -56,6 +58,6 @@ def query_aware_margin(results: pl.DataFrame, tasks: tuple[str, ...] | None = No
             **C.claim_fields(model, g, d),
             interval=C.INTERVAL,
             definitions="query-aware = the only compression runs after the question (all but its last token) is "
-                        "fed; physical mode; 95% bootstrap CI over examples (ours)",
+                        "fed; physical mode; 95% bootstrap CI over whole contexts (ours)",
         ))
     return claims, detail
