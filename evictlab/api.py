@@ -595,7 +595,7 @@ def reduce_hardness(values: Sequence[int], k: int, target: int) -> dict[str, Any
 
     with _arguments():
         src = parse_instance({"problem": SOURCE_PROBLEM, "values": list(values), "k": k, "target": target},
-                             "values", expect=SOURCE_PROBLEM)
+                             expect=SOURCE_PROBLEM)
         return reduce_instance(src).to_json()  # type: ignore[arg-type]
 
 
@@ -604,11 +604,11 @@ def decide_hardness(values: Sequence[int], s: int, *, method: str = "both",
     """Whether some ``s`` of ``values`` have the mean of all of them (ZERO-ES: ``ES(s) = 0``),
     and the kept indices of a solution (empty for no): ``evictlab hardness decide``.
     ``method``: ``"cpsat"``, ``"dp"`` or ``"both"`` (cross-checked)."""
-    from evictlab.hardness.deciders import decide_checked
+    from evictlab.hardness.deciders import check_decide_options, decide_checked
     from evictlab.hardness.instances import IMAGE_PROBLEM, parse_instance
 
     with _arguments():
-        inst = parse_instance({"problem": IMAGE_PROBLEM, "values": list(values), "s": s}, "values",
-                              expect=IMAGE_PROBLEM)
+        check_decide_options(method, time_limit)
+        inst = parse_instance({"problem": IMAGE_PROBLEM, "values": list(values), "s": s}, expect=IMAGE_PROBLEM)
         first = decide_checked(inst, method, time_limit_s=time_limit)
         return first.yes, list(first.certificate)
