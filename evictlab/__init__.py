@@ -11,8 +11,8 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["CacheBytes", "EvictingCache", "RowDataset", "capture", "check_hardness", "decide_hardness",
-           "fit_contour", "fit_predictor", "load_model", "reduce_hardness", "solve"]
+__all__ = ["CacheBytes", "EvictingCache", "RowDataset", "capture_rows", "check_hardness", "decide_hardness",
+           "fit_contour", "fit_predictor", "load_model", "reduce_hardness", "solve_rows"]
 
 
 def __getattr__(name: str) -> Any:

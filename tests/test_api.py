@@ -207,10 +207,10 @@ def test_analysis_errors_name_the_argument(tmp_path: Path) -> None:
         evictlab.decide_hardness([1, 2, 3], 1, method="guess")
     assert exc.value.field == "method"
     with pytest.raises(InputError) as exc:
-        evictlab.capture("smollm2-135m", "a text, not a list")
+        evictlab.capture_rows("smollm2-135m", "a text, not a list")
     assert exc.value.field == "texts"
     with pytest.raises(InputError) as exc:
-        evictlab.capture("smollm2-135m", ["x"], source="shakespeare")
+        evictlab.capture_rows("smollm2-135m", ["x"], source="shakespeare")
     assert exc.value.field == "texts"
 
 
@@ -238,11 +238,11 @@ def test_capture_solve_fit_from_python(real_model, tmp_path: Path, capsys) -> No
     model, tok = real_model(SMOL)
     texts = ["To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer "
              "the slings and arrows of outrageous fortune, or to take arms against a sea of troubles. " * 4] * 2
-    rows = evictlab.capture(model, texts, tokenizer=tok, context=48, positions=2, seed=0)
+    rows = evictlab.capture_rows(model, texts, tokenizer=tok, context=48, positions=2, seed=0)
     assert isinstance(rows, RowStore) and rows.n_rows == 2 * 2 * 30 * 9
-    results = evictlab.solve(rows, keep=[4, 8], out=tmp_path / "r.parquet")
+    results = evictlab.solve_rows(rows, keep=[4, 8], out=tmp_path / "r.parquet")
     assert results.height == 2 * rows.n_rows and set(results["s"].unique()) == {4, 8}
-    again = evictlab.solve(rows.path, keep=[4, 8], out=tmp_path / "again.parquet")
+    again = evictlab.solve_rows(rows.path, keep=[4, 8], out=tmp_path / "again.parquet")
     assert results.drop("wall_s", strict=False).equals(again.drop("wall_s", strict=False))
     prof = evictlab.fit_contour(rows, results)
     assert prof.dropped.shape[:2] == (30, 3) and prof.selection is not None
