@@ -83,6 +83,7 @@ def test_generate_tokens_equal_evictlab_decode(real_model, tmp_path: Path, capsy
     model, tok = real_model(SMOL, "ragged")
     from evictlab.models import loading
 
+    # the CLI's load finds the session's model (loaded above, so the patch never recurses)
     monkeypatch.setattr(loading, "load_model", lambda name, device="cpu", dtype=None, attn_implementation="eager":
                         real_model(name, attn_implementation))
     out = tmp_path / "d.json"
