@@ -15,6 +15,12 @@ from evictlab.errors import InputError
 
 from cli_helpers import run_cli
 
+
+def real(test):  # noqa: ANN001, ANN201 - a test decorator
+    """Marks a test that loads a real model (from the user cache; pulled on first use)."""
+    return pytest.mark.model(pytest.mark.slow(test))
+
+
 SMOL = "smollm2-135m"
 GEMMA = "gemma3-270m"
 CONTEXT = 160  # tokens: short, so the real-model tests stay quick
@@ -57,6 +63,7 @@ def _hooks(model) -> int:
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 
 
+@real
 @pytest.mark.parametrize("name, method, budget", [(SMOL, "snapkv", "32"), (GEMMA, "snapkv+pyramidkv", "24/cell")])
 def test_generate_matches_the_decode_loop(real_model, name: str, method: str, budget: str) -> None:
     model, tok = real_model(name, "ragged")
@@ -79,6 +86,7 @@ def test_generate_matches_the_decode_loop(real_model, name: str, method: str, bu
     assert after and all(s.report.live_tokens <= cache.budget_tokens for s in after)
 
 
+@real
 def test_generate_tokens_equal_evictlab_decode(real_model, tmp_path: Path, capsys, monkeypatch) -> None:
     model, tok = real_model(SMOL, "ragged")
     from evictlab.models import loading
@@ -98,6 +106,7 @@ def test_generate_tokens_equal_evictlab_decode(real_model, tmp_path: Path, capsy
     _same_until_eos(gen, ref, model.generation_config.eos_token_id)
 
 
+@real
 def test_sampling_runs_and_top_k_1_is_greedy(real_model) -> None:
     model, tok = real_model(SMOL, "ragged")
     ctx, q = _prompt(tok)
@@ -115,6 +124,7 @@ def test_sampling_runs_and_top_k_1_is_greedy(real_model) -> None:
     assert gen(do_sample=True, temperature=1.5, top_k=0, top_p=1.0) == first and len(first) >= 1
 
 
+@real
 def test_batch_of_equal_prompts_and_refusals(real_model) -> None:
     model, tok = real_model(SMOL, "ragged")
     ctx, q = _prompt(tok)
@@ -135,6 +145,7 @@ def test_batch_of_equal_prompts_and_refusals(real_model) -> None:
         assert _hooks(model) == before  # detached after the error inside generate
 
 
+@real
 def test_hooks_are_removed_after_an_exception(real_model) -> None:
     model, tok = real_model(SMOL, "ragged")
     ctx, q = _prompt(tok)
@@ -152,6 +163,7 @@ def test_hooks_are_removed_after_an_exception(real_model) -> None:
     assert _hooks(model) == before and cache.seen == ctx.shape[1] + q.shape[1] + 1
 
 
+@real
 def test_own_loop_logits_come_from_the_compressed_cache(real_model) -> None:
     model, tok = real_model(SMOL, "ragged")
     ctx, q = _prompt(tok)
@@ -164,6 +176,7 @@ def test_own_loop_logits_come_from_the_compressed_cache(real_model) -> None:
     assert (trace["kept"] <= trace["held"]).all()
 
 
+@real
 def test_a_local_model_folder(real_model_dir, capsys) -> None:
     model, tok = evictlab.load_model(str(real_model_dir(SMOL)))
     ctx, q = _prompt(tok)
@@ -173,6 +186,7 @@ def test_a_local_model_folder(real_model_dir, capsys) -> None:
     assert capsys.readouterr().out == ""
 
 
+@real
 @pytest.mark.parametrize("kwargs, field", [
     ({"budget": "lots"}, "budget"), ({"budget": "0"}, "budget"), ({"method": "nope"}, "method"),
     ({"method": "snapkv+nope"}, "method"), ({"store": "full"}, "store"), ({"protocol": "aware"}, "protocol"),
@@ -188,6 +202,7 @@ def test_cache_errors_name_the_argument(real_model, kwargs: dict, field: str) ->
     assert exc.value.field == field, exc.value
 
 
+@real
 def test_a_budget_below_the_floor_is_refused_at_the_first_forward(real_model) -> None:
     model, tok = real_model(SMOL, "ragged")
     before = _hooks(model)
@@ -229,6 +244,7 @@ def test_hardness_functions_are_the_checker(capsys) -> None:
     assert capsys.readouterr().out == ""
 
 
+@real
 def test_capture_solve_fit_from_python(real_model, tmp_path: Path, capsys) -> None:
     """capture -> solve -> fit_contour -> fit_predictor, in memory, printing nothing; the
     rows and results are those of the commands' own code (re-solved from the files)."""
@@ -259,3 +275,31 @@ def test_capture_solve_fit_from_python(real_model, tmp_path: Path, capsys) -> No
         assert pred.metadata["held_out_auc"]
     assert capsys.readouterr().out == ""
     assert isinstance(results, pl.DataFrame)
+
+
+def test_every_public_name_is_documented_and_import_is_light() -> None:
+    import subprocess
+    import sys
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text(encoding="utf-8")
+    for name in evictlab.__all__:
+        obj = getattr(evictlab, name)
+        assert f"## `{name}" in doc, f"docs/api.md has no section for {name}"
+        assert (obj.__doc__ or "").strip(), f"{name} has no docstring"
+    code = "import sys, evictlab; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+
+
+@real
+def test_masked_store_gives_the_physical_tokens_and_holds_everything(real_model) -> None:
+    model, tok = real_model(SMOL, "ragged")
+    ctx, q = _prompt(tok)
+    ids = torch.cat([ctx, q], 1)
+    kw = dict(question_tokens=q.shape[1], chunk_size=64)
+    physical = evictlab.EvictingCache(model, "snapkv", "32", **kw)
+    masked = evictlab.EvictingCache(model, "snapkv", "32", store="masked", **kw)
+    assert _generated(model, ids, masked, do_sample=False) == _generated(model, ids, physical, do_sample=False)
+    b = masked.bytes()
+    assert b.report.kind == "masked" and b.live == b.full  # masking frees nothing (docs/kv.md)
+    assert physical.bytes().live < b.live

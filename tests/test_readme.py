@@ -19,6 +19,8 @@ def test_the_blocks_are_found() -> None:
     assert python_blocks("a\n```python\nx = 1\n```\n```bash\nls\n```\n```python\ny = 2\n```\n") == ["x = 1\n", "y = 2\n"]
 
 
+@pytest.mark.model
+@pytest.mark.slow
 def test_readme_python_blocks_run(real_model, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     from evictlab.models import loading
 
