@@ -180,7 +180,9 @@ class EvictingCache(EvictionCache):
         scorer_params, allocator_params: ``{name: value}`` for the scorer / the allocator
             (``--scorer-param`` / ``--allocator-param``; ``NAME.key`` for one part only).
         tokenizer: for scorers that build a reconstruction prompt (KVzip).
-        trace: record the per-compression diagnostics (:meth:`trace`; ``--trace``).
+        trace: record the per-compression diagnostics (:meth:`trace`; ``--trace``): True, or
+            a :class:`~evictlab.decode.trace.CompressionTrace` (e.g. ``max_subsets=``, the
+            largest pool enumeration per row for ``ES_hat``: ``--trace-max-subsets``).
         loop: :class:`~evictlab.decode.config.LoopSettings` fields in tokens: ``sinks``,
             ``recent``, ``chunk_size``, ``compress_every``, ``window``, ``block_size``.
 
@@ -195,7 +197,7 @@ class EvictingCache(EvictionCache):
     def __init__(self, model: torch.nn.Module, method: str | Method = "snapkv", budget: str | int | Budget = "64",
                  *, protocol: str = "query-agnostic", store: str = "physical", question_tokens: int | None = None,
                  max_new_tokens: int | None = None, scorer_params: Mapping[str, Any] | None = None,
-                 allocator_params: Mapping[str, Any] | None = None, tokenizer: Any = None, trace: bool = False,
+                 allocator_params: Mapping[str, Any] | None = None, tokenizer: Any = None, trace: Any = False,
                  **loop: int) -> None:
         with _arguments():
             if protocol not in PROTOCOLS:
@@ -239,11 +241,10 @@ class EvictingCache(EvictionCache):
         self.question_tokens = m
         self.max_new_tokens = max_new_tokens
         self.tokenizer = tokenizer
-        self._trace = None
-        if trace:
-            from evictlab.decode.trace import CompressionTrace
+        from evictlab.decode.trace import CompressionTrace
 
-            self._trace = CompressionTrace()
+        self._trace = trace if isinstance(trace, CompressionTrace) else CompressionTrace() if trace else None
+        if self._trace is not None and not self._trace.labels:
             self._trace.label(method=built.spec, mode=store, budget=str(budget), protocol=protocol)
         #: the decode loop's evicting engine, built at the first forward (None before)
         self.runner: Any = None

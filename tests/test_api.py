@@ -23,7 +23,7 @@ def real(test):  # noqa: ANN001, ANN201 - a test decorator
 
 SMOL = "smollm2-135m"
 GEMMA = "gemma3-270m"
-CONTEXT = 160  # tokens: short, so the real-model tests stay quick
+CONTEXT = 128  # tokens: short, so the real-model tests stay quick
 T = 8
 
 
@@ -167,13 +167,21 @@ def test_hooks_are_removed_after_an_exception(real_model) -> None:
 def test_own_loop_logits_come_from_the_compressed_cache(real_model) -> None:
     model, tok = real_model(SMOL, "ragged")
     ctx, q = _prompt(tok)
-    cache = evictlab.EvictingCache(model, "snapkv", "32", question_tokens=q.shape[1], chunk_size=64, trace=True)
+    from evictlab.decode.trace import CompressionTrace
+
+    plain = evictlab.EvictingCache(model, "snapkv", "32", question_tokens=q.shape[1], chunk_size=64)
+    with pytest.raises(InputError, match="trace=True"):
+        plain.trace()
+    # one compression (chunk = context); ES_hat's enumeration skipped (max_subsets=1) to stay quick
+    cache = evictlab.EvictingCache(model, "snapkv", "32", question_tokens=q.shape[1], chunk_size=ctx.shape[1],
+                                   trace=CompressionTrace(max_subsets=1))
     with torch.no_grad(), cache.attached():
         out = model(input_ids=torch.cat([ctx, q], 1), cache=cache, use_cache=True)
     assert out.logits.shape[1] == q.shape[1]  # the question, fed through the compressed cache
     trace = cache.trace()
-    assert trace.height == cache.compressions * cache.geometry.cells
-    assert (trace["kept"] <= trace["held"]).all()
+    assert cache.compressions == 1 and trace.height == cache.geometry.cells
+    assert (trace["kept"] <= trace["held"]).all() and trace["es_hat"].null_count() == trace.height
+    assert 0 < int(trace["kept"].sum()) <= cache.budget_tokens  # kept after the compression: within the budget
 
 
 @real
