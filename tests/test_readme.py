@@ -1,39 +1,41 @@
-"""The README shows what the main job produces, from files under figures/ that a documented command regenerates."""
+"""The README's Python code runs as written (its "From Python" section)."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-import polars as pl
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_readme_figure_and_claims_excerpt_come_from_figures() -> None:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert "](figures/readme_selection_ceiling.png)" in readme
-    png = ROOT / "figures" / "readme_selection_ceiling.png"
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size < 500_000
-    block = re.search(r"<!-- claims-excerpt:start -->\n(.*?)<!-- claims-excerpt:end -->", readme, flags=re.S)
-    assert block, "README lacks the claims excerpt markers"
-    assert block.group(1).strip() == (ROOT / "figures" / "readme_claims.md").read_text(encoding="utf-8").strip()
-    assert "paper_repro/readme_figures.py" in readme  # the command that regenerates both
+def python_blocks(text: str) -> list[str]:
+    """Every fenced ```python block of a Markdown text, in order."""
+    return re.findall(r"^```python\n(.*?)^```", text, flags=re.M | re.S)
 
 
-def test_excerpt_selects_headline_rows() -> None:
-    import sys
+def test_the_blocks_are_found() -> None:
+    assert python_blocks("a\n```python\nx = 1\n```\n```bash\nls\n```\n```python\ny = 2\n```\n") == ["x = 1\n", "y = 2\n"]
 
-    sys.path.insert(0, str(ROOT / "paper_repro"))
-    from readme_figures import EXCERPT_COLUMNS, excerpt
 
-    rows = [{"claim_id": cid, "claim": cid, "paper_value": "p", "our_value": "o", "verdict": "v", "model": m,
-             "rows": "r", "budgets": b, "definitions": "d", "interval": "i"}
-            for cid, m, b in [("ceiling", "a (w)", "s=4"), ("ceiling", "a (w)", "s=8"), ("ceiling", "a (w)", "s=32"),
-                              ("ceiling", "pooled (a + b) (w)", "s=4"), ("penalty", "a (w)", "s=4"),
-                              ("penalty-trend", "a (w)", "s=4,32"), ("auc", "a (w)", "s=all"), ("auc", "a (w)", "s=4"),
-                              ("np-hardness", "-", "seed=0")]]
-    out = excerpt(pl.DataFrame(rows))
-    assert out.columns == list(EXCERPT_COLUMNS)
-    assert out["budgets"].to_list() == ["s=4", "s=32", "s=4", "s=4,32", "s=all", "seed=0"]
-    assert "pooled (a + b)" in out["model"].to_list() and "a" in out["model"].to_list()
+@pytest.mark.model
+@pytest.mark.slow
+def test_readme_python_blocks_run(real_model, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    from evictlab.models import loading
+
+    # the same model, loaded once per test session (real_model) instead of once more here
+    real_model("smollm2-135m", "ragged")
+    monkeypatch.setattr(loading, "load_model", lambda name, device="cpu", dtype=None, attn_implementation="eager":
+                        real_model(name, attn_implementation))
+    blocks = python_blocks((ROOT / "README.md").read_text(encoding="utf-8"))
+    assert blocks, "the README has no Python block"
+    for i, code in enumerate(blocks):
+        namespace: dict = {"__name__": f"readme_block_{i}"}
+        exec(compile(code, f"README.md python block {i}", "exec"), namespace)
+    out = capsys.readouterr().out
+    assert out.strip(), "the README's example prints its result"
+    cache, summary = namespace["cache"], namespace["summary"]
+    assert cache.compressions >= 1 and cache.bytes().live < cache.bytes().full
+    assert summary.agreed == summary.tried == 4
+    assert namespace["results"].height == 2 * namespace["rows"].n_rows

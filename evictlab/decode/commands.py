@@ -333,6 +333,7 @@ def decode(
     final = res.trace[-1].report if res.trace else None
     result = {
         "method": method, "mode": mode, "task": task, "answer": prompt.answer, "prediction": text,
+        "tokens": res.tokens[0].tolist(),
         "scorer_params": cfg.to_dict()["scorer_params"], "allocator_params": cfg.to_dict()["allocator_params"],
         "protocol": cfg.protocol, "chunk_size": chunk,
         "bytes_live_peak": res.peak("bytes_live"),

@@ -73,12 +73,14 @@ class EvictionRunner:
     prefill (the store's initial headroom); ``total_tokens``: tokens the run feeds (clips
     the always-kept floor); ``max_cell_tokens``: per layer, the most entries one cell can
     ever hold (caps the paged pool; None = no cap); ``tokenizer``: for a reconstruction
-    scorer's prompt (see :func:`run_sequence`).
+    scorer's prompt (see :func:`run_sequence`); ``cache``: an unbound
+    :class:`EvictionCache` to hold the store (the one a user handed to ``model.generate``,
+    :mod:`evictlab.api`), else a new one.
     """
 
     def __init__(self, model: torch.nn.Module, cfg: DecodeConfig, batch: int, *, headroom_tokens_per_cell: int,
                  total_tokens: int, max_cell_tokens: list[int] | None = None, tokenizer: Any = None,
-                 decode_headroom_tokens_per_cell: int | None = None) -> None:
+                 decode_headroom_tokens_per_cell: int | None = None, cache: EvictionCache | None = None) -> None:
         self.model = model
         self.cfg = cfg
         self.loop = cfg.loop
@@ -118,7 +120,9 @@ class EvictionRunner:
         #: True: the scorer gets every query since its previous call (consumed by each
         #: compression); False: the last ``cfg.window`` queries (a sliding window).
         self.all_queries = self.method.all_queries
-        self.cache = EvictionCache(store)
+        #: the cache the model is called with: a new one, or ``cache`` (unbound, see
+        #: :meth:`EvictionCache.bind`), which now holds this store
+        self.cache = EvictionCache(store) if cache is None else cache.bind(store)
         self.cache.query_window = None if self.all_queries else cfg.loop.window
         self.states: dict[tuple[int, int, int], dict[str, Any]] = {}
         self.extra_queries: dict[int, torch.Tensor] | None = None

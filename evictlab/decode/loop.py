@@ -137,6 +137,27 @@ def _rss() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
+class StepRecorder:
+    """The loop's accounting: :meth:`note` (the driver's ``note``) appends one
+    :class:`StepTrace` (the phase, tokens seen, the store's :class:`ByteReport`, the
+    process's RSS) after each forward or compression of ``engine``, and keeps the peak RSS
+    (bytes). An engine without a store to account (the full-cache reference) records no
+    steps. Shared by :func:`run_sequence` and :mod:`evictlab.api`'s cache."""
+
+    def __init__(self, engine: Engine | None = None) -> None:
+        self.engine = engine
+        self.trace: list[StepTrace] = []
+        self.peak_rss = _rss()
+
+    def note(self, phase: str) -> None:
+        assert self.engine is not None
+        r = _rss()
+        self.peak_rss = max(self.peak_rss, r)
+        report = self.engine.report()
+        if report is not None:
+            self.trace.append(StepTrace(phase, self.engine.cache.seen, report, r))
+
+
 # --------------------------------------------------------------------------- engines
 
 
@@ -197,9 +218,21 @@ class FullCache:
 def _drive(engine: Engine, context_ids: torch.Tensor, question_ids: torch.Tensor, answer_ids: torch.Tensor | None,
            steps: int, chunk_size: int, query_aware: bool, tick: Callable[[int], None],
            note: Callable[[str], None]) -> tuple[list[torch.Tensor], list[torch.Tensor], float]:
-    """The protocol, for every engine: the chunked prefix, the rest of the question, then
-    ``steps`` decode steps. Returns per-step logits and tokens and the decode phase's start
-    time. Each forward and each engine hook is recorded by ``note``.
+    """The protocol, for every engine: the chunked prefix (:func:`feed_prefix`), the rest of
+    the question, then ``steps`` decode steps (:func:`answer`). Returns per-step logits and
+    tokens and the decode phase's start time. Each forward and each engine hook is recorded
+    by ``note``."""
+    rest = feed_prefix(engine, context_ids, question_ids, chunk_size, query_aware, tick, note)
+    return answer(engine, rest, answer_ids, steps, compress_every=None, tick=tick, note=note)
+
+
+def feed_prefix(engine: Engine, context_ids: torch.Tensor, question_ids: torch.Tensor, chunk_size: int,
+                query_aware: bool, tick: Callable[[int], None], note: Callable[[str], None]) -> torch.Tensor:
+    """The protocol's prefix: feed it in chunks of ``chunk_size`` tokens, compressing where
+    the protocol says, then end the context (:meth:`Engine.end_context`). Returns the
+    tokens still to feed before decoding, ``(batch, r)``, through the compressed cache:
+    the question (query-agnostic) or its last token (query-aware). Used by the driver and by
+    :mod:`evictlab.api`'s cache inside a stock ``model.generate``.
 
     Query-agnostic: prefix = the context, compressed after every chunk; then the whole
     question. Query-aware: prefix = the context and the question but its last token, with
@@ -229,7 +262,7 @@ def _drive(engine: Engine, context_ids: torch.Tensor, question_ids: torch.Tensor
     phase = engine.end_context()
     if phase:
         note(phase)
-    return answer(engine, rest, answer_ids, steps, compress_every=None, tick=tick, note=note)
+    return rest
 
 
 def answer(engine: Engine, rest: torch.Tensor, answer_ids: torch.Tensor | None, steps: int, *,
@@ -311,8 +344,8 @@ def run_sequence(
     # logits are the run's last output), so the cache ends holding total - 1 tokens.
     full_tokens = g.full_cache_tokens(total - 1)
     bytes_full = kv_bytes(full_tokens * b, g.head_dim, g.dtype)
-    trace: list[StepTrace] = []
     tick = progress or (lambda _k: None)
+    steps = StepRecorder()
 
     engine: Engine
     if cfg.mode == "full":
@@ -322,27 +355,29 @@ def run_sequence(
         runner.compression_trace = compression_trace
         engine, query_aware = runner, cfg.query_aware
 
-    def note(phase: str) -> None:
-        nonlocal peak
-        r = _rss()
-        peak = max(peak, r)
-        report = engine.report()
-        if report is not None:
-            trace.append(StepTrace(phase, engine.cache.seen, report, r))
-
+    steps.engine = engine
     with torch.no_grad(), engine.session():
         logits_out, tokens_out, t_dec = _drive(engine, context_ids, question_ids, answer_ids, T, cfg.loop.chunk_size,
-                                               query_aware, tick, note)
+                                               query_aware, tick, steps.note)
     budget = engine.budget_tokens
-    return DecodeOutput(torch.stack(logits_out, 1), torch.stack(tokens_out, 1), trace, budget, bytes_full, peak,
+    peak = max(peak, steps.peak_rss)
+    return DecodeOutput(torch.stack(logits_out, 1), torch.stack(tokens_out, 1), steps.trace, budget, bytes_full, peak,
                         time.perf_counter() - t0, engine.compressions, time.perf_counter() - t_dec,
                         list(engine.context_kept), None if budget is None else min(budget, full_tokens))
 
 
 def _evicting_engine(model: torch.nn.Module, cfg: DecodeConfig, context_ids: torch.Tensor,
-                     question_ids: torch.Tensor, answer_ids: torch.Tensor | None, T: int, g: ModelGeometry,
-                     tokenizer: Any, future: Callable[[], dict[int, torch.Tensor]] | None = None) -> EvictionRunner:
+                     question_ids: torch.Tensor, answer_ids: torch.Tensor | None, T: int | None, g: ModelGeometry,
+                     tokenizer: Any, future: Callable[[], dict[int, torch.Tensor]] | None = None,
+                     cache: Any = None) -> EvictionRunner:
     """An :class:`EvictionRunner` whose store is sized, in tokens, by what this run feeds.
+
+    ``T``: the decode steps, or None when they are not known in advance (a stock
+    ``model.generate`` through :mod:`evictlab.api`): the decode headroom is then a whole
+    ``compress_every`` interval, the full-attention cells are not capped by what is fed,
+    and the always-kept floors are clipped to the prompt plus one interval. ``cache``: an
+    unbound :class:`~evictlab.kv.cache.EvictionCache` that holds the store (see
+    :class:`EvictionRunner`).
 
     Headroom per cell between compressions: a prefill chunk, never more than the context
     fed (query-aware: the whole prefix, context and question but its last token, since
@@ -372,15 +407,19 @@ def _evicting_engine(model: torch.nn.Module, cfg: DecodeConfig, context_ids: tor
     chunk = min(loop.chunk_size, prefill_fed)
     recon_head = chunk + prompt_len if recon else 0
     prefill_head = (prefill_fed if cfg.query_aware else chunk) + recon_head
-    decode_steps = min(loop.compress_every, T - 1)
-    decode_recon = recon and T - 1 >= loop.compress_every
+    open_ended = T is None
+    steps = loop.compress_every + 1 if T is None else T
+    decode_steps = min(loop.compress_every, steps - 1)
+    decode_recon = recon and steps - 1 >= loop.compress_every
     decode_head = (1 if cfg.query_aware else m) + decode_steps + (loop.window + prompt_len if decode_recon else 0)
-    fed = n + m + T - 1
-    recon_pass = prompt_len + max(chunk, min(loop.window, T)) if recon else 0
+    fed = n + m + steps - 1
+    recon_pass = prompt_len + max(chunk, min(loop.window, steps)) if recon else 0
     slide_head = max(chunk + recon_head, decode_head)
-    max_cell = [fed + recon_pass if w is None else min(fed + recon_pass, w - 1 + slide_head) for w in g.windows]
-    runner = EvictionRunner(model, cfg, b, headroom_tokens_per_cell=prefill_head, total_tokens=n + m + T,
-                            max_cell_tokens=max_cell, tokenizer=tokenizer, decode_headroom_tokens_per_cell=decode_head)
+    max_cell = None if open_ended else [
+        fed + recon_pass if w is None else min(fed + recon_pass, w - 1 + slide_head) for w in g.windows]
+    runner = EvictionRunner(model, cfg, b, headroom_tokens_per_cell=prefill_head, total_tokens=n + m + steps,
+                            max_cell_tokens=max_cell, tokenizer=tokenizer, decode_headroom_tokens_per_cell=decode_head,
+                            cache=cache)
     if method.future:
         if answer_ids is None:
             raise InputError("method", "the oracle needs the true future tokens", "run it teacher-forced (with an answer)")

@@ -20,8 +20,8 @@ from typing import Any, Callable, Iterable
 
 import polars as pl
 
-from evictlab.hardness.deciders import Decision, decide_image, decide_source
-from evictlab.hardness.generators import Generated
+from evictlab.hardness.deciders import Decision, check_time_limit, decide_image, decide_source
+from evictlab.hardness.generators import Generated, balanced
 from evictlab.hardness.instances import within_cpsat_limits
 from evictlab.hardness.reduction import (
     image_bit_bound,
@@ -153,3 +153,15 @@ class Summary:
             certificates_checked=int(table["certificates_checked"].sum()),
             seconds=seconds,
         )
+
+
+def check_reduction(trials: int, size: int, *, seed: int = 0, magnitude: int | None = None,
+                    time_limit_s: float | None = None,
+                    on_trial: Callable[[dict[str, Any]], None] | None = None) -> tuple[pl.DataFrame, Summary]:
+    """``evictlab hardness check``'s run: ``trials`` balanced instances of ``size`` values
+    (:func:`~evictlab.hardness.generators.balanced`, seeded), each checked
+    (:func:`run_check`); returns the table and its :class:`Summary`."""
+    check_time_limit(time_limit_s)
+    instances = balanced(seed, trials, size, magnitude)  # validates trials/size/magnitude first
+    table = run_check(instances, time_limit_s=time_limit_s, on_trial=on_trial)
+    return table, Summary.of(table)

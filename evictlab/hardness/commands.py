@@ -26,8 +26,6 @@ app = typer.Typer(
     no_args_is_help=True,
 )
 
-_METHOD_CHOICES = ("both", "cpsat", "dp")
-
 
 @app.command("check")
 def check_command(
@@ -49,13 +47,12 @@ def check_command(
     from rich.progress import Progress
     from rich.table import Table
 
-    from evictlab.hardness.check import SOLVERS, Summary, run_check
-    from evictlab.hardness.generators import balanced
+    from evictlab.hardness.check import SOLVERS, check_reduction
+    from evictlab.hardness.deciders import check_time_limit
     from evictlab.io import check_output_file
     from evictlab.record import RECORD_NAME, RunRecord, record_path
 
-    if time_limit is not None and not time_limit > 0:
-        raise InputError("--time-limit", f"must be positive, got {time_limit}", "pass a positive number of seconds or omit it")
+    check_time_limit(time_limit)
     if out is not None and out.exists():  # refused before the run, not after it
         if not out.is_dir():
             raise InputError("--out", f"{out} is a file", "pass a folder (new or existing) for --out")
@@ -63,12 +60,11 @@ def check_command(
             check_output_file(out / name, "--out", overwrite=overwrite)
     record = RunRecord(kind="hardness-check", seed=seed,
                        config={"trials": trials, "size": size, "magnitude": magnitude, "time_limit": time_limit})
-    instances = balanced(seed, trials, size, magnitude)  # validates trials/size/magnitude first
     console = Console(stderr=True)
     with Progress(console=console, transient=True, disable=quiet) as progress:
-        task = progress.add_task("checking", total=len(instances))
-        table = run_check(instances, time_limit_s=time_limit, on_trial=lambda _row: progress.advance(task))
-    summary = Summary.of(table)
+        task = progress.add_task("checking", total=trials if trials > 0 else None)
+        table, summary = check_reduction(trials, size, seed=seed, magnitude=magnitude, time_limit_s=time_limit,
+                                         on_trial=lambda _row: progress.advance(task))
 
     counts = Table(title=f"ZERO-ES reduction check (n = {size}, seed = {seed})")
     for col in ("tried", "yes", "no", "agreed", "disagreed", "certificates verified"):
@@ -126,27 +122,19 @@ def decide_command(
     time_limit: Optional[float] = typer.Option(None, "--time-limit", help="CP-SAT seconds; default none."),
 ) -> None:
     """Decide whether some s kept values have the mean of all values (ES(s) = 0)."""
-    from evictlab.hardness.deciders import UndecidedError, decide_image
-    from evictlab.hardness.instances import IMAGE_PROBLEM, check_cpsat_limits, load_instance
+    from evictlab.hardness.deciders import DisagreementError, UndecidedError, check_decide_options, decide_checked
+    from evictlab.hardness.instances import IMAGE_PROBLEM, load_instance
 
-    if method not in _METHOD_CHOICES:
-        raise InputError("--method", f"unknown method {method!r}", f"use one of {', '.join(_METHOD_CHOICES)}")
-    if time_limit is not None and not time_limit > 0:
-        raise InputError("--time-limit", f"must be positive, got {time_limit}", "pass a positive number of seconds or omit it")
+    check_decide_options(method, time_limit)
     inst = load_instance(image, expect=IMAGE_PROBLEM)
-    if method in ("both", "cpsat"):
-        check_cpsat_limits(inst)  # a clear InputError before any solving
-    names = ("cpsat", "dp") if method == "both" else (method,)
     try:
-        decisions = [decide_image(inst, name, time_limit_s=time_limit) for name in names]  # type: ignore[arg-type]
+        first = decide_checked(inst, method, time_limit_s=time_limit)  # type: ignore[arg-type]
     except UndecidedError as exc:  # not bad input and not an answer: its own exit code
         typer.echo(f"undecided: {exc}; raise or drop --time-limit, or use --method dp", err=True)
         sys.exit(3)
-    if len({d.yes for d in decisions}) > 1:
-        typer.echo("error: CP-SAT and the exact DP disagree: "
-                   + ", ".join(f"{d.method}={d.answer}" for d in decisions), err=True)
+    except DisagreementError as exc:
+        typer.echo(f"error: {exc}", err=True)
         sys.exit(1)
-    first = decisions[0]
     if as_json:
         typer.echo(json.dumps({"answer": first.answer, "kept": list(first.certificate)}))
     else:

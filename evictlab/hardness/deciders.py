@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from evictlab.errors import EvictlabError
+from evictlab.errors import EvictlabError, InputError
 from evictlab.hardness.instances import KSubsetSum, ZeroES, check_cpsat_limits
 
 METHODS: tuple[str, ...] = ("cpsat", "dp", "enumerate")
@@ -36,6 +36,14 @@ class UndecidedError(EvictlabError, RuntimeError):
 
 class WrongCertificateError(EvictlabError, RuntimeError):
     """A decider returned a certificate that fails the exact check (a solver or formulation bug)."""
+
+
+class DisagreementError(EvictlabError, RuntimeError):
+    """CP-SAT and the exact DP gave different answers on one instance (a bug)."""
+
+
+#: What ``evictlab hardness decide --method`` (and :func:`decide_checked`) accept.
+DECIDE_METHODS: tuple[str, ...] = ("both", "cpsat", "dp")
 
 
 @dataclass(frozen=True)
@@ -209,3 +217,34 @@ def decide_image(image: ZeroES, method: str = "cpsat", *, time_limit_s: float | 
     else:
         raise ValueError(f"unknown method {method!r}; use one of {METHODS}")
     return _finish(image, found, method, t0)
+
+
+def check_decide_options(method: str, time_limit_s: float | None) -> None:
+    """:class:`InputError` for a ``--method`` outside :data:`DECIDE_METHODS` or a
+    non-positive ``--time-limit`` (checked before an instance is read)."""
+    if method not in DECIDE_METHODS:
+        raise InputError("--method", f"unknown method {method!r}", f"use one of {', '.join(DECIDE_METHODS)}")
+    check_time_limit(time_limit_s)
+
+
+def check_time_limit(time_limit_s: float | None) -> None:
+    """:class:`InputError` (``--time-limit``) unless None or positive (seconds)."""
+    if time_limit_s is not None and not time_limit_s > 0:
+        raise InputError("--time-limit", f"must be positive, got {time_limit_s}",
+                         "pass a positive number of seconds or omit it")
+
+
+def decide_checked(image: ZeroES, method: str = "both", *, time_limit_s: float | None = None) -> Decision:
+    """Decide ZERO-ES with ``method`` (``both``: CP-SAT and the DP, cross-checked): what
+    ``evictlab hardness decide`` answers. CP-SAT's int64 limits are checked before any
+    solving (:class:`InputError`); :class:`UndecidedError` when CP-SAT hit the time limit;
+    :class:`DisagreementError` when the two methods differ."""
+    check_decide_options(method, time_limit_s)
+    if method in ("both", "cpsat"):
+        check_cpsat_limits(image)  # a clear InputError before any solving
+    names = ("cpsat", "dp") if method == "both" else (method,)
+    decisions = [decide_image(image, name, time_limit_s=time_limit_s) for name in names]
+    if len({d.yes for d in decisions}) > 1:
+        raise DisagreementError("CP-SAT and the exact DP disagree: "
+                                + ", ".join(f"{d.method}={d.answer}" for d in decisions))
+    return decisions[0]

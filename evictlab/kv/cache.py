@@ -104,9 +104,12 @@ class EvictionCache(Cache):
     (:mod:`evictlab.decode.loop`) through ``store.keep``.
     """
 
-    def __init__(self, store: KVStore) -> None:
-        self.store = store
-        super().__init__(layers=[_StoreLayer(store, l) for l in range(store.n_layers)])
+    def __init__(self, store: KVStore | None, *, n_layers: int | None = None) -> None:
+        if store is None and n_layers is None:
+            raise InputError("store", "an unbound cache needs its layer count", "pass a store or n_layers=")
+        self.store = store  # type: ignore[assignment]  # None until bind(): see below
+        n = store.n_layers if store is not None else int(n_layers)  # type: ignore[arg-type]
+        super().__init__(layers=[_StoreLayer(store, l) for l in range(n)])  # type: ignore[arg-type]
         #: per layer: post-RoPE queries ``(batch, q_heads, m, d)`` and their positions ``(m,)``
         #: recorded so far (since the last consuming :meth:`take_queries`), trimmed to the
         #: last ``query_window`` queries.
@@ -115,6 +118,23 @@ class EvictionCache(Cache):
         #: (until consumed by ``take_queries(layer, consume=True)``).
         self.query_window: int | None = 0
         self._pe: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def bind(self, store: KVStore) -> EvictionCache:
+        """Hold ``store`` from now on: a cache made without one (``EvictionCache(None,
+        n_layers=L)``, e.g. handed to ``model.generate`` before the prompt's length is known)
+        gets its store when the first forward arrives (:mod:`evictlab.api`). Only before any
+        token was seen: positions, recorded queries and the store start together. Returns
+        the cache."""
+        if self.seen:
+            raise InputError("cache", f"this cache has already seen {self.seen} tokens", "bind a store to a new cache")
+        if store.n_layers != len(self.layers):
+            raise InputError("store", f"a {store.n_layers}-layer store for a {len(self.layers)}-layer cache",
+                             "build the store from this model's geometry")
+        self.store = store
+        for layer in self.layers:
+            layer.store = store
+        self.queries.clear()
+        return self
 
     @property
     def seen(self) -> int:

@@ -20,18 +20,9 @@ predictor_app = typer.Typer(help="Dropped-mass predictors of a significant selec
 
 
 def _features(spec: str) -> list[str]:
-    from evictlab.stats.predictors import FEATURE_SETS, KNOWN_FEATURES
+    from evictlab.stats.predictors import parse_features
 
-    from evictlab.cliutil import parse_list
-
-    if spec in FEATURE_SETS:
-        return list(FEATURE_SETS[spec])
-    feats = parse_list(spec, "--features", "feature")
-    bad = [f for f in feats if f not in KNOWN_FEATURES]
-    if not feats or bad:
-        raise InputError("--features", f"unknown feature set or features {bad or spec!r}",
-                         f"use 'mass', 'extended' or a comma list of {', '.join(KNOWN_FEATURES)}")
-    return feats
+    return parse_features(spec)
 
 
 def _distinct_results(results: list[Path]) -> None:
@@ -87,10 +78,10 @@ def fit(
     """Fit a calibrated logistic regression on RESULTS; report held-out AUC per s; write versioned JSON."""
     from evictlab.io import check_output_file
     from evictlab.record import RunRecord, record_path
-    from evictlab.stats.predictors import evaluate, fit_predictor
+    from evictlab.stats.predictors import fit_and_evaluate
     from evictlab.stats.results import load_results
 
-    if not threshold > 0:
+    if not threshold > 0:  # before any file is read (fit_and_evaluate refuses it too)
         raise InputError("--threshold", f"must be positive, got {threshold}", "use e.g. 1.11")
     check_output_file(out, "--out", overwrite=overwrite)
     _distinct_results(results)
@@ -98,9 +89,8 @@ def fit(
     record = RunRecord(kind="predictor-fit", seed=seed,
                        config={"results": [str(p) for p in results], "features": feats, "threshold": threshold})
     df = load_results(results)
-    pred, test = fit_predictor(df, feats, threshold=threshold, seed=seed, source=", ".join(map(str, results)))
-    held = evaluate(pred, test, seed=seed, n_boot=n_boot, name="held-out")
-    pred.metadata["held_out_auc"] = held.select("model", "s", "auc", "auc_lo", "auc_hi", "rows").to_dicts()
+    pred, held = fit_and_evaluate(df, feats, threshold=threshold, seed=seed, n_boot=n_boot,
+                                  source=", ".join(map(str, results)))
     pred.save(out)
     record.write(record_path(out), output=str(out))
     outputs_written(out)

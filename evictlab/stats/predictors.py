@@ -250,6 +250,36 @@ def fit_predictor(
     return pred, test
 
 
+def parse_features(spec: str, field: str = "--features") -> list[str]:
+    """A feature set by name (:data:`FEATURE_SETS`: ``mass``, ``extended``) or a comma
+    list of :data:`KNOWN_FEATURES`; :class:`InputError` naming ``field`` otherwise."""
+    from evictlab.cliutil import parse_list
+
+    if spec in FEATURE_SETS:
+        return list(FEATURE_SETS[spec])
+    feats = parse_list(spec, field, "feature")
+    bad = [f for f in feats if f not in KNOWN_FEATURES]
+    if not feats or bad:
+        raise InputError(field, f"unknown feature set or features {bad or spec!r}",
+                         f"use 'mass', 'extended' or a comma list of {', '.join(KNOWN_FEATURES)}")
+    return feats
+
+
+def fit_and_evaluate(df: pl.DataFrame, features: Sequence[str], *, threshold: float = DEFAULT_THRESHOLD,
+                     seed: int = 0, n_boot: int = 1000, source: str = "results") -> tuple[Predictor, pl.DataFrame]:
+    """``evictlab predictor fit``'s computation: :func:`fit_predictor` on the prepared results
+    ``df``, then its held-out AUC per (model, s) with bootstrap CIs (:func:`evaluate`,
+    ``n_boot`` resamples), stored in ``metadata["held_out_auc"]``. Returns the predictor and
+    the held-out table. :class:`InputError` (``--threshold``) for a threshold that is not
+    positive."""
+    if not threshold > 0:
+        raise InputError("--threshold", f"must be positive, got {threshold}", "use e.g. 1.11")
+    pred, test = fit_predictor(df, features, threshold=threshold, seed=seed, source=source)
+    held = evaluate(pred, test, seed=seed, n_boot=n_boot, name="held-out")
+    pred.metadata["held_out_auc"] = held.select("model", "s", "auc", "auc_lo", "auc_hi", "rows").to_dicts()
+    return pred, held
+
+
 def _sk_version() -> str:
     import sklearn
 
