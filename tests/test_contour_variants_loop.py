@@ -19,7 +19,7 @@ from evictlab.decode.trace import CompressionTrace
 from evictlab.errors import InputError
 from evictlab.kv.budget import Budget, kv_bytes
 from evictlab.methods.contour import ContourKV
-from evictlab.methods.testing import example_predictor
+from evictlab.methods.testing import example_predictor, model_profile
 from evictlab.models.geometry import model_geometry
 
 VARIANTS = ["contourkv", "contourkv_mass", "contourkv_error", "contourkv_query", "contourkv_pred",
@@ -33,26 +33,11 @@ def _cfg(**kw):
     return DecodeConfig.of(**base)
 
 
-def _hand_profile(model, path: Path) -> Path:
-    """A fitted profile of the tiny model's geometry (cells from peaked to flat)."""
-    from evictlab.contour.profile import GRID, ContourProfile
-
-    g = model_geometry(model)
-    rng = np.random.default_rng(0)
-    power = rng.uniform(0.05, 3.0, size=(g.n_layers, g.kv_heads, 1))
-    dropped = (1.0 - GRID[None, None, :]) ** (1.0 / power) * (GRID[None, None, :] < 1)
-    ones = np.ones((g.n_layers, g.kv_heads))
-    geometry = {"n_layers": g.n_layers, "kv_heads": g.kv_heads, "q_heads": g.q_heads, "head_dim": g.head_dim,
-                "windows": list(g.windows)}
-    return ContourProfile("tiny", geometry, GRID.copy(), dropped, ones * 0.5, np.ones_like(ones, dtype=np.int64),
-                          ones * 50, {"rows": "hand-made"}).save(path)
-
-
 def _params(name: str, model, tmp_path: Path) -> dict:
     if name == "contourkv_pred":
         return {"predictor": str(example_predictor())}
     if name == "contourkv_offline":  # the tiny model has no shipped profile: a file of its geometry
-        return {"profile": str(_hand_profile(model, tmp_path / "tiny.json"))}
+        return {"profile": str(model_profile(model, tmp_path / "tiny.json"))}
     return {}
 
 

@@ -17,7 +17,7 @@ from evictlab.decode.shared import QA, SharedContext, answer_arm, answer_full
 from evictlab.kv.budget import Budget
 from evictlab.kv.cache import register_ragged_attention
 from evictlab.methods import ALLOCATORS, REGISTRY
-from evictlab.methods.testing import example_predictor
+from evictlab.methods.testing import example_predictor, model_profile
 
 N_CTX = 96
 LOOP = dict(sinks=2, recent=6, window=8, compress_every=4, block_size=8)
@@ -62,9 +62,10 @@ def _same(shared: DecodeOutput, alone: DecodeOutput, exact: bool) -> None:
     assert shared.compressions == alone.compressions
 
 
-def _arms(gates_dir) -> list[tuple[str, str, dict, dict]]:
+def _arms(gates_dir, profile) -> list[tuple[str, str, dict, dict]]:
     """Every registered scorer with uniform sizes, and every allocator with SnapKV (and the
-    global allocator with trimkv, whose scores share one scale)."""
+    global allocator with trimkv, whose scores share one scale); ``profile``: a fitted
+    profile of the tiny model (no shipped one describes it) for ``contourkv_offline``."""
     out = []
     for scorer in sorted(REGISTRY):
         sp = {"gates": str(gates_dir)} if scorer == "trimkv" else {}
@@ -73,7 +74,8 @@ def _arms(gates_dir) -> list[tuple[str, str, dict, dict]]:
         out.append((scorer, "uniform", sp, {}))
     for alloc in sorted(ALLOCATORS):
         if alloc != "uniform":
-            ap = {"predictor": str(example_predictor())} if alloc == "contourkv_pred" else {}
+            ap = {"contourkv_pred": {"predictor": str(example_predictor())},
+                  "contourkv_offline": {"profile": str(profile)}}.get(alloc, {})
             out.append(("snapkv", alloc, {}, ap))
     out.append(("trimkv", "global", {"gates": str(gates_dir)}, {}))
     return out
@@ -97,7 +99,7 @@ def gates_dirs(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.mark.parametrize("protocol", ["query-agnostic", "query-aware"])
 @pytest.mark.parametrize("mode", ["physical", "masked"])
-def test_every_arm_equals_the_arm_run_alone(setup, gates_dirs, mode: str, protocol: str) -> None:
+def test_every_arm_equals_the_arm_run_alone(setup, gates_dirs, mode: str, protocol: str, tmp_path) -> None:
     family, model, ctx, qas, shared = setup
     qa = qas[0]
     aware = protocol == "query-aware"
@@ -108,7 +110,7 @@ def test_every_arm_equals_the_arm_run_alone(setup, gates_dirs, mode: str, protoc
             extended[qa] = shared.extended(torch.tensor([qa.question_ids[:-1]]))
         return extended[qa]
 
-    for scorer, alloc, sp, ap in _arms(gates_dirs[family]):
+    for scorer, alloc, sp, ap in _arms(gates_dirs[family], model_profile(model, tmp_path / "tiny.json")):
         cfg = DecodeConfig.of(mode=mode, budget=Budget("tokens_per_cell", 20), scorer=scorer, allocator=alloc,
                               scorer_params=sp, allocator_params=ap, query_aware=aware, chunk_size=4096, **LOOP)
         alone = _alone(model, ctx, qa, cfg)

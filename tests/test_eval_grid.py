@@ -18,6 +18,7 @@ from cli_helpers import run_cli
 from evictlab import cli
 from evictlab.capture.testing import save_tiny_folder
 from evictlab.errors import InputError
+from evictlab.eval.compare import configuration_lines
 from evictlab.eval.grid import MANIFEST, PARTS, RESULTS, run_grid, write_manifest
 from evictlab.eval.runner import RESULT_COLUMNS, clear_caches, run_cell
 from evictlab.eval.spec import GridSpec, LoopSettings
@@ -377,11 +378,13 @@ def test_interrupt_then_rerun_and_compare(tmp_path: Path, tiny: Path, capsys: py
     code, err = _main(args, capsys, monkeypatch)  # the same command, in-process
     assert code == 0, err
     g = tmp_path / "g"
-    code, err = _main(["eval", "compare", str(g), "--n-boot", "200"], capsys, monkeypatch)
+    code, stdout, err = run_cli(["eval", "compare", str(g), "--n-boot", "200"], capsys, monkeypatch)
     assert code == 0, err
     for name in ("pairs.parquet", "pairs.md", "pairs_wtl.png", "pairs_accuracy.pdf", "pairs_claims.parquet",
-                 "pairs.run_record.json"):
+                 "pairs_configurations.parquet", "pairs.run_record.json"):
         assert (g / name).is_file(), name
+    configs = pl.read_parquet(g / "pairs_configurations.parquet")  # the papers' unit, echoed line by line
+    assert configs.height > 0 and all(line in stdout for line in configuration_lines(configs))
     md = (g / "pairs.md").read_text()
     assert "The full cache (read every comparison against it)" in md and "query-agnostic" in md
     assert "14.1-62.2 points" in md  # the enforcement-cost claim row (snapkv+adakv masked vs uniform)

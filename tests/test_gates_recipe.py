@@ -304,6 +304,23 @@ def test_distractor_sweep_runs_trimkv_global_with_the_shipped_gates(shipped: Pat
     assert "trimkv+global" in (tmp_path / "s" / "report.md").read_text()
 
 
+def test_sweep_refuses_another_models_default_gates_before_any_part(shipped: Path, tmp_path: Path,
+                                                                   monkeypatch) -> None:
+    """``gates=default`` on a model the shipped gates are not for: refused naming
+    ``--scorer-param`` once the model is loaded, before the parts folder exists (the
+    corrected command then runs into the same --out)."""
+    from evictlab.dilution.sweep import SweepConfig, run_sweep
+
+    monkeypatch.setattr(files, "SHIPPED_DIR", shipped)
+    gemma, _ = tiny_model("gemma3")
+    cfg = SweepConfig(model="tiny-gemma3", distractors=(0,), n=1, methods=("full", "trimkv+global"), budget="96",
+                      context=160, sinks=2, recent=4, chunk=64, window=4, compress_every=8,
+                      scorer_params=(("gates", "default"),))
+    with pytest.raises(InputError, match="^--scorer-param: gates=default: no shipped gates for this model"):
+        run_sweep(cfg, tmp_path / "s", progress=False, model=gemma, tokenizer=ByteTokenizer())
+    assert not (tmp_path / "s" / "results.parts").exists()
+
+
 @pytest.mark.parametrize("extra,problem", [
     (["--methods", "full,trimkv+global"], "trimkv needs trained gates"),
     (["--methods", "full,trimkv+global", "--scorer-param", "gates=/no/such/folder"], "is not a folder"),

@@ -432,10 +432,15 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True, m
             layers = parse_layers(cfg.layers, g.n_layers)
             for m in cfg.methods:
                 if m != FULL:
+                    dc = cfg.decode_config(m)
                     try:
-                        cfg.decode_config(m).budget_tokens(g, cfg.context)
+                        dc.budget_tokens(g, cfg.context)
                     except InputError as exc:
                         raise InputError("--budget", exc.problem, exc.fix) from None
+                    try:  # gates=default: shipped gates for these weights, refused before any part
+                        dc.method.check_weights(model)
+                    except InputError as exc:
+                        raise InputError("--scorer-param", exc.problem, exc.fix) from None
 
         if not parts.dir.is_dir():  # a new run: refused before its parts folder exists (a refusal leaves nothing)
             model_checks()

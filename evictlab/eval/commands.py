@@ -237,7 +237,7 @@ def compare(
     """Paired comparisons of a finished grid: wins, ties and losses, the claims, a report."""
     from evictlab.cliutil import outputs_written
     from evictlab.errors import InputError
-    from evictlab.eval.compare import TieRule
+    from evictlab.eval.compare import TieRule, configuration_lines
     from evictlab.eval.grid import MANIFEST, RESULTS, read_manifest
     from evictlab.io import check_output_file, exclusive_lock, read_checked_parquet
     from evictlab.record import RunRecord, record_path
@@ -266,6 +266,9 @@ def compare(
         record.write(record_path(out), outputs=[str(p) for p in written])
         outputs_written(*written)
     typer.echo(f"{written[0]}\n{written[1]}")
+    # the papers' unit: wins / ties / losses over configurations (the report has the rule)
+    for line in configuration_lines(read_checked_parquet(written[3], "rerun `evictlab eval compare --overwrite`")):
+        typer.echo(line)
 
 
 def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any]) -> list[Path]:
@@ -278,6 +281,7 @@ def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any
     from evictlab.eval.claims.enforcement import enforcement_cost
     from evictlab.eval.claims.margin import query_aware_margin
     from evictlab.eval.compare import compare as compare_pairs
+    from evictlab.eval.compare import configurations
     from evictlab.io import atomic_write_text, write_checked_parquet
     from evictlab.plots.evaluation import accuracy_vs_bytes, wtl_bars
     from evictlab.eval.report import evaluation_markdown
@@ -309,4 +313,6 @@ def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any
     write_checked_parquet(pl.DataFrame(rows, schema={k: pl.Utf8 for k in (
         "claim_id", "claim", "paper_value", "our_value", "interval", "verdict", "model", "rows", "budgets",
         "definitions")}), claims_path)
-    return [out, report, claims_path, *[f.png for f in figs], *[f.pdf for f in figs]]
+    configs_path = stem.parent / (stem.name + "_configurations.parquet")
+    write_checked_parquet(configurations(pairs), configs_path)
+    return [out, report, claims_path, configs_path, *[f.png for f in figs], *[f.pdf for f in figs]]

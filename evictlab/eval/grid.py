@@ -299,6 +299,7 @@ def preflight(spec: GridSpec, cells: list[CellSpec]) -> None:
             raise InputError("budgets", f"{cell.budget} on {cell.model}: {exc.problem}", exc.fix) from None
         assert cfg.method is not None
         cfg.method.for_model(g)  # the allocator checks the model (e.g. a ContourKV profile of another geometry)
+        cfg.method.check_weights(lm)  # gates=default: shipped gates for these weights
         full = g.full_cache_tokens(cell.context)
         if tokens >= full:
             raise InputError("budgets", f"{cell.budget} is {tokens} kept entries on {cell.model}, at or above the "

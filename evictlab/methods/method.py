@@ -146,6 +146,15 @@ class Method:
                 "allocator_params": {k: param_text(v) for k, v in self.allocator_params.items()}}
 
     # -- binding to a model --------------------------------------------------------------
+    def check_weights(self, model: Any) -> None:
+        """The checks that need the model's weights, not only its geometry: a scorer reading
+        files chosen by the model (``trimkv`` with ``gates=default``: the shipped gates whose
+        weights digest is the model's) finds them. :class:`InputError` (``scorer_param``)
+        naming what is shipped otherwise; call it before any run writes anything."""
+        folder_for = getattr(self.scorer, "folder_for", None)
+        if folder_for is not None:
+            folder_for(model)
+
     def for_model(self, geometry: ModelGeometry) -> Method:
         """This method bound to a model (module docstring): per-layer scorers, the
         allocator checked against ``geometry`` (:class:`InputError` when it cannot serve

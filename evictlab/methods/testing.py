@@ -19,7 +19,7 @@ import torch
 
 from evictlab.methods.base import AllocInputs, Allocator, WindowProfile
 
-__all__ = ["example_predictor", "example_profile", "example_ranked_window", "example_window", "allocator_for_tests", "scorers_on_tensors", "with_needs"]
+__all__ = ["example_predictor", "example_profile", "model_profile", "example_ranked_window", "example_window", "allocator_for_tests", "scorers_on_tensors", "with_needs"]
 
 _DIR: Path | None = None
 
@@ -121,6 +121,24 @@ def example_profile(inputs: AllocInputs, seed: int = 0) -> tuple[Any, Any]:
     prof = ContourProfile("hand-made", shape, GRID.copy(), dropped, ones * 0.5, np.ones((L, hk), np.int64),
                           ones * 100, {"rows": "hand-made"})
     return geometry, prof
+
+
+def model_profile(model: Any, path: str | Path, seed: int = 0) -> Path:
+    """A hand-made fitted profile of ``model``'s geometry saved at ``path`` (cells from peaked
+    to flat, as :func:`example_profile`): what ``contourkv_offline`` reads for a model no
+    shipped profile describes (the tiny test models)."""
+    from evictlab.contour.profile import GRID, ContourProfile
+    from evictlab.models.geometry import model_geometry
+
+    g = model_geometry(model)
+    rng = np.random.default_rng(seed)
+    power = rng.uniform(0.05, 3.0, size=(g.n_layers, g.kv_heads, 1))
+    dropped = (1.0 - GRID[None, None, :]) ** (1.0 / power) * (GRID[None, None, :] < 1)
+    ones = np.ones((g.n_layers, g.kv_heads))
+    geometry = {"n_layers": g.n_layers, "kv_heads": g.kv_heads, "q_heads": g.q_heads, "head_dim": g.head_dim,
+                "windows": list(g.windows)}
+    return ContourProfile("tiny", geometry, GRID.copy(), dropped, ones * 0.5, np.ones_like(ones, dtype=np.int64),
+                          ones * 50, {"rows": "hand-made"}).save(Path(path))
 
 
 def with_needs(allocator: Allocator, inputs: AllocInputs, seed: int = 0) -> AllocInputs:

@@ -303,7 +303,8 @@ def node_bound(Y: np.ndarray, pw: np.ndarray, SY: np.ndarray, SP: np.ndarray, F:
                 best_set[f + s_] = idx[s_]
         if lb >= thr or it == BOUND_ITERS:
             break
-        if it > 0 and (lb >= ny * (1.0 - BOUND_REL_GAP) or ny <= BOUND_SMALL * thr):
+        # (thr = inf, no incumbent yet, must not read as 'below BOUND_SMALL of it')
+        if it > 0 and (lb >= ny * (1.0 - BOUND_REL_GAP) or (thr < np.inf and ny <= BOUND_SMALL * thr)):
             break  # converged to the gap, or the relaxation is below BOUND_SMALL of the incumbent
         dot = np.dot(y, q)
         if it > 0 and yy - dot <= 1e-12 * yy:

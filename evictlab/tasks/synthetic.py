@@ -73,6 +73,7 @@ Fact labels (ours; used by :mod:`evictlab.dilution`)
 from __future__ import annotations
 
 import bisect
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -381,15 +382,21 @@ def _key_needles(task: str, rng: np.random.Generator, q: int, colors: tuple[str,
     return needles, out
 
 
+@functools.cache
+def _plays() -> tuple[Any, ...]:
+    """The built-in plays, read once (the built-in corpus: no user path, so no --source error)."""
+    from evictlab.tasks.texts import shakespeare_plays
+
+    return tuple(shakespeare_plays())
+
+
 def _prose_window(context_tokens: int, rng: np.random.Generator, need: int, field: str
                   ) -> tuple[list[str], tuple[str, ...], tuple[int, ...]]:
     """Whole lines of a seeded Shakespeare window (about ``context_tokens`` tokens, more than
     enough), the colours absent from them (case-insensitive whole words), at least ``need``
     of them (windows with fewer are drawn again, at most 32 tries), and the two-digit
     numbers absent from them."""
-    from evictlab.tasks.texts import load_text_source
-
-    docs = load_text_source("shakespeare").documents
+    docs = _plays()
     chars = 8 * context_tokens + 512  # ~4 characters per token, doubled
     usable = [d for d in docs if len(d.text) > chars + 1]
     if not usable:

@@ -13,8 +13,10 @@ from evictlab.eval.claims.common import PAIR_ON, contexts, full_em, full_note, v
 from evictlab.stats.bootstrap import Design, bootstrap_mean
 from evictlab.stats.claims import ClaimRow, weights_for
 
-CONTOUR_ALLOCATORS = ("contourkv", "contourkv_pred")
-"""Allocators counted as ContourKV (arm A of every ContourKV comparison)."""
+CONTOUR_ALLOCATORS = ("contourkv", "contourkv_mass", "contourkv_error", "contourkv_query", "contourkv_offline",
+                      "contourkv_pred")
+"""Allocators counted as ContourKV (arm A of every ContourKV comparison; each variant is
+reported on its own rows, against the non-ContourKV allocators only)."""
 CONTOUR_KVZIP_PAPER = (93, 22, 22, 160)
 """ContourKV vs KVzip, the paper's wins / ties / losses over its paired comparisons."""
 CONTOUR_SNAPKV_PAPER = ((0.37, 1.00), (0.00, 0.11))
