@@ -26,7 +26,7 @@ demo: $(STAMP)
 	$(BIN)/evictlab demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 # After upgrading packages in .venv and seeing `make test` pass: pin what is installed.
 # pip freeze --all (setuptools is a dependency of torch) minus evictlab and pip, minus
