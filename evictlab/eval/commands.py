@@ -262,18 +262,19 @@ def compare(
             "grid": str(grid), "tie_rule": tie_rule, "tolerance": tolerance, "level": level, "n_boot": n_boot})
         results = read_checked_parquet(grid / RESULTS, f"rerun `evictlab eval run` into a new folder")
         with exclusive_lock(out, "--out"):
-            written = write_comparison(results, out, rule, manifest)
+            written, configs = write_comparison(results, out, rule, manifest)
         record.write(record_path(out), outputs=[str(p) for p in written])
         outputs_written(*written)
     typer.echo(f"{written[0]}\n{written[1]}")
-    # the papers' unit: wins / ties / losses over configurations (the report has the rule)
-    for line in configuration_lines(read_checked_parquet(written[3], "rerun `evictlab eval compare --overwrite`")):
+    for line in configuration_lines(configs):  # the papers' unit (the report states the rule)
         typer.echo(line)
 
 
-def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any]) -> list[Path]:
-    """Pairs table, claims, figures and the Markdown report for ``results`` (atomic files).
-    Returns the paths written: the table, the report, then the figures."""
+def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any]) -> tuple[list[Path], Any]:
+    """Pairs table, claims, configuration counts, figures and the Markdown report for
+    ``results`` (atomic files). Returns the paths written (the table, the report, the claims,
+    the configurations, then the figures) and the configurations table
+    (:func:`evictlab.eval.compare.configurations`)."""
     import polars as pl
 
     from evictlab.errors import InputError
@@ -313,6 +314,7 @@ def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any
     write_checked_parquet(pl.DataFrame(rows, schema={k: pl.Utf8 for k in (
         "claim_id", "claim", "paper_value", "our_value", "interval", "verdict", "model", "rows", "budgets",
         "definitions")}), claims_path)
+    configs = configurations(pairs)
     configs_path = stem.parent / (stem.name + "_configurations.parquet")
-    write_checked_parquet(configurations(pairs), configs_path)
-    return [out, report, claims_path, configs_path, *[f.png for f in figs], *[f.pdf for f in figs]]
+    write_checked_parquet(configs, configs_path)
+    return [out, report, claims_path, configs_path, *[f.png for f in figs], *[f.pdf for f in figs]], configs

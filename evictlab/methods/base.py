@@ -119,7 +119,8 @@ class Scorer(ABC):
       last ``window`` queries (SnapKV's observation window).
 
     Overridable methods with defaults: :meth:`score_cells` (many cells in fewer calls),
-    :meth:`attach` (hooks during every forward; nothing by default).
+    :meth:`attach` (hooks during every forward; nothing by default), :meth:`check_weights`
+    (checks against the loaded weights; nothing by default).
     """
 
     name: ClassVar[str] = ""
@@ -141,6 +142,11 @@ class Scorer(ABC):
         registry's factory calls it once after building the dataclass, whose construction
         reads nothing. Default: nothing to read."""
         return self
+
+    def check_weights(self, model: torch.nn.Module) -> None:
+        """Checks that need the loaded model's weights, not only its geometry (TrimKV with
+        ``gates=default``: shipped gates for these weights exist); :class:`InputError`
+        (``scorer_param``) otherwise. Runs before any work is written. Default: nothing."""
 
     def reconstruction_ids(self, chunk: torch.Tensor, tokenizer: Any) -> torch.Tensor:
         """Token ids ``(b, p + n)`` of the reconstruction pass over ``chunk`` ``(b, n)`` for a

@@ -151,9 +151,7 @@ class Method:
         files chosen by the model (``trimkv`` with ``gates=default``: the shipped gates whose
         weights digest is the model's) finds them. :class:`InputError` (``scorer_param``)
         naming what is shipped otherwise; call it before any run writes anything."""
-        folder_for = getattr(self.scorer, "folder_for", None)
-        if folder_for is not None:
-            folder_for(model)
+        self.scorer.check_weights(model)
 
     def for_model(self, geometry: ModelGeometry) -> Method:
         """This method bound to a model (module docstring): per-layer scorers, the

@@ -103,6 +103,16 @@ def example_ranked_window(inputs: AllocInputs, seed: int = 0, rows: int = 8, dim
     return WindowProfile(base.tail, base.entropy_norm, tuple(ranked), tuple(errors))
 
 
+def _peaked_to_flat(n_layers: int, kv_heads: int, seed: int) -> np.ndarray:
+    """Hand-made relative dropped-mass curves ``(n_layers, kv_heads, len(GRID))``:
+    ``D(r) = (1 - r) ** (1 / power)`` (0 at r = 1), ``power`` seeded in [0.05, 3] per cell,
+    from peaked to flat."""
+    from evictlab.contour.profile import GRID
+
+    power = np.random.default_rng(seed).uniform(0.05, 3.0, size=(n_layers, kv_heads, 1))
+    return (1.0 - GRID[None, None, :]) ** (1.0 / power) * (GRID[None, None, :] < 1)
+
+
 def example_profile(inputs: AllocInputs, seed: int = 0) -> tuple[Any, Any]:
     """A hand-made fitted profile of ``inputs``' cells and a model geometry it describes
     (``q_heads = kv_heads``, head dim 8, the inputs' windows): ``(geometry, profile)``.
@@ -110,10 +120,8 @@ def example_profile(inputs: AllocInputs, seed: int = 0) -> tuple[Any, Any]:
     from evictlab.contour.profile import GRID, ContourProfile
     from evictlab.models.geometry import ModelGeometry, RopeSpec
 
-    rng = np.random.default_rng(seed)
     L, hk = inputs.lengths.shape
-    power = rng.uniform(0.05, 3.0, size=(L, hk, 1))
-    dropped = (1.0 - GRID[None, None, :]) ** (1.0 / power) * (GRID[None, None, :] < 1)
+    dropped = _peaked_to_flat(L, hk, seed)
     windows = [None if w is None else int(w) for w in inputs.windows]
     geometry = ModelGeometry(L, hk, hk, 8, torch.float32, 8 ** -0.5, tuple(windows), (RopeSpec(10000.0),) * L)
     shape = {"n_layers": L, "kv_heads": hk, "q_heads": hk, "head_dim": 8, "windows": windows}
@@ -131,9 +139,7 @@ def model_profile(model: Any, path: str | Path, seed: int = 0) -> Path:
     from evictlab.models.geometry import model_geometry
 
     g = model_geometry(model)
-    rng = np.random.default_rng(seed)
-    power = rng.uniform(0.05, 3.0, size=(g.n_layers, g.kv_heads, 1))
-    dropped = (1.0 - GRID[None, None, :]) ** (1.0 / power) * (GRID[None, None, :] < 1)
+    dropped = _peaked_to_flat(g.n_layers, g.kv_heads, seed)
     ones = np.ones((g.n_layers, g.kv_heads))
     geometry = {"n_layers": g.n_layers, "kv_heads": g.kv_heads, "q_heads": g.q_heads, "head_dim": g.head_dim,
                 "windows": list(g.windows)}

@@ -85,6 +85,10 @@ class TrimKV(Scorer):
 
         return self.gates is not None and str(self.gates) == DEFAULT
 
+    def check_weights(self, model: torch.nn.Module) -> None:
+        """``gates=default``: shipped gates for ``model``'s weights exist (see :meth:`folder_for`)."""
+        self.folder_for(model)
+
     def folder_for(self, model: torch.nn.Module) -> Path:
         """The gates folder this scorer uses on ``model`` (resolves ``gates=default``)."""
         from evictlab.gates.files import default_gates_for
