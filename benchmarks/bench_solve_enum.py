@@ -3,7 +3,7 @@
 For each pool configuration, random rows with d = 64 are generated; both methods find the
 exact minimum of e(A) over every s-subset of the same candidate pool:
 
-* kernel: ``evictlab.solve.kernels`` Gram matrix of the pool + revolving-door enumeration
+* kernel: ``evictlab.solve.kernels`` Gram matrix of the pool + bounded enumeration
   (``pool_gram`` + ``enumerate_min``), one thread;
 * numpy: ``evictlab.solve.reference.numpy_enumeration`` (itertools.combinations -> stacked
   index arrays -> vectorised errors in chunks of 65,536 subsets).
@@ -77,7 +77,7 @@ def _grams(P: np.ndarray, Vs: np.ndarray, pools: np.ndarray) -> tuple[np.ndarray
 
 @njit(cache=True)
 def _enum_only(Gs: np.ndarray, PW: np.ndarray, s: int) -> float:
-    """Enumeration alone (Gram precomputed): the revolving-door loop's own speed."""
+    """Enumeration alone (Gram precomputed): the bounded enumeration's own speed."""
     acc = 0.0
     for r in range(Gs.shape[0]):
         e2, _, _ = enumerate_min(Gs[r], PW[r], s)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from math import comb
 
 import numpy as np
 import pytest
@@ -14,33 +15,6 @@ from evictlab.core.kernels import row_candidate_pool
 from evictlab.solve import reference as sref
 from evictlab.core.ranking import rank_desc
 from evictlab.solve.kernels import batch_solve, enumerate_min, pool_gram
-from evictlab.solve.revolving import (
-    n_subsets, rd_init, rd_next, revolving_door_reference, revolving_door_sequence,
-)
-
-
-# ---------------------------------------------------------------- revolving door
-
-
-@pytest.mark.parametrize("m", range(1, 11))
-def test_revolving_door_visits_every_subset_once_with_one_swap(m: int) -> None:
-    for t in range(0, m + 1):
-        seq = revolving_door_sequence(m, t)
-        assert len(seq) == len(set(seq)) == n_subsets(m, t)
-        assert set(seq) == set(itertools.combinations(range(m), t))
-        assert seq == revolving_door_reference(m, t)
-        if t == 0:
-            continue
-        c = rd_init(m, t)
-        cur = set(range(t))
-        while True:
-            o, i = rd_next(c, t)
-            if o < 0:
-                break
-            # the reported swap is exactly the set difference
-            assert o in cur and i not in cur
-            cur = (cur - {o}) | {i}
-            assert cur == set(int(x) for x in c[1 : t + 1])
 
 
 def test_rank_desc_ties_to_larger_index() -> None:
@@ -94,7 +68,7 @@ def test_enumeration_equals_bruteforce_over_pool(inst, s, r_m, r_e) -> None:
     assert sref.forced_error(p, V, kept) == pytest.approx(es_hat, rel=1e-12, abs=1e-14 * scale)
     assert es_hat <= e_bal <= e_top
     assert e_top == pytest.approx(sref.forced_error(p, V, sref.top_mass_set(p, s)), rel=1e-12, abs=1e-14 * scale)
-    assert out[8][0, 0] == n_subsets(pool.shape[0], s)
+    assert out[8][0, 0] == comb(pool.shape[0], s)
 
 
 @given(inst=instances, s=st.integers(1, 14), K=st.integers(0, 6))
@@ -125,10 +99,54 @@ def test_enumerate_min_complement_side_matches_direct() -> None:
     G = pool_gram(p, V, mu, pool)
     for s in range(1, n + 1):
         e2, best, cnt = enumerate_min(G, p.copy(), s)
-        assert cnt == n_subsets(n, s)
+        assert cnt == comb(n, s)
         bf = min(sref.forced_error(p, V, list(A)) for A in itertools.combinations(range(n), s))
         assert np.sqrt(e2) == pytest.approx(bf, rel=1e-9, abs=1e-13)
         assert sref.forced_error(p, V, best) == pytest.approx(bf, rel=1e-12, abs=1e-13)
+
+
+@given(inst=instances, s=st.integers(1, 14), data=st.data())
+@settings(max_examples=80)
+def test_enumeration_bound_never_changes_the_argmin(inst, s, data) -> None:
+    """Whatever the incumbent (a subset's value, the minimum itself, a value below the minimum,
+    zero), the bounded walk returns the same set, value and count as the walk without one."""
+    p, V = inst
+    n = p.shape[0]
+    s = min(s, n)
+    mu = p @ V
+    G = pool_gram(p, V, mu, np.arange(n))
+    e2, best, cnt = enumerate_min(G, p.copy(), s)
+    assert cnt == comb(n, s)
+    sub = data.draw(st.lists(st.integers(0, n - 1), min_size=s, max_size=s, unique=True))
+    pa = p[sub].sum()
+    e2_sub = G[np.ix_(sub, sub)].sum() / pa**2 if pa > 0 else np.inf
+    for inc in (e2_sub, e2, e2 * (1 + 1e-12), e2 * 0.5, 0.0, np.inf):
+        e2_b, best_b, cnt_b = enumerate_min(G, p.copy(), s, inc)
+        assert best_b.tolist() == best.tolist() and e2_b == e2 and cnt_b == cnt, inc
+
+
+def test_bounded_enumeration_matches_bruteforce_on_a_paper_sized_pool() -> None:
+    """The default pool at s = 32 (36 keys, C(36, 4) = 58,905 subsets, most of them skipped by
+    the bound): the brute-force minimum, with or without an incumbent."""
+    rng = np.random.default_rng(11)
+    n, d, s = 200, 64, 32
+    p = rng.dirichlet(np.full(n, 0.2))
+    V = rng.normal(size=(n, d))
+    mu = p @ V
+    pool = np.argsort(-p, kind="stable")[:36].astype(np.int64)
+    G = pool_gram(p, V, mu, pool)
+    pw = p[pool].copy()
+    e2, best, cnt = enumerate_min(G, pw, s)
+    assert cnt == comb(36, 32)
+    # brute force over the complement 4-subsets, vectorised
+    B = np.array(list(itertools.combinations(range(36), 4)))
+    X = (p[pool, None] * (V[pool] - mu))
+    SA = X.sum(0)[None, :] - X[B].sum(1)
+    PA = pw.sum() - pw[B].sum(1)
+    bf = (np.einsum("ij,ij->i", SA, SA) / PA**2).min()
+    assert e2 == pytest.approx(bf, rel=1e-10)
+    e2_b, best_b, _ = enumerate_min(G, pw, s, e2 * (1 + 1e-6))
+    assert best_b.tolist() == best.tolist()
 
 
 def test_zero_mass_subsets_are_infinite_not_chosen() -> None:
@@ -143,8 +161,8 @@ def test_zero_mass_subsets_are_infinite_not_chosen() -> None:
         assert p[kept].sum() > 0
 
 
-def test_drift_guard_long_enumeration() -> None:
-    # a 30-key pool at s = 5 walks 142,506 subsets with many refreshes; compare to numpy
+def test_long_enumeration_with_cancellation() -> None:
+    # a 30-key pool at s = 5: 142,506 subsets, values with a large common offset; compare to numpy
     rng = np.random.default_rng(7)
     n, d, s = 30, 16, 5
     p = rng.dirichlet(np.full(n, 0.2))

@@ -101,46 +101,91 @@ def _ratio_step(w: np.ndarray, active: np.ndarray, member: np.ndarray, na: int, 
 
 
 @njit(cache=True)
-def _gram_affine_min(g: np.ndarray, active: np.ndarray, na: int, shift: float) -> tuple[np.ndarray, bool]:
-    """Affine-minimiser weights of the active points from the Gram matrix ``g`` ``(k, k)``.
+def _chol_rows(g: np.ndarray, active: np.ndarray, start: int, na: int, shift: float, L: np.ndarray) -> bool:
+    """Rows ``start .. na-1`` of the Cholesky factor ``L`` of ``G_SS + shift 1 1^T`` (in place).
 
-    Solves ``(G_SS + shift 1 1^T) u = 1`` by Cholesky and returns ``alpha = u / sum(u)``
-    (for any ``shift > 0`` this is the minimiser of ``alpha^T G_SS alpha`` with sum 1;
-    ``shift = max_i ||x_i||^2`` matches the scales). Returns ``ok = False`` when the
-    matrix is numerically singular (points nearly affinely dependent): the caller then
-    falls back to the SVD least-squares path.
+    ``S`` is ``active[:na]`` in its order and ``g`` ``(k, k)`` the Gram matrix of all
+    points; rows below ``start`` must already hold the factor of ``active[:start]``. Row
+    ``i`` of a Cholesky factor depends only on rows ``< i``, so a point appended to the
+    active set costs one row, O(na^2), and after points leave only the rows from the first
+    one that moved are recomputed: the same bits as a factorisation from scratch. Returns
+    ``False`` when a pivot falls below ``1e-12`` of its diagonal (points nearly affinely
+    dependent: the caller falls back to the SVD path). ``shift = max_i ||x_i||^2`` matches
+    the scales; for any ``shift > 0`` the affine minimiser is unchanged (see
+    :func:`_chol_affine`).
+    """
+    for i in range(start, na):
+        ai = active[i]
+        for j in range(i):
+            acc = g[ai, active[j]] + shift
+            for c in range(j):
+                acc -= L[i, c] * L[j, c]
+            L[i, j] = acc / L[j, j]
+        diag = g[ai, ai] + shift
+        acc = diag
+        for c in range(i):
+            acc -= L[i, c] * L[i, c]
+        if not acc > 1e-12 * diag:
+            return False
+        L[i, i] = np.sqrt(acc)
+    return True
+
+
+@njit(cache=True)
+def _chol_affine(L: np.ndarray, na: int) -> tuple[np.ndarray, bool]:
+    """Affine-minimiser weights of the active points from the factor ``L`` of :func:`_chol_rows`.
+
+    Solves ``(G_SS + shift 1 1^T) u = 1`` by two triangular solves and returns
+    ``alpha = u / sum(u)``: for any ``shift > 0`` this minimises ``alpha^T G_SS alpha``
+    subject to ``sum(alpha) = 1``. ``ok = False`` when ``sum(u)`` is not positive and finite.
     """
     m = na
-    chol = np.zeros((m, m))
-    for j in range(m):
-        diag = g[active[j], active[j]] + shift
-        acc = diag
-        for c in range(j):
-            acc -= chol[j, c] * chol[j, c]
-        if not acc > 1e-12 * diag:
-            return np.empty(0), False
-        chol[j, j] = np.sqrt(acc)
-        for i in range(j + 1, m):
-            acc = g[active[i], active[j]] + shift
-            for c in range(j):
-                acc -= chol[i, c] * chol[j, c]
-            chol[i, j] = acc / chol[j, j]
     z = np.empty(m)
     for i in range(m):
         acc = 1.0
         for c in range(i):
-            acc -= chol[i, c] * z[c]
-        z[i] = acc / chol[i, i]
+            acc -= L[i, c] * z[c]
+        z[i] = acc / L[i, i]
     u = np.empty(m)
     for i in range(m - 1, -1, -1):
         acc = z[i]
         for c in range(i + 1, m):
-            acc -= chol[c, i] * u[c]
-        u[i] = acc / chol[i, i]
+            acc -= L[c, i] * u[c]
+        u[i] = acc / L[i, i]
     tot = u.sum()
     if not (tot > 0.0 and np.isfinite(tot)):
         return np.empty(0), False
     return u / tot, True
+
+
+@njit(cache=True)
+def _factored_minor_cycle(
+    g: np.ndarray, scale: float, w: np.ndarray, active: np.ndarray, member: np.ndarray, na: int,
+    L: np.ndarray, nvalid: int,
+) -> tuple[int, bool]:
+    """Wolfe's minor cycle on the Gram matrix, keeping the Cholesky factor ``L`` of the active set.
+
+    ``L`` ``(>= na, >= na)`` holds valid rows for ``active[:nvalid]`` on entry and for the
+    whole (returned) active set on a successful return. Returns ``(active size, ok)``.
+    """
+    while True:
+        if not _chol_rows(g, active, nvalid, na, scale, L):
+            return na, False
+        alpha, ok = _chol_affine(L, na)
+        if not ok:
+            return na, False
+        if alpha.min() > WEIGHT_TOL:
+            for t in range(na):
+                w[active[t]] = alpha[t]
+            return na, True
+        before = active[:na].copy()
+        na = _ratio_step(w, active, member, na, alpha)
+        # the rows before the first point that left are still the factor's
+        nvalid = na
+        for t in range(na):
+            if active[t] != before[t]:
+                nvalid = t
+                break
 
 
 @njit(cache=True)
@@ -154,15 +199,7 @@ def gram_minor_cycle(
     breaks down (the caller falls back to :func:`minor_cycle` on the coordinates). Also
     used by the relaxation of ``evictlab.solve.bound``, whose points are generated on the fly.
     """
-    while True:
-        alpha, ok = _gram_affine_min(g, active, na, scale)
-        if not ok:
-            return na, False
-        if alpha.min() > WEIGHT_TOL:
-            for t in range(na):
-                w[active[t]] = alpha[t]
-            return na, True
-        na = _ratio_step(w, active, member, na, alpha)
+    return _factored_minor_cycle(g, scale, w, active, member, na, np.empty((na, na)), 0)
 
 
 @njit(cache=True)
@@ -175,10 +212,14 @@ def _wolfe_gram(
     ``ok = False`` when a Cholesky solve breaks down (near affine dependence) or the
     iteration limit is hit. ``w`` is always a convex combination of the active points, so
     the exact phase (:func:`_wolfe_direct`) can warm-start from it. Gram arithmetic squares
-    the conditioning, so the caller certifies the answer on the coordinates.
+    the conditioning, so the caller certifies the answer on the coordinates. The Cholesky
+    factor of the active set is kept across major cycles (one new row per added point,
+    :func:`_chol_rows`), which gives the same bits as refactoring at every step.
     """
     k = g.shape[0]
     dots = np.empty(k)
+    L = np.empty((k, k))
+    nvalid = 0
     for _ in range(50 * k + 100):
         for i in range(k):
             acc = 0.0
@@ -194,9 +235,10 @@ def _wolfe_gram(
         active[na] = jn
         member[jn] = True
         na += 1
-        na, ok = gram_minor_cycle(g, scale, w, active, member, na)
+        na, ok = _factored_minor_cycle(g, scale, w, active, member, na, L, nvalid)
         if not ok:
             return na, False
+        nvalid = na
         if not member[jn]:
             return na, True  # the new point left at once (rounding): let the certificate decide
     return na, False

@@ -1,6 +1,5 @@
 """Exact solvers: candidate-pool enumeration, balancing selector, certified optimum, runner.
 
-* :mod:`evictlab.solve.revolving` -- revolving-door (Gray code) order of t-subsets.
 * :mod:`evictlab.solve.kernels` -- Numba kernels: pool enumeration (ES_hat), balancing
   selector, and the fused per-batch driver :func:`batch_solve`.
 * :mod:`evictlab.solve.localsearch` -- all-key local search (single/pair swaps, kicks): ES_ls.

@@ -1,7 +1,7 @@
 """The rows -> results runner behind ``evictlab solve`` (resumable, one part file per chunk).
 
 For every row of a dataset and every budget s it computes (``docs/solvers.md``): ``e_top``
-(forced error of T_s), ``es_hat`` (exact optimum over the candidate pool, revolving-door
+(forced error of T_s), ``es_hat`` (exact optimum over the candidate pool, bounded
 enumeration), ``e_bal`` (balancing selector), free-weight errors of T_s and of the argmin,
 the dropped mass and entropy, and optionally the certified optimum over all keys. Output:
 one Parquet row per (row_id, s) with the columns of :data:`RESULT_COLUMNS` (the contract
