@@ -11,7 +11,9 @@ per cell the accuracy over its questions with a 95% prompt-clustered bootstrap i
 ``--n-boot`` resamples) goes to ``floor.parquet`` and ``floor.md``, labelled ``kept``
 (accuracy >= ``tasks.suite.KEEP_ACCURACY``) or ``floor`` (``tasks.suite.label_floors``), with
 a run record beside the table. No timing is reported (run it on an idle machine anyway: one
-process per core).
+process per core). Resumable: every finished cell is kept as a checksummed part in
+``OUT/parts``; rerun the same command after a kill or Ctrl-C (exit 130) and only the missing
+cells are computed.
 
 The probe (a few contexts) and the full size:
 
@@ -149,41 +151,84 @@ def main(argv: list[str] | None = None) -> int:
                args.out, args.quiet, KEEP_ACCURACY, vars(args))
 
 
+def cells(models: list[str], tasks: list[str], contexts: list[int], n: int,
+          n_at: dict[int, int]) -> list[tuple[str, str, int, int]]:
+    """Every ``(model, task, context, contexts asked)`` cell, in the output's order."""
+    return [(m, t, c, n_at.get(c, n)) for m in models for t in tasks for c in contexts]
+
+
 def run(models: list[str], tasks: list[str], contexts: list[int], n: int, n_at: dict[int, int],
         questions: int | None, seed: int, n_boot: int, threads: int, out: Path, quiet: bool, keep: float,
         config: dict[str, object]) -> int:
-    """Every cell, then the tables (module docstring)."""
-    import torch
-
+    """Every cell, then the tables (module docstring). Resumable: each finished cell is a
+    checksummed part in ``OUT/parts`` (``evictlab.parts.PartStore``); a rerun of the same
+    command verifies them and computes only the missing cells (another command's parts are
+    refused in one line), and the tables and run record are written once every cell is
+    there. A second run on the same ``--out`` is refused at once (the lock)."""
+    from evictlab.cli import INTERRUPTED_LINE
     from evictlab.io import write_checked_parquet
-    from evictlab.kv.cache import register_ragged_attention
-    from evictlab.models.loading import load_cached
+    from evictlab.parts import PartStore
     from evictlab.record import RunRecord, record_path
     from evictlab.report.markdown import write
 
-    torch.set_num_threads(threads)
-    record = RunRecord(kind="bench.task_floor", seed=seed, config={k: str(v) for k, v in config.items()})
-    rows: list[dict[str, object]] = []
-    for name in models:
-        lm, tok = load_cached(name, "cpu", attn_implementation=register_ragged_attention())
-        for task in tasks:
-            for context in contexts:
-                got = cell_rows(lm, tok, name, task, context, n_at.get(context, n), seed, questions)
-                rows += got
-                if not quiet:
-                    em = np.mean([r["exact_match"] for r in got])
-                    print(f"{name} {task} {context}: {em:.2f} over {len(got)} answers", flush=True)
+    todo = cells(models, tasks, contexts, n, n_at)
+    keys = [f"cell-{i:04d}" for i in range(len(todo))]
+    job = {"kind": "bench.task_floor", "cells": [list(c) for c in todo], "questions": questions, "seed": seed}
     out.mkdir(exist_ok=True)
-    frame = pl.DataFrame(rows, schema=ROW_SCHEMA)
-    table = floor_table(frame, seed=seed, n_boot=n_boot)
-    write_checked_parquet(frame, out / "rows.parquet")
-    write_checked_parquet(table, out / "floor.parquet")
-    write(out / "floor.md", [f"# The full cache's accuracy per cell (kept at >= {keep})", markdown(table)])
-    record.write(record_path(out, folder=True), outputs=[str(out / f) for f in ("rows.parquet", "floor.parquet",
-                                                                                "floor.md")])
+    store = PartStore(out / "parts", job, keys, field="--out", manifest=out / "job.json")
+    try:
+        with store.lock(out / "rows.parquet"):
+            if store.finished(out / "rows.parquet") and store.resume():  # another job's: refused
+                if not quiet:
+                    print(f"{out} already holds this run, complete; nothing to do", flush=True)
+                return 0
+            store.open()
+            record = RunRecord(kind="bench.task_floor", seed=seed, config={k: str(v) for k, v in config.items()})
+            _compute(store, dict(zip(keys, todo)), questions, seed, threads, quiet)
+            frame = store.collect(empty=pl.DataFrame(schema=ROW_SCHEMA))
+            table = floor_table(frame, seed=seed, n_boot=n_boot)
+            write_checked_parquet(frame, out / "rows.parquet")
+            write_checked_parquet(table, out / "floor.parquet")
+            write(out / "floor.md", [f"# The full cache's accuracy per cell (kept at >= {keep})", markdown(table)])
+            record.write(record_path(out, folder=True), outputs=[str(out / f) for f in ("rows.parquet", "floor.parquet",
+                                                                                        "floor.md")])
+            store.remove()
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(INTERRUPTED_LINE, file=sys.stderr)
+        return 130
     if not quiet:
         print(markdown(table))
     return 0
+
+
+def _compute(store: object, units: dict[str, tuple[str, str, int, int]], questions: int | None, seed: int,
+             threads: int, quiet: bool) -> None:
+    """The cells still missing from ``store``, one model loaded at a time."""
+    import torch
+
+    from evictlab.kv.cache import register_ragged_attention
+    from evictlab.models.loading import load_cached
+
+    torch.set_num_threads(threads)
+    pending = store.pending()  # type: ignore[attr-defined]
+    done = len(units) - len(pending)
+    if done and not quiet:
+        print(f"resuming: {done} of {len(units)} cells already done", flush=True)
+    loaded: dict[str, tuple[object, object]] = {}
+    for key in pending:
+        name, task, context, n = units[key]
+        if name not in loaded:
+            loaded.clear()  # one model in memory at a time
+            loaded[name] = load_cached(name, "cpu", attn_implementation=register_ragged_attention())
+        lm, tok = loaded[name]
+        got = cell_rows(lm, tok, name, task, context, n, seed, questions)
+        store.write(key, pl.DataFrame(got, schema=ROW_SCHEMA))  # type: ignore[attr-defined]
+        if not quiet:
+            em = np.mean([r["exact_match"] for r in got])
+            print(f"{name} {task} {context}: {em:.2f} over {len(got)} answers", flush=True)
 
 
 if __name__ == "__main__":
