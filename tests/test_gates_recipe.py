@@ -257,6 +257,7 @@ def test_shipped_smollm2_gates_load_and_reproduce_their_validation(real_model, t
     and on their recorded validation sequences (regenerated, the teacher recomputed) they
     give the recorded validation loss terms and retained mass."""
     from evictlab.gates.train import validate
+    from evictlab.models.loading import load_model
 
     folder = files.SHIPPED_DIR / "smollm2-135m"
     if not files.is_finished(folder):
@@ -265,6 +266,8 @@ def test_shipped_smollm2_gates_load_and_reproduce_their_validation(real_model, t
     assert files.default_gates_for(model) == folder
     gates, cfg = files.load_gates(folder)
     recipe = Recipe.from_dict(cfg["recipe"])
+    if recipe.dtype != "float32":  # validated as trained: the frozen model in the recipe's dtype (a copy)
+        model, _ = load_model("smollm2-135m", dtype=getattr(torch, recipe.dtype))
     ids, lengths = TrainingData(tok, recipe.data, recipe.seed).pool(recipe.pool, recipe.val)
     val = slice(recipe.pool, recipe.pool + recipe.val)
     targets, _ = teacher_targets(model, ids[val], lengths[val], recipe.topk, tmp_path, {"test": True},
@@ -272,8 +275,10 @@ def test_shipped_smollm2_gates_load_and_reproduce_their_validation(real_model, t
     recorded = cfg["validation"][-1]
     m_global = float(cfg["m_global"])
     got = validate(model, gates, targets, m_global, recorded["capacity_weight"], chunk=recipe.batch)
+    # bfloat16 matrix products differ between CPU kernels (matrix units or not): 1% there
+    rel = 2e-3 if recipe.dtype == "float32" else 1e-2
     for key in ("ce", "kl", "retained_mean", "retained_max"):
-        assert got[key] == pytest.approx(recorded[key], rel=2e-3, abs=1e-4), key
+        assert got[key] == pytest.approx(recorded[key], rel=rel, abs=1e-4), key
     record = json.loads((folder / "training.json").read_text())
     assert record["steps"] == cfg["training"]["steps"] and record["command"].startswith("evictlab gates train")
 

@@ -207,6 +207,27 @@ def test_gates_train_and_info_write_what_they_say(tiny_folder: Path, text_file: 
     assert json.loads((out / "gates.json").read_text())["spec"]["shared"] is False
 
 
+def test_gates_trained_in_bfloat16_are_found_for_the_float32_model(tiny_folder: Path, text_file: Path,
+                                                                     tmp_path: Path, capsys, monkeypatch) -> None:
+    """``--dtype bfloat16`` (what ``auto`` picks on CPUs with bfloat16 units) trains on a cast
+    copy, but gates.json records the digest of the weights as the registry loads them, so
+    ``gates=default`` finds the gates for the float32 model that decode loads (before the fix
+    it recorded the bfloat16 copy's digest and refused the model the gates were trained on)."""
+    from evictlab.models.loading import load_model, weights_digest
+
+    root = tmp_path / "shipped"
+    root.mkdir()
+    args = [a if a != "float32" else "bfloat16" for a in _train_args(tiny_folder, root / "tiny", text_file,
+                                                                     "--pool", "8", "--val", "2")]
+    rc, _, err = _main(args, capsys, monkeypatch)
+    assert rc == 0, err
+    cfg = json.loads((root / "tiny" / "gates.json").read_text())
+    assert cfg["recipe"]["dtype"] == "bfloat16"
+    model, _ = load_model(str(tiny_folder))
+    assert cfg["weights_digest"] == weights_digest(model)
+    assert files.default_gates_for(model, root=root) == root / "tiny"
+
+
 def test_gates_train_resumes_a_killed_run_from_the_command_line(tiny_folder: Path, text_file: Path, tmp_path: Path,
                                                                 capsys, monkeypatch) -> None:
     from evictlab.gates import train as train_mod

@@ -70,7 +70,7 @@ def train(
     threads: int = typer.Option(0, "--threads", help="CPU threads of the computation (torch) (0 = the library "
                                 "default, all cores)"),
     batch: int = typer.Option(4, "--batch", help="sequences per step (drawn from the pool)"),
-    pool: int = typer.Option(64, "--pool", help="training sequences; the teacher runs once on each (its "
+    pool: int = typer.Option(320, "--pool", help="training sequences; the teacher runs once on each (its "
                              "outputs are cached)"),
     val: int = typer.Option(8, "--val", help="validation sequences (0: none)"),
     val_every: int = typer.Option(20, "--val-every", help="steps between validations (also before the first "
@@ -161,12 +161,16 @@ def _train_locked(model_name: str, out: Path, recipe: Any, device: str, threads:
 
     from evictlab.gates import files
     from evictlab.gates.train import train_gates
-    from evictlab.models.loading import load_model
+    from evictlab.models.loading import load_model, weights_digest
     from evictlab.record import record_path
 
     if threads > 0:
         torch.set_num_threads(threads)
-    lm, tok = load_model(model_name, device=device, dtype=getattr(torch, recipe.dtype))
+    # gates=default finds gates by the digest of the model as the registry loads it (float32),
+    # so it is taken before a cast to the training dtype
+    lm, tok = load_model(model_name, device=device)
+    digest = weights_digest(lm)
+    lm = lm.to(getattr(torch, recipe.dtype))
     if overwrite and out.exists():
         _clear(out)
     bar = tqdm(total=recipe.steps, unit="step", desc=f"gates {'shared' if recipe.shared else 'local'}", disable=quiet)
@@ -180,7 +184,8 @@ def _train_locked(model_name: str, out: Path, recipe: Any, device: str, threads:
 
     try:
         res = train_gates(lm, tok, recipe, out, model_name=model_name, threads=threads, progress=progress,
-                          note=lambda t: bar.write(f"note: {t}"), teacher_cache=teacher_cache)
+                          note=lambda t: bar.write(f"note: {t}"), teacher_cache=teacher_cache,
+                          weights_digest=digest)
     finally:
         bar.close()
     record.write(record_path(out, folder=True), outputs=[str(out / files.CONFIG_FILE), str(out / files.WEIGHTS_FILE),

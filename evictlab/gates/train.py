@@ -142,7 +142,7 @@ class Recipe:
     schedule: str = "cosine"
     decay_steps: int | None = None
     min_lr: float = 0.1  #: the cosine's floor, a fraction of ``lr``
-    pool: int = 64  #: training sequences (the teacher runs once on each)
+    pool: int = 320  #: training sequences (the teacher runs once on each)
     val: int = 8  #: validation sequences
     val_every: int = 20
     topk: int = 64  #: teacher tokens kept per position
@@ -381,6 +381,7 @@ def train_gates(
     note: Callable[[str], None] | None = None,
     stop_after: int | None = None,
     teacher_cache: str | os.PathLike[str] | None = None,
+    weights_digest: str | None = None,
 ) -> TrainResult:
     """Train gates for ``model`` into ``out`` (created if missing), resuming a checkpoint there.
 
@@ -390,7 +391,10 @@ def train_gates(
     this call (with a checkpoint written), as an interrupted run would (tests use it).
     ``teacher_cache``: the folder of the cached teacher outputs (None: ``out``, where they
     are deleted once the gates are finished; another folder keeps them for the next run on
-    the same sequences, e.g. the local ablation or another capacity). The caller holds the
+    the same sequences, e.g. the local ablation or another capacity). ``weights_digest``: the
+    model's identity recorded in ``gates.json`` for ``gates=default``, i.e. the digest of its
+    weights as the registry loads them (float32); pass it when ``model`` was cast to another
+    dtype for training (``None``: the digest of ``model`` as it is). The caller holds the
     folder's write lock.
     """
     out = Path(out)
@@ -494,7 +498,7 @@ def train_gates(
     extra = {"validation": validation, "capacity_weight_final": weight,
              "teacher": {"file": teacher_file.name, "topk": recipe.topk, "sequences": recipe.pool + recipe.val,
                          "wall_s_this_call": round(teacher_s[0], 2), "cpu_s_this_call": round(teacher_s[1], 2)}}
-    _finish(out, gates, recipe, model, model_name, history, start, env, wall, cpu, extra)
+    _finish(out, gates, recipe, model, model_name, history, start, env, wall, cpu, extra, weights_digest)
     if teacher_cache is None:
         teacher_file.unlink(missing_ok=True)
         teacher_file.with_suffix(".json").unlink(missing_ok=True)
@@ -528,7 +532,7 @@ def _diff(old: Any, new: dict[str, Any]) -> str:
 
 def _finish(out: Path, gates: RetentionGates, recipe: Recipe, model: torch.nn.Module, model_name: str,
             history: list[StepLog], resumed_from: int, env: dict[str, Any], wall: float, cpu: float,
-            extra: dict[str, Any] | None = None) -> None:
+            extra: dict[str, Any] | None = None, digest: str | None = None) -> None:
     """Write losses.parquet, then the gates (gates.json last), then drop the checkpoint."""
     import polars as pl
 
@@ -543,7 +547,7 @@ def _finish(out: Path, gates: RetentionGates, recipe: Recipe, model: torch.nn.Mo
     meta = {
         "model": model_name,
         #: identifies the model for gates=default (files.default_gates_for)
-        "weights_digest": weights_digest(model),
+        "weights_digest": digest or weights_digest(model),
         "geometry": files.geometry_meta(model),
         "recipe": recipe.to_dict(),
         "data": recipe.data.to_dict(),
