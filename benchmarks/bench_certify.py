@@ -156,6 +156,7 @@ def _datasets(args: argparse.Namespace) -> list[tuple[str, object]]:
             st = RowStore.open(d)
             out.append((f"{st.manifest.get('model')} {Path(d).name}", next(st.iter_batches(st.n_rows))))
         return out
+    args.work.mkdir(parents=True, exist_ok=True)
     for n in args.sizes:
         path = args.work / f"synth-{n}"
         if not (path / "manifest.json").exists():
