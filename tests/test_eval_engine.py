@@ -316,9 +316,29 @@ def test_the_claim_configs_expand_to_their_grids(name: str) -> None:
         assert spec.protocols == ("query-agnostic", "query-aware") and set(spec.tasks) <= set(RETRIEVAL_TASKS)
 
 
+def test_the_contourkv_config_expands_to_its_grid() -> None:
+    """experiments/contourkv.toml: every ContourKV variant against uniform, PyramidKV and AdaKV
+    with SnapKV and KVzip-style scores; both models, four multi-question families (200 paired
+    answers per cell at n = 50), 1k and 2k, three budgets, physical, query-agnostic, one-pass."""
+    from evictlab.eval.claims.contour import CONTOUR_ALLOCATORS
+    from evictlab.tasks.synthetic import MULTI_TASKS
+
+    spec, p, _ = _grid_of(["--config", str(ROOT / "experiments" / "contourkv.toml")])
+    assert spec.models == ("smollm2-135m", "gemma3-270m") and spec.contexts == (1024, 2048) and spec.n == 50
+    assert len(spec.tasks) == 4 and set(spec.tasks) <= set(MULTI_TASKS) and len(spec.budgets) == 3
+    assert spec.modes == ("physical",) and spec.protocols == ("query-agnostic",) and spec.prefill == "one-pass"
+    arms = {(c.scorer, c.allocator) for c in spec.cells() if not c.is_full}
+    for scorer in ("snapkv", "kvzip"):
+        # every variant but contourkv_pred (it needs a fitted predictor no shipped profile embeds)
+        assert {a for s_, a in arms if s_ == scorer} == {*CONTOUR_ALLOCATORS, "pyramidkv", "adakv", "uniform"} - {"contourkv_pred"}
+    groups = len(spec.models) * len(spec.tasks) * len(spec.contexts)
+    assert len(spec.cells()) == groups * (1 + 16 * 3) and len(spec.units()) == groups * 50
+    assert p["out"] == Path("runs/experiments/contourkv")
+
+
 def test_every_experiment_file_parses() -> None:
     files = sorted((ROOT / "experiments").glob("*.toml"))
-    assert {f.name for f in files} == {*CLAIMS, "smoke.toml", "gpu_check.toml"}  # gpu_check: benchmarks/gpu_check.sh
+    assert {f.name for f in files} == {*CLAIMS, "smoke.toml", "gpu_check.toml", "contourkv.toml"}  # gpu_check: benchmarks/gpu_check.sh
     for f in files:
         spec, _, _ = _grid_of(["--config", str(f)])
         assert spec.cells()
