@@ -99,6 +99,8 @@ def floor_table(rows: pl.DataFrame, *, seed: int, n_boot: int) -> pl.DataFrame:
                     "answers": g.height, "accuracy": em.value, "lo": em.lo, "hi": em.hi,
                     "first_token": ft.value, "first_token_lo": ft.lo, "first_token_hi": ft.hi,
                     "answer_logprob": float(np.mean(g["answer_logprob"].to_numpy())), "interval": em.method})
+    order = {t: i for i, t in enumerate(dict.fromkeys(rows["task"].to_list()))}
+    out.sort(key=lambda r: (r["model"], order[r["task"]], r["context"]))
     return label_floors(pl.DataFrame(out))
 
 
@@ -153,8 +155,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def cells(models: list[str], tasks: list[str], contexts: list[int], n: int,
           n_at: dict[int, int]) -> list[tuple[str, str, int, int]]:
-    """Every ``(model, task, context, contexts asked)`` cell, in the output's order."""
-    return [(m, t, c, n_at.get(c, n)) for m in models for t in tasks for c in contexts]
+    """Every ``(model, task, context, contexts asked)`` cell, in the order computed: context
+    before task, so that an interrupted run has whole short-context columns done (the long
+    contexts cost the most); the tables sort by model, task, context."""
+    return [(m, t, c, n_at.get(c, n)) for m in models for c in contexts for t in tasks]
 
 
 def run(models: list[str], tasks: list[str], contexts: list[int], n: int, n_at: dict[int, int],
