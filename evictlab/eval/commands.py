@@ -56,7 +56,9 @@ def run(
     models: str = typer.Option("smollm2-135m", "--models", "--model",
                                help="comma-separated models: registry names, local HF folders or hub ids"),
     tasks: str = typer.Option("needle", "--tasks", "--task", help="comma-separated tasks (docs/evaluation.md): needle, multi_key, multi_needle, "
-                              "variable_tracking, needle_word, multi_key_word, multi_value, heldout_ppl"),
+                              "variable_tracking, needle_word, multi_key_word, multi_value, heldout_ppl, the "
+                              "multi-question families, or suite (the suite's tasks without the cells the full "
+                              "cache cannot do, from data/task_floor)"),
     context: str = typer.Option("1024", "--context", help="comma-separated context lengths (tokens)"),
     budgets: str = typer.Option(None, "--budget", show_default=False,
                                 help="KV budgets, comma-separated: 64 (kept tokens per cell), 4096total, 2MiB "
@@ -305,7 +307,8 @@ def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any
     md = evaluation_markdown(results, pairs, rule=rule.describe(), claims=[*claims_e, *claims_m, *claims_c],
                              enforcement=detail_e, margin=detail_m, contour=detail_c,
                              figures=[(f.png.name, f.caption) for f in figs], config=config,
-                             skipped=manifest.get("skipped", []), seed=rule.seed, n_boot=rule.n_boot)
+                             skipped=manifest.get("skipped", []), floors=spec.get("floors", []), seed=rule.seed,
+                             n_boot=rule.n_boot)
     report = stem.with_suffix(".md")
     atomic_write_text(report, md)
     write_checked_parquet(pairs, out)

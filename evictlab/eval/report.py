@@ -112,8 +112,10 @@ def evaluation_markdown(results: pl.DataFrame, pairs: pl.DataFrame, *, rule: str
                         enforcement: pl.DataFrame | None = None, margin: pl.DataFrame | None = None,
                         contour: pl.DataFrame | None = None,
                         figures: Sequence[tuple[str, str]] = (), config: dict[str, Any] | None = None,
-                        skipped: Sequence[dict[str, str]] = (), seed: int = 0, n_boot: int = 2000) -> str:
-    """The grid's report (Markdown). ``figures``: ``(relative path, caption)``."""
+                        skipped: Sequence[dict[str, str]] = (), floors: Sequence[Sequence[Any]] = (),
+                        seed: int = 0, n_boot: int = 2000) -> str:
+    """The grid's report (Markdown). ``figures``: ``(relative path, caption)``; ``floors``:
+    the ``(model, task, context, reason)`` cells a ``suite`` grid left out."""
     models = list(dict.fromkeys(results["model"].to_list()))
     ev = results.filter(pl.col("method") != "full")
     lines = [
@@ -151,6 +153,11 @@ def evaluation_markdown(results: pl.DataFrame, pairs: pl.DataFrame, *, rule: str
                   table(pl.DataFrame(list(skipped)).unique(["method", "mode", "protocol", "reason"],
                                                            maintain_order=True).select("method", "mode", "protocol",
                                                                                        "reason")), ""]
+    if floors:
+        lines += ["Not run (the suite's floor cells: the full cache cannot do them, so no method can lose there; "
+                  "measured by benchmarks/task_floor.py, shipped in data/task_floor):", "",
+                  table(pl.DataFrame([{"model": m, "task": t, "context": int(c), "reason": r}
+                                      for m, t, c, r in floors])), ""]
     fc = full_cache_table(results, seed=seed, n_boot=n_boot)
     lines += ["## The full cache (read every comparison against it)", "",
               "A `floor` row means the model does not solve the task at that length even with the full cache: "

@@ -10,6 +10,11 @@ questions (all the task asks when None). Its **cells** are:
   comparison is read against;
 - one cell per (model, task, context, protocol, budget, method, mode) otherwise.
 
+``tasks`` may name ``suite`` (:mod:`evictlab.tasks.suite`): the suite's task families, with
+every (model, task, context) cell where the shipped full-cache table says the model cannot
+do the task (a floor: exact match below 0.8) left out of the grid; ``floors`` holds those
+cells with the measured accuracy, and the manifest and the report list them.
+
 Two combinations are not cells, and the manifest lists them as skipped with the reason:
 ``uniform`` mode of a method whose allocator is already ``uniform`` (it *is* the physical
 run), and the ``query-aware`` protocol on ``heldout_ppl`` (a perplexity window has no
@@ -263,6 +268,7 @@ class GridSpec:
     trace: bool = False
     prefill: str = ONE_PASS
     questions: int | None = None
+    floors: tuple[tuple[str, str, int, str], ...] = ()
 
     @classmethod
     def build(cls, *, models: Sequence[str], tasks: Sequence[str], contexts: Sequence[int | str],
@@ -270,9 +276,14 @@ class GridSpec:
               protocols: Sequence[str] | None = None, n: int = 10, seed: int = 0, loop: LoopSettings | None = None,
               scorer_params: Mapping[str, str] | None = None, allocator_params: Mapping[str, str] | None = None,
               target_tokens: int = 32, device: str = "cpu", trace: bool = False, prefill: str = ONE_PASS,
-              questions: int | None = None) -> GridSpec:
+              questions: int | None = None, floor_table: Any = None) -> GridSpec:
         """A validated grid from lists as typed (``None`` modes / protocols: ``physical`` /
-        ``query-agnostic`` when an evicting method is asked for)."""
+        ``query-agnostic`` when an evicting method is asked for). ``suite`` in ``tasks``
+        expands to the suite's tasks less their floor cells, read from ``floor_table`` (a
+        polars frame as ``benchmarks/task_floor.py`` writes; default: the shipped tables,
+        :func:`evictlab.tasks.suite.shipped_floors`)."""
+        from evictlab.tasks.suite import suite_grid
+
         ctx: list[int] = []
         for c in contexts:
             try:
@@ -286,7 +297,9 @@ class GridSpec:
         if protocols is None:
             protocols = ["query-agnostic"] if evicting else []
         canon_budgets = [budget_text(Budget.parse(b)) for b in (budgets or [])]
-        return cls(models=tuple(m.strip() for m in models), tasks=tuple(t.strip() for t in tasks),
+        model_list = [m.strip() for m in models]
+        task_list, floors = suite_grid([t.strip() for t in tasks], model_list, ctx, floor_table)
+        return cls(models=tuple(model_list), tasks=tuple(task_list), floors=tuple(floors),
                    contexts=tuple(ctx), methods=tuple(m.strip() for m in methods), budgets=tuple(canon_budgets),
                    modes=tuple(modes), protocols=tuple(protocols), n=int(n), seed=int(seed),
                    loop=loop or LoopSettings(), scorer_params=tuple(sorted((scorer_params or {}).items())),
@@ -302,8 +315,12 @@ class GridSpec:
         _nonempty(self.tasks, "tasks", f"use some of: {', '.join(EVAL_TASKS)}")
         for t in self.tasks:
             if t not in EVAL_TASKS:
-                raise InputError("tasks", f"unknown task {t!r}", f"use some of: {', '.join(EVAL_TASKS)}")
+                raise InputError("tasks", f"unknown task {t!r}", f"use some of: {', '.join(EVAL_TASKS)} (or suite)")
         refuse_duplicates(self.tasks, "tasks", "task")
+        for f in self.floors:
+            if len(f) != 4 or f[0] not in self.models or f[1] not in self.tasks or f[2] not in self.contexts:
+                raise InputError("floors", f"{list(f)} is not a (model, task, context, reason) cell of this grid",
+                                 "build the grid with tasks = ['suite'] (GridSpec.build)")
         _nonempty(self.contexts, "contexts", "give at least one context length, e.g. 1024")
         for c in self.contexts:
             if c < 64:
@@ -390,10 +407,13 @@ class GridSpec:
         protocol, budget, method, mode (cells of one (model, task, context) are adjacent,
         so a local run computes each full-cache reference once)."""
         params = self.method_params() if self.evicting else {}
+        floors = {(m, t, c) for m, t, c, _ in self.floors}
         out: list[CellSpec] = []
         for model in self.models:
             for task in self.tasks:
                 for context in self.contexts:
+                    if (model, task, context) in floors:
+                        continue  # the full cache cannot do it: nothing for a method to lose
                     base = CellSpec(model=model, task=task, context=context, method=FULL, mode=FULL,
                                     protocol=NO_PROTOCOL, budget=None, n=self.n, seed=self.seed, loop=self.loop,
                                     target_tokens=self.target_tokens, device=self.device, prefill=self.prefill,
@@ -450,6 +470,10 @@ class GridSpec:
         d = asdict(self)
         for k in ("models", "tasks", "contexts", "methods", "budgets", "modes", "protocols"):
             d[k] = list(d[k])
+        if self.floors:
+            d["floors"] = [list(f) for f in self.floors]
+        else:  # manifests of grids without the suite are unchanged by the field
+            del d["floors"]
         d["scorer_params"] = dict(self.scorer_params)
         d["allocator_params"] = dict(self.allocator_params)
         if not self.trace:  # manifests of untraced grids are unchanged by the option
@@ -466,6 +490,7 @@ class GridSpec:
         kw["loop"] = LoopSettings(**kw.get("loop", {}))
         for k in ("models", "tasks", "contexts", "methods", "budgets", "modes", "protocols"):
             kw[k] = tuple(kw.get(k, ()))
+        kw["floors"] = tuple((str(m), str(t), int(c), str(r)) for m, t, c, r in kw.get("floors", ()))
         kw["scorer_params"] = tuple(sorted(dict(kw.get("scorer_params", {})).items()))
         kw["allocator_params"] = tuple(sorted(dict(kw.get("allocator_params", {})).items()))
         return cls(**kw)

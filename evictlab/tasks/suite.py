@@ -8,18 +8,25 @@ reported, labelled as floors (:func:`label_floors`). The full cache's accuracy p
 with its prompt-clustered bootstrap interval, comes from ``benchmarks/task_floor.py``
 (docs/evaluation.md, "The task suite"); this module only applies the rule to that table,
 so it needs no model.
+
+The measured tables are shipped in ``data/task_floor/<model>/floor.parquet`` (one per model,
+with the run's record and rows beside it); :func:`shipped_floors` reads them and
+:func:`suite_grid` turns them into the grid's ``tasks = ["suite"]``: the suite's tasks, with
+every floor cell of the asked models and contexts left out and named, with its accuracy, as
+not run.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import polars as pl
 
 from evictlab.errors import InputError
 
-__all__ = ["FLOOR_COLUMNS", "KEEP_ACCURACY", "SUITE_CONTEXTS", "SUITE_MODELS", "SUITE_TASKS", "kept_cells",
-           "label_floors", "suite_tasks"]
+__all__ = ["FLOOR_COLUMNS", "FLOOR_DIR", "KEEP_ACCURACY", "SUITE", "SUITE_CONTEXTS", "SUITE_MODELS", "SUITE_TASKS",
+           "floor_reason", "kept_cells", "label_floors", "shipped_floors", "suite_grid", "suite_tasks"]
 
 #: The registry models the suite is chosen for.
 SUITE_MODELS: tuple[str, ...] = ("smollm2-135m", "gemma3-270m")
@@ -31,6 +38,10 @@ SUITE_TASKS: tuple[str, ...] = ("needle", "needle_word", "multi_key", "keys_numb
                                 "keys_number_prose")
 #: A cell is kept when the full cache's accuracy (exact match, the point estimate) is at least this.
 KEEP_ACCURACY = 0.8
+#: The ``tasks`` entry that stands for the suite (:func:`suite_grid`).
+SUITE = "suite"
+#: Where the measured floor tables are shipped (the repository's ``data/task_floor/``).
+FLOOR_DIR = Path(__file__).resolve().parents[2] / "data" / "task_floor"
 #: The columns :func:`label_floors` needs: the cell, the full cache's accuracy and its interval.
 FLOOR_COLUMNS: tuple[str, ...] = ("model", "task", "context", "accuracy", "lo", "hi")
 
@@ -79,3 +90,66 @@ def suite_tasks(table: pl.DataFrame, keep: float = KEEP_ACCURACY,
         if all(g.filter((pl.col("model") == m) & pl.col("kept")).height for m in models):
             out.append(str(task))
     return out
+
+
+def shipped_floors(folder: Path = FLOOR_DIR) -> pl.DataFrame:
+    """Every ``<model>/floor.parquet`` under ``folder`` (the tables ``benchmarks/task_floor.py``
+    writes), checksums verified, concatenated and labelled (:func:`label_floors`). An empty
+    frame with :data:`FLOOR_COLUMNS` when none is shipped."""
+    from evictlab.io import read_checked_parquet
+
+    paths = sorted(folder.glob("*/floor.parquet")) if folder.is_dir() else []
+    if not paths:
+        return pl.DataFrame(schema={"model": pl.String, "task": pl.String, "context": pl.Int64,
+                                    "accuracy": pl.Float64, "lo": pl.Float64, "hi": pl.Float64})
+    frames = [read_checked_parquet(p, "restore it from git (git checkout -- data/task_floor)") for p in paths]
+    return label_floors(pl.concat(frames, how="diagonal_relaxed"))
+
+
+def floor_reason(row: dict[str, object], keep: float = KEEP_ACCURACY) -> str:
+    """The line that says why a floor cell is not run: its full-cache accuracy and interval."""
+    return (f"floor: the full cache answers {float(row['accuracy']):.2f} "  # type: ignore[arg-type]
+            f"[{float(row['lo']):.2f}, {float(row['hi']):.2f}] of its questions, "  # type: ignore[arg-type]
+            f"below the suite's {keep}")
+
+
+def suite_grid(tasks: Sequence[str], models: Sequence[str], contexts: Sequence[int],
+               table: pl.DataFrame | None = None,
+               keep: float = KEEP_ACCURACY) -> tuple[list[str], list[tuple[str, str, int, str]]]:
+    """``tasks`` with :data:`SUITE` replaced by :data:`SUITE_TASKS` (in place), and the
+    ``(model, task, context, reason)`` cells of the suite's tasks that are floors in
+    ``table`` (default :func:`shipped_floors`) for these ``models`` and ``contexts``.
+
+    Without :data:`SUITE` in ``tasks`` the tasks come back unchanged and nothing is left
+    out (named tasks are run as asked). A suite cell the table does not hold (a model or a
+    context length nobody measured) is an InputError on ``tasks`` that says how to measure
+    it; so is a grid in which every suite cell is a floor."""
+    if SUITE not in tasks:
+        return list(tasks), []
+    if list(tasks).count(SUITE) > 1:
+        raise InputError("tasks", f"{SUITE!r} is named twice", f"name {SUITE!r} once")
+    named = [t for t in tasks if t != SUITE]
+    both = [t for t in named if t in SUITE_TASKS]
+    if both:
+        raise InputError("tasks", f"{both[0]!r} is already one of the suite's tasks ({', '.join(SUITE_TASKS)})",
+                         f"drop {both[0]!r} or {SUITE!r}")
+    i = list(tasks).index(SUITE)
+    expanded = [*tasks[:i], *SUITE_TASKS, *tasks[i + 1:]]
+    t = label_floors(table) if table is not None else shipped_floors()
+    by_cell = {(r["model"], r["task"], int(r["context"])): r for r in t.to_dicts()}
+    floors: list[tuple[str, str, int, str]] = []
+    for m in models:
+        for task in SUITE_TASKS:
+            for c in contexts:
+                r = by_cell.get((m, task, int(c)))
+                if r is None:
+                    raise InputError("tasks", f"the suite has no full-cache measurement for ({m}, {task}, {c} "
+                                     "tokens)", f"measure it: python benchmarks/task_floor.py --models {m} "
+                                     f"--contexts {c} --out data/task_floor/{Path(m).name} (docs/evaluation.md), "
+                                     "or name the tasks instead of 'suite'")
+                if float(r["accuracy"]) < keep:
+                    floors.append((m, task, int(c), floor_reason(r, keep)))
+    if len(floors) == len(models) * len(SUITE_TASKS) * len(contexts) and not named:
+        raise InputError("tasks", "every cell of the suite is a floor for these models and context lengths "
+                         f"(the full cache scores below {keep} everywhere)", "use shorter contexts, or name the tasks")
+    return expanded, floors
