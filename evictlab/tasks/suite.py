@@ -33,7 +33,7 @@ SUITE_MODELS: tuple[str, ...] = ("smollm2-135m", "gemma3-270m")
 #: Context lengths (tokens) the suite is chosen for.
 SUITE_CONTEXTS: tuple[int, ...] = (1024, 2048, 4096)
 #: The task families of the suite: the candidates the n = 4 probe at 1k left (docs/evaluation.md,
-#: "The task suite"); the full-size task_floor run decides which cells are kept.
+#: "The task suite"); which of their cells are kept is measured in data/task_floor (suite_grid).
 SUITE_TASKS: tuple[str, ...] = ("needle", "needle_word", "multi_key", "keys_number", "keys_tagged",
                                 "keys_number_prose")
 #: A cell is kept when the full cache's accuracy (exact match, the point estimate) is at least this.
