@@ -100,3 +100,17 @@ def test_eval_run_with_the_suite_at_an_unmeasured_length_is_one_line(capsys, mon
     lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and lines[0].startswith("error: --tasks: ") and "task_floor.py" in lines[0], err
     assert not (tmp_path / "g").exists()  # refused before anything is written
+
+
+def test_a_cell_measured_in_two_shipped_folders_is_refused_naming_the_folder(tmp_path: Path) -> None:
+    from evictlab.io import write_checked_parquet
+    from evictlab.tasks.suite import shipped_floors
+
+    t = _table(["a"], [1024], {})
+    for name in ("a", "a-again"):
+        (tmp_path / name).mkdir()
+        write_checked_parquet(t, tmp_path / name / "floor.parquet")
+    with pytest.raises(InputError) as e:
+        shipped_floors(tmp_path)
+    assert e.value.field == "tasks" and str(tmp_path) in str(e.value) and "appears 2 times" in str(e.value)
+    assert shipped_floors(tmp_path / "none").height == 0

@@ -103,7 +103,11 @@ def shipped_floors(folder: Path = FLOOR_DIR) -> pl.DataFrame:
         return pl.DataFrame(schema={"model": pl.String, "task": pl.String, "context": pl.Int64,
                                     "accuracy": pl.Float64, "lo": pl.Float64, "hi": pl.Float64})
     frames = [read_checked_parquet(p, "restore it from git (git checkout -- data/task_floor)") for p in paths]
-    return label_floors(pl.concat(frames, how="diagonal_relaxed"))
+    try:
+        return label_floors(pl.concat(frames, how="diagonal_relaxed"))
+    except InputError as exc:  # e.g. a cell measured in two folders: name the folder, not a frame
+        raise InputError("tasks", f"the floor tables in {folder} do not add up: {exc.problem}",
+                         f"keep one measurement of each cell under {folder}") from None
 
 
 def floor_reason(row: dict[str, object], keep: float = KEEP_ACCURACY) -> str:
@@ -145,7 +149,7 @@ def suite_grid(tasks: Sequence[str], models: Sequence[str], contexts: Sequence[i
                 if r is None:
                     raise InputError("tasks", f"the suite has no full-cache measurement for ({m}, {task}, {c} "
                                      "tokens)", f"measure it: python benchmarks/task_floor.py --models {m} "
-                                     f"--contexts {c} --out data/task_floor/{Path(m).name} (docs/evaluation.md), "
+                                     f"--contexts {c} --out data/task_floor/{Path(m).name}-{c} (docs/evaluation.md), "
                                      "or name the tasks instead of 'suite'")
                 if float(r["accuracy"]) < keep:
                     floors.append((m, task, int(c), floor_reason(r, keep)))
