@@ -146,6 +146,8 @@ class RunRecord:
     argv: list[str] = field(default_factory=lambda: list(sys.argv))
     started: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat())
     _t0: float = field(default_factory=time.perf_counter, repr=False)
+    # the code that ran is the checkout at the start: a commit made during a long run is not it
+    _git: dict[str, Any] = field(default_factory=lambda: git_state(), repr=False)
 
     def to_dict(self, **extra: Any) -> dict[str, Any]:
         return {
@@ -153,7 +155,8 @@ class RunRecord:
             "argv": self.argv,
             "started": self.started,
             "wall_time_s": round(time.perf_counter() - self._t0, 3),
-            "git": git_state(),
+            "git": self._git,
+            **({"git_at_end": end} if (end := git_state()) != self._git else {}),
             "packages": package_versions(),
             "version_drift": version_drift(),
             "python": sys.version.split()[0],

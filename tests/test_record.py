@@ -92,3 +92,14 @@ def test_constraints_pin_every_installed_dependency():
     assert pins is not None, "constraints.txt is missing at the top of the repository"
     missing = sorted(_closure() - set(pins))
     assert not missing, f"constraints.txt lacks {missing}; run `make constraints`"
+
+
+def test_run_record_names_the_commit_the_run_started_from(tmp_path, monkeypatch):
+    import evictlab.record as record
+
+    states = iter([{"commit": "a" * 40, "dirty": False}, {"commit": "b" * 40, "dirty": False}])
+    monkeypatch.setattr(record, "git_state", lambda: next(states))
+    d = record.RunRecord(kind="t").to_dict()  # a commit lands while the run goes on
+    assert d["git"]["commit"] == "a" * 40 and d["git_at_end"]["commit"] == "b" * 40
+    monkeypatch.setattr(record, "git_state", lambda: {"commit": "c" * 40, "dirty": False})
+    assert "git_at_end" not in record.RunRecord(kind="t").to_dict()  # unchanged: one state
