@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from evictlab.contour.level import min_sum_increments
-from evictlab.contour.profile import GRID, ranked_curves, ranked_window_stats
+from evictlab.contour.profile import GRID, forced_error_reference, ranked_curves, ranked_window_stats
 from evictlab.core import reference as ref
 from evictlab.errors import InputError
 from evictlab.kv.attention import attention_probs
@@ -70,6 +70,23 @@ def test_ranked_curves_are_the_kept_sets_dropped_mass_and_forced_error(n: int, r
         if b and all(p[r, kept].sum() > 0 for r in range(rows)):  # the identity e(A) = D(A) ||m_Ac - m_A||
             rhs = np.mean([ref.identity_rhs(p[r].numpy(), v.numpy(), kept) for r in range(rows)])
             assert error[b] == pytest.approx(rhs, abs=1e-10)
+
+
+@given(n=st.integers(0, 40), rows=st.integers(1, 6), d=st.integers(1, 8), zero_rows=st.booleans(),
+       seed=st.integers(0, 10_000))
+def test_the_forced_error_kernel_is_its_reference(n: int, rows: int, d: int, zero_rows: bool, seed: int) -> None:
+    """The Numba kernel behind ranked_curves' error curve against the plain-torch block of
+    prefix sums beside it (rows with leading zeros and all-zero rows included)."""
+    g = torch.Generator().manual_seed(seed)
+    p = torch.softmax(torch.randn(rows, n, generator=g, dtype=torch.float64) * 4, -1) if n else torch.zeros(rows, 0,
+                                                                                                           dtype=torch.float64)
+    if zero_rows and n:
+        p[0] = 0.0
+        p[-1, : n // 2] = 0.0
+    v = torch.randn(n, d, generator=g, dtype=torch.float64)
+    order = torch.randperm(n, generator=g)
+    _, error = ranked_curves(p, v, order)
+    np.testing.assert_allclose(error, forced_error_reference(p, v, order), rtol=1e-10, atol=1e-12)
 
 
 def test_ranked_window_stats_are_causal() -> None:

@@ -297,42 +297,53 @@ CLAIMS = {
 
 @pytest.mark.parametrize("name", sorted(CLAIMS))
 def test_the_claim_configs_expand_to_their_grids(name: str) -> None:
-    """Each claim's file at full size: both models, 4 tasks, 3 budgets, the four scorers
-    (SnapKV, KVzip-style, ExpectedAttention, H2O), n >= 50 at 1k/2k and >= 20 at 4k, one-pass,
-    every question the tasks ask; parsed and expanded, never run here."""
+    """Each claim's file at full size: both models, the task suite (its floor cells left out
+    and listed), 3 budgets, the four scorers (SnapKV, KVzip-style, ExpectedAttention, H2O),
+    n >= 50 at 1k/2k and >= 20 at 4k, one-pass, every question the tasks ask; parsed and
+    expanded, never run here."""
+    from evictlab.tasks.suite import SUITE_TASKS
+
     contexts, n, per = CLAIMS[name]
     spec, p, _ = _grid_of(["--config", str(ROOT / "experiments" / name)])
-    assert spec.models == ("smollm2-135m", "gemma3-270m") and len(spec.tasks) == 4 and len(spec.budgets) == 3
+    assert spec.models == ("smollm2-135m", "gemma3-270m") and spec.tasks == SUITE_TASKS and len(spec.budgets) == 3
     assert spec.contexts == contexts and spec.n == n and spec.prefill == "one-pass" and spec.questions is None
     assert {c.scorer for c in spec.cells() if not c.is_full} == {"snapkv", "kvzip", "expected_attention", "h2o"}
-    groups = len(spec.models) * len(spec.tasks) * len(spec.contexts)
+    floors = {(m, t, c) for m, t, c, _ in spec.floors}
+    assert floors and all(c in contexts for _, _, c in floors)
+    groups = len(spec.models) * len(spec.tasks) * len(spec.contexts) - len(floors)
     assert len(spec.cells()) == groups * (1 + per) and len(spec.units()) == groups * n
     assert p["out"] == Path("runs/experiments") / name.removesuffix(".toml")
     if name.startswith("enforcement"):
         assert spec.modes == ("physical", "uniform", "masked") and all(m.endswith("+adakv") for m in spec.evicting)
     else:
-        from evictlab.tasks.examples import RETRIEVAL_TASKS
-
-        assert spec.protocols == ("query-agnostic", "query-aware") and set(spec.tasks) <= set(RETRIEVAL_TASKS)
+        assert spec.protocols == ("query-agnostic", "query-aware")
 
 
 def test_the_contourkv_config_expands_to_its_grid() -> None:
-    """experiments/contourkv.toml: every ContourKV variant against uniform, PyramidKV and AdaKV
-    with SnapKV and KVzip-style scores; both models, four multi-question families (200 paired
-    answers per cell at n = 50), 1k and 2k, three budgets, physical, query-agnostic, one-pass."""
+    """experiments/contourkv.toml: every ContourKV variant against uniform, PyramidKV, AdaKV
+    and the global allocator with SnapKV and KVzip-style scores; both models, the task suite
+    (its floor cells left out and listed), 1k and 2k, three budgets, n = 50, physical,
+    query-agnostic, one-pass; the units example by example (a stopped run holds the same
+    first examples of every cell)."""
     from evictlab.eval.claims.contour import CONTOUR_ALLOCATORS
-    from evictlab.tasks.synthetic import MULTI_TASKS
+    from evictlab.tasks.suite import SUITE_TASKS
 
     spec, p, _ = _grid_of(["--config", str(ROOT / "experiments" / "contourkv.toml")])
     assert spec.models == ("smollm2-135m", "gemma3-270m") and spec.contexts == (1024, 2048) and spec.n == 50
-    assert len(spec.tasks) == 4 and set(spec.tasks) <= set(MULTI_TASKS) and len(spec.budgets) == 3
+    assert spec.tasks == SUITE_TASKS and len(spec.budgets) == 3 and spec.floors
     assert spec.modes == ("physical",) and spec.protocols == ("query-agnostic",) and spec.prefill == "one-pass"
     arms = {(c.scorer, c.allocator) for c in spec.cells() if not c.is_full}
     for scorer in ("snapkv", "kvzip"):
         # every variant but contourkv_pred (it needs a fitted predictor no shipped profile embeds)
-        assert {a for s_, a in arms if s_ == scorer} == {*CONTOUR_ALLOCATORS, "pyramidkv", "adakv", "uniform"} - {"contourkv_pred"}
-    groups = len(spec.models) * len(spec.tasks) * len(spec.contexts)
-    assert len(spec.cells()) == groups * (1 + 16 * 3) and len(spec.units()) == groups * 50
+        want = {*CONTOUR_ALLOCATORS, "pyramidkv", "adakv", "global", "uniform"} - {"contourkv_pred"}
+        assert {a for s_, a in arms if s_ == scorer} == want
+    floors = {(m, t, c) for m, t, c, _ in spec.floors}
+    groups = [(m, t, c) for m in spec.models for t in spec.tasks for c in spec.contexts if (m, t, c) not in floors]
+    assert len(groups) + len(floors) == len(spec.models) * len(spec.tasks) * len(spec.contexts)
+    assert len(spec.cells()) == len(groups) * (1 + 18 * 3) and len(spec.units()) == len(groups) * 50
+    first = spec.units()[:len(groups)]
+    assert {u.example for u in first} == {0} and {(u.cells[0].model, u.cells[0].task, u.cells[0].context)
+                                              for u in first} == set(groups)
     assert p["out"] == Path("runs/experiments/contourkv")
 
 

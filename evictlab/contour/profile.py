@@ -31,13 +31,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from numba import njit
 
 from evictlab.errors import CorruptFileError, InputError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from evictlab.models.geometry import ModelGeometry
 
-__all__ = ["FORMAT", "GRID", "VERSION", "ContourProfile", "ranked_curves", "ranked_window_stats", "relative_tail", "tail_mass",
+__all__ = ["FORMAT", "GRID", "VERSION", "ContourProfile", "ranked_curves", "ranked_window_stats", "forced_error_reference", "relative_tail", "tail_mass",
            "window_stats"]
 
 FORMAT = "evictlab.contour"
@@ -206,36 +207,85 @@ def ranked_curves(p: torch.Tensor, values: torch.Tensor | None,
     Returns:
         float64 ``(n + 1,)`` each: ``dropped[b]`` = mean over rows of the mass outside the
         first ``b`` entries of ``order``; ``error[b]`` = mean of ``||o - o_A||`` for that set
-        (``o_A = 0`` when the row has no mass on it).
+        (``o_A = 0`` when the row has no mass on it). The error curve is the Numba kernel
+        :func:`_k_forced_error` (reference: :func:`forced_error_reference`).
     """
     p = torch.as_tensor(p).to("cpu", torch.float64)
     R, n = p.shape
     perm = torch.as_tensor(order).to("cpu", torch.int64)
     pr = p[:, perm]  # (R, n) masses in keep order
-    cum = torch.zeros(R, n + 1, dtype=torch.float64)
-    cum[:, 1:] = torch.cumsum(pr, -1)
     # D(A_b) summed from the small end: the mass after position b of the order
-    after = torch.zeros_like(cum)
+    after = torch.zeros(R, n + 1, dtype=torch.float64)
     after[:, :n] = torch.flip(torch.cumsum(torch.flip(pr, [-1]), -1), [-1])
     dropped = after.mean(0).numpy()
     if values is None:
         return dropped, None
     v = torch.as_tensor(values).to("cpu", torch.float64)[perm]  # (n, d) in keep order
+    err = _k_forced_error(np.ascontiguousarray(pr.numpy()), np.ascontiguousarray(v.numpy()))
+    return dropped, err
+
+
+@njit(cache=True)
+def _k_forced_error(pr: np.ndarray, v: np.ndarray) -> np.ndarray:
+    # Per row: o = sum_j p_j v_j, then the kept prefix's sum and mass grown one entry at a
+    # time, e(A_b) = ||o - S_b / P_b|| (o_A = 0 while P_b = 0); O(rows x n x d), no
+    # (rows, n, d) block. err[n] = 0: A_n holds every key.
+    R, n = pr.shape
+    d = v.shape[1]
+    err = np.zeros(n + 1)
+    out = np.zeros(d)
+    acc = np.zeros(d)
+    for r in range(R):
+        out[:] = 0.0
+        for j in range(n):
+            w = pr[r, j]
+            for k in range(d):
+                out[k] += w * v[j, k]
+        s = 0.0
+        for k in range(d):
+            s += out[k] * out[k]
+        err[0] += np.sqrt(s)
+        acc[:] = 0.0
+        mass = 0.0
+        for b in range(n - 1):
+            w = pr[r, b]
+            mass += w
+            for k in range(d):
+                acc[k] += w * v[b, k]
+            s = 0.0
+            if mass > 0.0:
+                for k in range(d):
+                    x = out[k] - acc[k] / mass
+                    s += x * x
+            else:
+                for k in range(d):
+                    s += out[k] * out[k]
+            err[b + 1] += np.sqrt(s)
+    if R:
+        err /= R
+    return err
+
+
+def forced_error_reference(p: torch.Tensor, values: torch.Tensor, order: torch.Tensor) -> np.ndarray:
+    """Plain torch beside :func:`_k_forced_error`: the forced-error curve of
+    :func:`ranked_curves` from one ``(rows, n, d)`` block of prefix sums.
+
+    Args: as :func:`ranked_curves` (``values`` required). Returns float64 ``(n + 1,)``."""
+    p = torch.as_tensor(p).to("cpu", torch.float64)
+    R, n = p.shape
+    perm = torch.as_tensor(order).to("cpu", torch.int64)
+    pr = p[:, perm]
+    v = torch.as_tensor(values).to("cpu", torch.float64)[perm]
     out = pr @ v  # (R, d) the dense outputs o
+    part = torch.cumsum(pr[:, :, None] * v[None], 1)  # (R, n, d) kept prefix sums
+    mass = torch.cumsum(pr, -1)[:, :, None]
+    o_a = torch.where(mass > 0, part / torch.where(mass > 0, mass, torch.ones_like(mass)), torch.zeros_like(part))
     err = torch.zeros(R, n + 1, dtype=torch.float64)
-    acc = torch.zeros_like(out)
-    step = max(1, (1 << 22) // max(1, R * v.shape[1]))  # bound the (R, chunk, d) prefix block
-    for start in range(0, n, step):
-        stop = min(n, start + step)
-        part = acc[:, None, :] + torch.cumsum(pr[:, start:stop, None] * v[None, start:stop], 1)  # (R, c, d)
-        mass = cum[:, start + 1:stop + 1, None]
-        o_a = torch.where(mass > 0, part / torch.where(mass > 0, mass, torch.ones_like(mass)), torch.zeros_like(part))
-        err[:, start + 1:stop + 1] = torch.linalg.vector_norm(out[:, None, :] - o_a, dim=-1)
-        acc = part[:, -1]
+    err[:, 1:] = torch.linalg.vector_norm(out[:, None, :] - o_a, dim=-1)
     err[:, 0] = torch.linalg.vector_norm(out, dim=-1)
     if n:
-        err[:, n] = 0.0  # A_n holds every key: o_A = o exactly
-    return dropped, err.mean(0).numpy()
+        err[:, n] = 0.0
+    return err.mean(0).numpy()
 
 
 # --------------------------------------------------------------------------- the file

@@ -10,7 +10,7 @@ entries and evict the rest. The driver that calls its hooks is :mod:`evictlab.de
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from collections.abc import Iterator
 from typing import Any
 
@@ -56,7 +56,8 @@ class _Scored:
     per layer the scores ``(batch, kv_heads, S_l)`` (float32 minimum past a cell's length)
     and the held positions ``(batch, kv_heads, S_l)``; the held lengths ``(n_layers,
     kv_heads)``; the observation window's profile (ContourKV online) or None; per layer the
-    window's queries and positions (for the trace; empty when it is off)."""
+    observation window's queries ``(batch, q_heads, w, d)`` and positions ``(w,)`` (for the
+    window statistics and the trace)."""
 
     scores: tuple[torch.Tensor, ...]
     lengths: np.ndarray
@@ -341,32 +342,54 @@ class EvictionRunner:
         same prefilled context (:attr:`shared_scores`), or None when it is not shareable:
         only the first compression of a run that was handed a prefilled context, whose
         inputs (held entries, recorded queries, reconstruction pass) depend only on that
-        context and the scorer, not on the allocator, the budget or the store."""
+        context and the scorer, not on the allocator, the budget or the store. The window
+        statistics an allocator asks for are not part of the key: they are computed from
+        the shared scoring on demand and shared under keys of their own (:meth:`_scored`),
+        so the ContourKV variants of one scorer share its scoring and its reconstruction
+        pass with the scorer's other arms."""
         if self.shared_scores is None or self.compressions or self.method.question_specific:
             return None  # (the ORACLEs' inputs are each question's own)
         return (tuple(repr(s) for s in self.layer_scorers), self.all_queries, self.loop.window,
-                self.method.window_profile, self.method.window_ranked, self.method.window_error,
                 self.compression_trace is not None, self.batch, self.loop.sinks, self.loop.recent)
 
     def _scored(self) -> _Scored:
-        """Every cell's scores at this compression (shared between arms when
-        :meth:`_share_key` allows: the scorers' states are copied, never shared)."""
+        """Every cell's scores at this compression, with the window statistics the
+        allocator needs (shared between arms when :meth:`_share_key` allows: the scorers'
+        states are copied, never shared).
+
+        Shared, the ranked statistics are computed once per scoring with the forced-error
+        curve included (the same prefix sums; the dropped-mass curve is the same bits
+        either way), and an arm that does not ask for a statistic does not get it."""
         import copy
 
+        profile, ranked_on, error_on = (self.method.window_profile, self.method.window_ranked,
+                                        self.method.window_error)
         key = self._share_key()
         if key is not None and key in self.shared_scores:
             sc, states = self.shared_scores[key]
             self.states = copy.deepcopy(states)
             for l in range(self.n_layers):  # consume the queries as scoring them would have
                 self.cache.take_queries(l, consume=self.all_queries)
+        else:
+            sc = self._score_cells()
+            if key is not None:
+                self.shared_scores[key] = (sc, copy.deepcopy(self.states))
+        if not profile:
             return sc
-        sc = self._score_cells()
-        if key is not None:
-            self.shared_scores[key] = (sc, copy.deepcopy(self.states))
-        return sc
+        if key is None:
+            window = self._window_profile(sc, ranked_on, error_on)
+        else:
+            wkey = (key, "window", ranked_on)
+            if wkey not in self.shared_scores:
+                self.shared_scores[wkey] = self._window_profile(sc, ranked_on, ranked_on)
+            window = self.shared_scores[wkey]
+            if window.error is not None and not error_on:
+                window = replace(window, error=None)
+        return replace(sc, window=window)
 
     def _score_cells(self) -> _Scored:
-        """Score every held entry of every cell with the layer's scorer (module docstring)."""
+        """Score every held entry of every cell with the layer's scorer (module docstring);
+        the window statistics are :meth:`_window_profile`'s (``window`` is None here)."""
         from evictlab.methods.base import ScoreInputs
 
         rep = self.q_heads // self.kv_heads
@@ -374,17 +397,6 @@ class EvictionRunner:
         cell_pos: list[torch.Tensor] = []
         lengths = np.zeros((self.n_layers, self.kv_heads), dtype=np.int64)
         fill = -torch.finfo(torch.float32).max
-        # The observation window (the scorers' last `window` queries), for an allocator that
-        # measures it (ContourKV online) and for the trace; nothing is computed otherwise.
-        profile = self.method.window_profile
-        ranked_on, error_on = self.method.window_ranked, self.method.window_error
-        if profile:
-            from evictlab.contour.profile import ranked_window_stats, window_stats
-            from evictlab.methods.base import keep_order
-        tails: list[np.ndarray] = []
-        ranked: list[np.ndarray] = []
-        errors: list[np.ndarray] = []
-        entropy = np.zeros((self.batch, self.n_layers, self.kv_heads))
         windows_q: list[tuple[torch.Tensor, torch.Tensor]] = []
         for l in range(self.n_layers):
             cells, pos = self.store.live_cells(l)  # per-cell views (paged: no copy) + padded positions
@@ -396,13 +408,9 @@ class EvictionRunner:
             if rec is None:
                 raise RuntimeError(f"no queries recorded for layer {l}; run a forward inside attach() first")
             q, qpos = rec
-            obs_q, obs_pos = q[:, :, -self.loop.window:], qpos[-self.loop.window:]
-            if self.compression_trace is not None:
-                windows_q.append((obs_q, obs_pos))
-            if profile:
-                tails.append(np.zeros((self.batch, self.kv_heads, pos.shape[2] + 1)))
-                ranked.append(np.zeros((self.batch, self.kv_heads, pos.shape[2] + 1)))
-                errors.append(np.zeros((self.batch, self.kv_heads, pos.shape[2] + 1)))
+            # The observation window (the scorers' last `window` queries): for the window
+            # statistics (ContourKV online) and the trace. Views, nothing computed.
+            windows_q.append((q[:, :, -self.loop.window:], qpos[-self.loop.window:]))
             sc = torch.full((self.batch, self.kv_heads, pos.shape[2]), fill, dtype=torch.float32, device=pos.device)
             inputs: list[ScoreInputs] = []
             for b in range(self.batch):
@@ -417,28 +425,52 @@ class EvictionRunner:
                         queries=q[b:b + 1, h * rep:(h + 1) * rep], q_positions=qpos, scaling=self.scaling,
                         extra_queries=extra, state=self.states.setdefault((l, b, h), {}), cell=(b, h),
                     ))
-                    if profile:
-                        tails[l][b, h, :int(lens[b, h]) + 1], entropy[b, l, h] = window_stats(
-                            obs_q[b, h * rep:(h + 1) * rep], cell.k, self.scaling, obs_pos, cell.pos)
             scorer = self.layer_scorers[l]
             outs = scorer.score_cells(inputs)  # the same scores as score() per cell, maybe in fewer calls
             for i, out in enumerate(outs):
                 b, h = divmod(i, self.kv_heads)
-                n = int(lens[b, h])
-                sc[b, h, :n] = out.reshape(-1).float()
-                if ranked_on:  # the window's statistics along the order select_keep keeps
-                    order = keep_order(sc[b, h, :n], sinks=self.loop.sinks, recent=self.loop.recent)
-                    cell = cells[b][h]
-                    d, e = ranked_window_stats(obs_q[b, h * rep:(h + 1) * rep], cell.k, cell.v if error_on else None,
-                                               self.scaling, obs_pos, cell.pos, order)
-                    ranked[l][b, h, :n + 1] = d
-                    if e is not None:
-                        errors[l][b, h, :n + 1] = e
+                sc[b, h, :int(lens[b, h])] = out.reshape(-1).float()
             layer_scores.append(sc)
             cell_pos.append(pos)
-        return _Scored(tuple(layer_scores), lengths, tuple(cell_pos),
-                       WindowProfile(tuple(tails), entropy, tuple(ranked) if ranked_on else None,
-                                     tuple(errors) if error_on else None) if profile else None, windows_q)
+        return _Scored(tuple(layer_scores), lengths, tuple(cell_pos), None, windows_q)
+
+    def _window_profile(self, sc: _Scored, ranked_on: bool, error_on: bool) -> WindowProfile:
+        """The observation window's statistics of every held cell (:class:`WindowProfile`):
+        the per-query tails and entropies always; along the scorer's keep order of ``sc``
+        the dropped mass with ``ranked_on`` and the forced error with ``error_on``. Reads
+        the cells as :meth:`_score_cells` saw them (nothing is evicted in between)."""
+        from evictlab.contour.profile import ranked_window_stats, window_stats
+        from evictlab.methods.base import keep_order
+
+        rep = self.q_heads // self.kv_heads
+        tails: list[np.ndarray] = []
+        ranked: list[np.ndarray] = []
+        errors: list[np.ndarray] = []
+        entropy = np.zeros((self.batch, self.n_layers, self.kv_heads))
+        for l in range(self.n_layers):
+            cells, pos = self.store.live_cells(l)
+            lens = self.store.lengths(l)
+            obs_q, obs_pos = sc.windows_q[l]
+            width = pos.shape[2] + 1
+            tails.append(np.zeros((self.batch, self.kv_heads, width)))
+            ranked.append(np.zeros((self.batch, self.kv_heads, width)))
+            errors.append(np.zeros((self.batch, self.kv_heads, width)))
+            for b in range(self.batch):
+                for h in range(self.kv_heads):
+                    n = int(lens[b, h])
+                    cell = cells[b][h]
+                    group_q = obs_q[b, h * rep:(h + 1) * rep]
+                    tails[l][b, h, :n + 1], entropy[b, l, h] = window_stats(
+                        group_q, cell.k, self.scaling, obs_pos, cell.pos)
+                    if ranked_on:  # the window's statistics along the order select_keep keeps
+                        order = keep_order(sc.scores[l][b, h, :n], sinks=self.loop.sinks, recent=self.loop.recent)
+                        d, e = ranked_window_stats(group_q, cell.k, cell.v if error_on else None,
+                                                   self.scaling, obs_pos, cell.pos, order)
+                        ranked[l][b, h, :n + 1] = d
+                        if e is not None:
+                            errors[l][b, h, :n + 1] = e
+        return WindowProfile(tuple(tails), entropy, tuple(ranked) if ranked_on else None,
+                             tuple(errors) if error_on else None)
 
     def reconstruction_queries(self, ids: torch.Tensor) -> dict[int, torch.Tensor]:
         """KVzip-style: feed ``ids`` after the cache, record its queries, then drop its entries.

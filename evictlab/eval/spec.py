@@ -432,15 +432,19 @@ class GridSpec:
 
     def units(self) -> list[CellSpec] | list[ContextUnit]:
         """The units of work, in the grid's order: the cells of a ``chunked`` grid; for
-        ``one-pass``, one :class:`ContextUnit` per (model, task, context, example), the
-        examples of one (model, task, context) adjacent."""
+        ``one-pass``, one :class:`ContextUnit` per (model, task, context, example), example
+        by example (example 0 of every (model, task, context), then example 1, ...): a long
+        grid stopped part-way holds the same first examples of every cell, so its partial
+        tables compare every arm on the same contexts. Each process keeps the two models it
+        used last loaded (:func:`~evictlab.models.loading.load_cached`): a grid of more than
+        two models reloads one between units."""
         cells = self.cells()
         if self.prefill != ONE_PASS:
             return cells
         groups: dict[tuple[str, str, int], list[CellSpec]] = {}
         for c in cells:
             groups.setdefault((c.model, c.task, c.context), []).append(c)
-        return [ContextUnit(tuple(g), i) for g in groups.values() for i in range(self.n)]
+        return [ContextUnit(tuple(g), i) for i in range(self.n) for g in groups.values()]
 
     def skipped(self) -> list[dict[str, str]]:
         """The (task, method, mode, protocol) combinations that are not cells, with why."""
