@@ -347,9 +347,26 @@ def test_the_contourkv_config_expands_to_its_grid() -> None:
     assert p["out"] == Path("runs/experiments/contourkv")
 
 
+def test_the_contourkv_scorers_config_expands_to_its_grid() -> None:
+    """experiments/contourkv_scorers.toml: ExpectedAttention and Compactor-style scores with
+    every allocator (uniform, PyramidKV, AdaKV, global, the ContourKV variants) at the
+    paper's s = 128, on the same suite cells, contexts and n as contourkv.toml."""
+    from evictlab.eval.claims.contour import CONTOUR_ALLOCATORS
+
+    spec, p, _ = _grid_of(["--config", str(ROOT / "experiments" / "contourkv_scorers.toml")])
+    main, _, _ = _grid_of(["--config", str(ROOT / "experiments" / "contourkv.toml")])
+    assert (spec.models, spec.tasks, spec.contexts, spec.n, spec.floors) == (main.models, main.tasks, main.contexts,
+                                                                          main.n, main.floors)
+    assert len(spec.budgets) == 1 and spec.modes == ("physical",) and spec.protocols == ("query-agnostic",)
+    arms = {(c.scorer, c.allocator) for c in spec.cells() if not c.is_full}
+    want = {*CONTOUR_ALLOCATORS, "pyramidkv", "adakv", "global", "uniform"} - {"contourkv_pred"}
+    assert arms == {(s_, a) for s_ in ("expected_attention", "compactor") for a in want}
+    assert len(spec.units()) == len(main.units())
+
+
 def test_every_experiment_file_parses() -> None:
     files = sorted((ROOT / "experiments").glob("*.toml"))
-    assert {f.name for f in files} == {*CLAIMS, "smoke.toml", "gpu_check.toml", "contourkv.toml"}  # gpu_check: benchmarks/gpu_check.sh
+    assert {f.name for f in files} == {*CLAIMS, "smoke.toml", "gpu_check.toml", "contourkv.toml", "contourkv_scorers.toml"}  # gpu_check: benchmarks/gpu_check.sh
     for f in files:
         spec, _, _ = _grid_of(["--config", str(f)])
         assert spec.cells()
