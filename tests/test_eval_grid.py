@@ -4,6 +4,7 @@ any model loads), and one short grid on the real SmolLM2."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -19,7 +20,7 @@ from evictlab import cli
 from evictlab.capture.testing import save_tiny_folder
 from evictlab.errors import InputError
 from evictlab.eval.compare import configuration_lines
-from evictlab.eval.grid import MANIFEST, PARTS, RESULTS, run_grid, write_manifest
+from evictlab.eval.grid import MANIFEST, PARTS, RESULTS, part_path, partial_results, run_grid, write_manifest
 from evictlab.eval.runner import RESULT_COLUMNS, clear_caches, run_cell
 from evictlab.eval.spec import GridSpec, LoopSettings
 
@@ -491,3 +492,58 @@ def test_a_refused_grid_leaves_nothing_that_blocks_the_corrected_one(tiny: Path,
     code, err = _main([*base, "--methods", "snapkv"], capsys, monkeypatch)
     assert code == 0, err
     assert (out / RESULTS).is_file()
+
+
+def test_compare_partial_reads_the_first_examples_done_everywhere(tmp_path: Path, tiny: Path,
+                                                                  capsys: pytest.CaptureFixture[str],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-pass grid stopped part-way (parts of example 2 everywhere and of example 1 in one
+    (task, context) missing): `eval compare` refuses it naming --partial; with --partial it
+    compares example 0 only, then examples 0-1 once example 1 is done everywhere, the same
+    rows as the finished grid's for those examples; the report and stdout say PARTIAL, the
+    record counts what was done, nothing is written where the finished grid's pairs go; no
+    complete example at all is refused."""
+    import torch
+
+    spec = _spec(tiny, n=3, protocols=["query-agnostic"], modes=["physical"])
+    g = tmp_path / "g"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run_grid(spec, g)
+    finally:
+        torch.set_num_threads(threads)
+    full = pl.read_parquet(g / RESULTS)
+    (g / RESULTS).unlink()
+    units = spec.units()
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    late = [u for u in units if u.example == 2] + [units[[u.example for u in units].index(1)]]
+    for u in late:
+        part_path(g, u).rename(moved / part_path(g, u).name)
+    code, err = _main(["eval", "compare", str(g)], capsys, monkeypatch)
+    assert code == 2 and "--partial" in err
+    _one_line(err, "GRID", ["eval", "compare"])
+    code, stdout, err = run_cli(["eval", "compare", str(g), "--partial", "--n-boot", "50"], capsys, monkeypatch)
+    assert code == 0, err
+    assert "PARTIAL" in stdout and "examples 0-0 of every cell (1 of n = 3" in stdout
+    md = (g / "partial" / "pairs.md").read_text()
+    assert "**PARTIAL: the grid is not finished" in md
+    assert not (g / "pairs.parquet").exists() and not (g / RESULTS).exists()
+    pairs = pl.read_parquet(g / "partial" / "pairs.parquet")
+    assert pairs.height > 0
+    record = json.loads((g / "partial" / "pairs.run_record.json").read_text())
+    assert record["config"]["partial"] == {"examples": 1, "n": 3, "units_done": len(units) - len(late),
+                                           "units": len(units)}
+    part_path(g, late[-1]).parent.mkdir(exist_ok=True)
+    (moved / part_path(g, late[-1]).name).rename(part_path(g, late[-1]))  # example 1 done everywhere
+    got = partial_results(spec, g)
+    assert got.examples == 2 and got.results.drop(VOLATILE).equals(
+        full.filter(pl.col("example") < 2).drop(VOLATILE))
+    for u in late[:-1]:
+        (moved / part_path(g, u).name).rename(part_path(g, u))
+    with pytest.raises(InputError, match="no example"):  # nothing complete
+        for u in units:
+            if u.example == 0:
+                part_path(g, u).unlink()
+        partial_results(spec, g)

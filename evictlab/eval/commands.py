@@ -235,8 +235,13 @@ def compare(
     n_boot: int = typer.Option(2000, "--n-boot", help="bootstrap resamples"),
     seed: int = typer.Option(0, "--seed", help="bootstrap seed"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing --out (and the files beside it)"),
+    partial: bool = typer.Option(False, "--partial",
+                                 help="a one-pass grid not finished yet (running or stopped): compare the first "
+                                      "examples done in every cell, the report labelled PARTIAL (default --out "
+                                      "GRID/partial/pairs.parquet)"),
 ) -> None:
-    """Paired comparisons of a finished grid: wins, ties and losses, the claims, a report."""
+    """Paired comparisons of a finished grid: wins, ties and losses, the claims, a report.
+    With --partial, of the examples a running or stopped grid has done everywhere."""
     from evictlab.cliutil import outputs_written
     from evictlab.errors import InputError
     from evictlab.eval.compare import TieRule, configuration_lines
@@ -251,10 +256,16 @@ def compare(
             raise InputError("GRID", f"{grid} is not a grid folder (no {MANIFEST})",
                              "pass the --out folder of `evictlab eval run`")
         manifest = read_manifest(grid)
-        if not (grid / RESULTS).is_file():
+        finished = (grid / RESULTS).is_file()
+        if not finished and not partial:
             raise InputError("GRID", f"the grid in {grid} is not finished (no {RESULTS})",
-                             "rerun the same `evictlab eval run` command to finish it")
-        out = out if out is not None else grid / "pairs.parquet"
+                             "rerun the same `evictlab eval run` command to finish it, or pass --partial "
+                             "for the examples done so far")
+        partial = partial and not finished  # a finished grid is compared whole
+        if out is None:
+            out = grid / "partial" / "pairs.parquet" if partial else grid / "pairs.parquet"
+            if partial:
+                out.parent.mkdir(exist_ok=True)
         if out.suffix != ".parquet":
             raise InputError("--out", f"{out} does not end in .parquet (the pairs table is a Parquet file)",
                              f"use e.g. --out {out.with_suffix('.parquet')}")
@@ -262,19 +273,32 @@ def compare(
         rule = TieRule(kind=tie_rule, tolerance=tolerance, level=level, n_boot=n_boot, seed=seed)  # type: ignore[arg-type]
         record = RunRecord(kind="eval.compare", seed=seed, config={
             "grid": str(grid), "tie_rule": tie_rule, "tolerance": tolerance, "level": level, "n_boot": n_boot})
-        results = read_checked_parquet(grid / RESULTS, f"rerun `evictlab eval run` into a new folder")
+        note = None
+        if partial:
+            from evictlab.eval.grid import partial_results
+            from evictlab.eval.spec import GridSpec
+
+            got = partial_results(GridSpec.from_dict(manifest["spec"]), grid)
+            results, note = got.results, got.describe()
+            record.config["partial"] = {"examples": got.examples, "n": got.n, "units_done": got.units_done,
+                                        "units": got.units}
+        else:
+            results = read_checked_parquet(grid / RESULTS, f"rerun `evictlab eval run` into a new folder")
         with exclusive_lock(out, "--out"):
-            written, configs = write_comparison(results, out, rule, manifest)
+            written, configs = write_comparison(results, out, rule, manifest, note=note)
         record.write(record_path(out), outputs=[str(p) for p in written])
         outputs_written(*written)
+    if note is not None:
+        typer.echo(note)
     typer.echo(f"{written[0]}\n{written[1]}")
     for line in configuration_lines(configs):  # the papers' unit (the report states the rule)
         typer.echo(line)
 
 
-def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any]) -> tuple[list[Path], Any]:
+def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any],
+                     note: str | None = None) -> tuple[list[Path], Any]:
     """Pairs table, claims, configuration counts, figures and the Markdown report for
-    ``results`` (atomic files). Returns the paths written (the table, the report, the claims,
+    ``results`` (atomic files; ``note``: a line the report opens with, e.g. a partial grid's). Returns the paths written (the table, the report, the claims,
     the configurations, then the figures) and the configurations table
     (:func:`evictlab.eval.compare.configurations`)."""
     import polars as pl
@@ -308,7 +332,7 @@ def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any
                              enforcement=detail_e, margin=detail_m, contour=detail_c,
                              figures=[(f.png.name, f.caption) for f in figs], config=config,
                              skipped=manifest.get("skipped", []), floors=spec.get("floors", []), seed=rule.seed,
-                             n_boot=rule.n_boot)
+                             n_boot=rule.n_boot, note=note)
     report = stem.with_suffix(".md")
     atomic_write_text(report, md)
     write_checked_parquet(pairs, out)

@@ -47,7 +47,7 @@ import polars as pl
 
 from evictlab.errors import CorruptFileError, InputError
 from evictlab.eval.runner import RESULT_COLUMNS, check_context, check_lengths, load_cached, run_unit
-from evictlab.eval.spec import GRID_VERSION, CellSpec, ContextUnit, GridSpec
+from evictlab.eval.spec import GRID_VERSION, ONE_PASS, CellSpec, ContextUnit, GridSpec
 
 __all__ = ["CellTask", "CheckModels", "ContextTask", "GridRun", "MapCells", "local_map", "preflight", "read_manifest",
            "remote_cells", "run_cell_task", "run_grid", "sort_results", "write_manifest"]
@@ -252,6 +252,60 @@ def sort_results(spec: GridSpec, results: pl.DataFrame) -> pl.DataFrame:
     order = {c.key: i for i, c in enumerate(spec.cells())}
     return (results.with_columns(pl.col("cell").replace_strict(order, return_dtype=pl.Int64).alias("_order"))
             .sort(["_order", "example", "question"], maintain_order=True).drop("_order"))
+
+
+@dataclass(frozen=True)
+class PartialResults:
+    """What a one-pass grid that is still running (or was stopped) has computed so far
+    (:func:`partial_results`): ``results`` holds examples ``0 .. examples - 1`` of every cell
+    (each complete in every (model, task, context)), ``units_done`` of ``units`` parts exist."""
+
+    results: pl.DataFrame
+    examples: int
+    n: int
+    units_done: int
+    units: int
+
+    def describe(self) -> str:
+        """One line for a report: what the partial tables hold."""
+        return (f"PARTIAL: the grid is not finished ({self.units_done} of {self.units} context units done); "
+                f"these tables hold examples 0-{self.examples - 1} of every cell ({self.examples} of n = {self.n} "
+                "contexts each), the same contexts for every arm")
+
+
+def partial_results(spec: GridSpec, out: Path) -> PartialResults:
+    """The rows of a one-pass grid's first complete examples, read while it runs or after it
+    stopped (nothing is written or deleted; a part is written atomically, so one that exists
+    is whole; each is checksum-verified and checked against its unit).
+
+    The units run example by example (:meth:`GridSpec.units`), so the longest prefix of
+    example numbers done in every (model, task, context) is what a partial table can hold
+    with every arm compared on the same contexts. :class:`InputError` (field ``GRID``) for
+    a chunked grid (its units are cells, not examples) and when no example is complete."""
+    if spec.prefill != ONE_PASS:
+        raise InputError("GRID", "a chunked grid's parts are whole cells, not examples",
+                         "wait for the grid to finish, then run `evictlab eval compare` without --partial")
+    store = part_store(spec, out)
+    units = spec.units()
+    done = {u.key for u in units if store.path(u.key).is_file()}
+    k = 0
+    while k < spec.n and all(u.key in done for u in units if u.example == k):
+        k += 1
+    if k == 0:
+        raise InputError("GRID", f"no example of {out} is done in every (model, task, context) yet "
+                         f"({len(done)} of {len(units)} context units done)",
+                         "wait until the grid's first example is done everywhere, then rerun")
+    frames = []
+    for u in units:
+        if u.example >= k:
+            continue
+        df = store.read(u.key)
+        why = _content_problem(u, df)
+        if why is not None:
+            raise CorruptFileError(str(store.path(u.key)), why, "delete that part file and rerun `evictlab eval run`")
+        frames.append(df)
+    results = sort_results(spec, pl.concat(frames, how="diagonal_relaxed"))
+    return PartialResults(results, k, spec.n, len(done), len(units))
 
 
 def _check_folder(out: Path) -> None:

@@ -113,14 +113,16 @@ def evaluation_markdown(results: pl.DataFrame, pairs: pl.DataFrame, *, rule: str
                         contour: pl.DataFrame | None = None,
                         figures: Sequence[tuple[str, str]] = (), config: dict[str, Any] | None = None,
                         skipped: Sequence[dict[str, str]] = (), floors: Sequence[Sequence[Any]] = (),
-                        seed: int = 0, n_boot: int = 2000) -> str:
+                        seed: int = 0, n_boot: int = 2000, note: str | None = None) -> str:
     """The grid's report (Markdown). ``figures``: ``(relative path, caption)``; ``floors``:
-    the ``(model, task, context, reason)`` cells a ``suite`` grid left out."""
+    the ``(model, task, context, reason)`` cells a ``suite`` grid left out; ``note``: a line
+    set in bold under the title (a partial grid's, :class:`evictlab.eval.grid.PartialResults`)."""
     models = list(dict.fromkeys(results["model"].to_list()))
     ev = results.filter(pl.col("method") != "full")
     lines = [
         "# Evaluation grid: paired comparisons at matched bytes",
         "",
+        *([f"**{note}.**", ""] if note else []),
         "Models: " + "; ".join(f"{m} ({weights_for(m, 'weights as loaded')})" for m in models) + ".",
         "",
         "**Protocols.** `query-agnostic`: the context is compressed before the question is appended (prefill "
