@@ -264,11 +264,11 @@ def compare(
         partial = partial and not finished  # a finished grid is compared whole
         if out is None:
             out = grid / "partial" / "pairs.parquet" if partial else grid / "pairs.parquet"
-            if partial:
-                out.parent.mkdir(exist_ok=True)
         if out.suffix != ".parquet":
             raise InputError("--out", f"{out} does not end in .parquet (the pairs table is a Parquet file)",
                              f"use e.g. --out {out.with_suffix('.parquet')}")
+        if partial and out == grid / "partial" / "pairs.parquet":
+            out.parent.mkdir(exist_ok=True)  # the default folder; a user's --out folder must exist
         out = check_output_file(out, "--out", overwrite=overwrite)
         rule = TieRule(kind=tie_rule, tolerance=tolerance, level=level, n_boot=n_boot, seed=seed)  # type: ignore[arg-type]
         record = RunRecord(kind="eval.compare", seed=seed, config={
@@ -298,8 +298,9 @@ def compare(
 def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any],
                      note: str | None = None) -> tuple[list[Path], Any]:
     """Pairs table, claims, configuration counts, figures and the Markdown report for
-    ``results`` (atomic files; ``note``: a line the report opens with, e.g. a partial grid's). Returns the paths written (the table, the report, the claims,
-    the configurations, then the figures) and the configurations table
+    ``results`` (atomic files; ``note``: a line the report opens with, e.g. a partial
+    grid's). Returns the paths written (the table, the report, the claims, the
+    configurations, then the figures) and the configurations table
     (:func:`evictlab.eval.compare.configurations`)."""
     import polars as pl
 
