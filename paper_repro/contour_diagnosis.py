@@ -16,7 +16,14 @@ Per method, over the cells of the ``--phase`` compressions (default prefill):
 * ``size diff vs uniform``, ``size diff vs adakv``: mean absolute difference of the cells' kept
   sizes against the uniform arm (the bare scorer) and the AdaKV arm, same example and
   compression;
+* ``fact kept``: of the asked fact's entries the cells held, the share they kept (the
+  trace's ``fact_kept`` over ``fact_held``, summed over cells and examples); ``cells losing
+  fact``: the share of the cells holding some of the fact that dropped at least one of its
+  entries. These say directly whether an allocation starved the cells that hold the answer;
 * ``KL``, ``EM``: the audit's mean next-token KL to the full cache and exact match.
+
+The figure ``cells.png`` (``evictlab.plots.contour.allocation_cells``) shows per (layer, KV
+head) how far each method's sizes move from uniform's and how much of the fact each cell kept.
 
     .venv/bin/python paper_repro/contour_diagnosis.py --n 3 --context 512 --budget 64 \
         --out runs/contour_diagnosis            # -> diagnosis.md, audit.parquet, trace.parquet
@@ -53,6 +60,12 @@ def diagnose(trace: pl.DataFrame, phase: str = "prefill") -> pl.DataFrame:
         pl.col("e_kept").mean().alias("e(A) mean"), pl.col("e_top").mean().alias("e(T_s) mean"),
         pl.col("kept").std().alias("sizes sd"),
     )
+    if "fact_held" in t.columns and t["fact_held"].drop_nulls().sum() > 0:
+        with_fact = t.filter(pl.col("fact_held") > 0)
+        facts = with_fact.group_by("method").agg(
+            (pl.col("fact_kept").sum() / pl.col("fact_held").sum()).alias("fact kept"),
+            (pl.col("fact_kept") < pl.col("fact_held")).mean().alias("cells losing fact"))
+        out = out.join(facts, on="method", how="left")
     for ref_name, suffix in (("uniform", ""), ("adakv", "+adakv")):
         cols = []
         for method in out["method"].to_list():
@@ -125,12 +138,21 @@ def main(argv: list[str] | None = None) -> int:
         write_checked_parquet(trace, args.out / "trace.parquet")
         write_checked_parquet(audit, args.out / "audit.parquet")
     text = markdown(diagnose(trace, args.phase), audit)
+    outputs = [str(args.out / "diagnosis.md")]
+    uniform = next((m for m in trace["method"].unique(maintain_order=True).to_list() if "+" not in m), None)
+    if uniform is not None and "fact_held" in trace.columns:
+        from evictlab.plots.contour import allocation_cells
+
+        fig = allocation_cells(trace, args.out / "cells", uniform=uniform, phase=args.phase,
+                               title=f"{args.model}, {args.task} at {args.context} tokens, budget {args.budget}")
+        outputs.append(str(fig.png))
+        text += f"\n![cells]({fig.png.name})\n\n{fig.caption}\n"
     load = os.getloadavg()
     note = (f"{args.model}, {args.task} at {args.context} tokens, budget {args.budget}, n = "
             f"{trace['example'].n_unique()} examples, {args.phase} compressions; load average "
             f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n\n")
     atomic_write_text(args.out / "diagnosis.md", note + text)
-    record.write(args.out / "diagnosis.run_record.json", outputs=[str(args.out / "diagnosis.md")])
+    record.write(args.out / "diagnosis.run_record.json", outputs=outputs)
     print(note + text)
     return 0
 

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import polars as pl
 import pytest
 import torch
 from hypothesis import given
@@ -482,6 +483,34 @@ def test_trace_equals_the_core_reference_on_the_held_rows() -> None:
                          ("es_hat", "es")):
             assert row[col] == pytest.approx(float(np.mean(want[key])), rel=1e-9, abs=1e-12), col
         assert row["es_hat"] <= row["e_top"] + 1e-12 and row["es_hat_note"] is None
+
+
+def test_trace_counts_the_facts_entries_held_and_kept() -> None:
+    """``fact_held`` / ``fact_kept`` count a cell's entries at the fact's positions, by
+    position (not by index), before and after the compression; null without facts; the
+    facts of one label do not leak into the next."""
+    gen = torch.Generator().manual_seed(9)
+    hk, S, d = 2, 8, 4
+    keys, values = torch.randn(1, hk, S, d, generator=gen), torch.randn(1, hk, S, d, generator=gen)
+    positions = torch.tensor([[[0, 1, 2, 5, 6, 7, 9, 11], [0, 3, 4, 5, 8, 9, 10, 11]]])
+    keep = [[torch.tensor([0, 3, 4, 7]), torch.tensor([0, 1, 2, 6])]]
+    args = (keys, values, positions, np.array([8, 8]), keep, torch.randn(1, hk, 2, d, generator=gen),
+            torch.tensor([11, 12]), 0.5)
+    tr = CompressionTrace(max_subsets=1)
+    tr.label(facts="5:7,9:10", run="a")  # positions 5, 6, 9
+    tr.record(0, "prefill", 12, 0, *args)
+    tr.label(facts=lambda: "3:5", run="b")  # a callable, as the audit passes it
+    tr.record(0, "prefill", 12, 0, *args)
+    tr.label(run="c")
+    tr.record(0, "prefill", 12, 0, *args)
+    t = tr.table()
+    # head 0 holds 5, 6, 9 and keeps positions 0, 5, 6, 11; head 1 holds 5, 9, keeps 0, 3, 4, 10
+    assert t.filter(pl.col("run") == "a").select("fact_held", "fact_kept").rows() == [(3, 2), (2, 0)]
+    assert t.filter(pl.col("run") == "b").select("fact_held", "fact_kept").rows() == [(0, 0), (2, 2)]
+    assert t.filter(pl.col("run") == "c").select("fact_held", "fact_kept").rows() == [(None, None)] * 2
+    assert "facts" not in t.columns
+    with pytest.raises(InputError, match="useful"):
+        tr.label(facts="5-7")
 
 
 def test_trace_reports_why_es_hat_is_missing() -> None:

@@ -144,6 +144,23 @@ def test_the_share_interval_is_the_engines_percentile_interval() -> None:
     assert (e.lo, e.hi) == percentile_interval(boot[:, 0] / 2, 0.95)
 
 
+def test_clear_verdicts_are_the_resampling_stability_of_each_comparison() -> None:
+    """A comparison won on all 8 examples is a clear win; one won by a single example of 8
+    (the rest tied) is a win that most prompt resamples undo: undecided, with p_win the share
+    of resamples that draw the won example (1 - (7/8)^8 = 0.66)."""
+    res = _frame(_rows("snapkv+contourkv", [1] * 8, [-1] * 8, budget="64/cell"),
+                 _rows("snapkv", [0] * 8, [-1] * 8, budget="64/cell"),
+                 _rows("snapkv+contourkv", [1] + [0] * 7, [-1] * 8, budget="128/cell"),
+                 _rows("snapkv", [0] * 8, [-1] * 8, budget="128/cell"))
+    claims, detail = contourkv_versus(res, n_boot=4000)
+    d = {r["budget"]: r for r in detail.iter_rows(named=True)}
+    assert d["64/cell"]["verdict"] == "win" and d["64/cell"]["clear"] == "win" and d["64/cell"]["p_win"] == 1.0
+    assert d["128/cell"]["verdict"] == "win" and d["128/cell"]["clear"] == "undecided"
+    assert d["128/cell"]["p_win"] == pytest.approx(1 - (7 / 8) ** 8, abs=0.03) and d["128/cell"]["p_loss"] == 0.0
+    row = {c.claim_id: c for c in claims}["contourkv:contourkv_vs_uniform"]
+    assert "2 wins / 0 ties / 0 losses" in row.our_value and "1 won / 0 lost, 1 undecided" in row.our_value
+
+
 def test_traced_grid_writes_the_per_compression_diagnostics(tmp_path) -> None:
     """``trace=True``: every evicting cell's compressions, labelled by cell, example and
     question, in parts/<unit key>.trace.parquet (one-pass: a context unit's cells) and

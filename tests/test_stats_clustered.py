@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from evictlab.stats.bootstrap import (
     AUC, Design, Mean, Median, SignShare, bootstrap, bootstrap_mean, icc_oneway, percentile_interval, rank_icc,
-    resample_counts, resample_counts_reference, rng_for, roc_auc,
+    resample_counts, resample_counts_reference, rng_for, roc_auc, sign_rates,
 )
+from evictlab.errors import InputError
 from evictlab.stats.ceilings import design_for, summarize
 from evictlab.stats.results import prepare
 
@@ -245,6 +246,24 @@ def test_sign_share_recounts_each_group_on_every_replicate() -> None:
     # c's sums +2, -2, 0; d's +2, +2, +2
     assert won.replicates(counts).tolist() == [1.0, 0.5, 0.5]
     assert SignShare(outcome, groups, -1).replicates(counts).tolist() == [0.0, 0.5, 0.0]
+
+
+def test_sign_rates_are_the_resampled_verdicts_of_each_group() -> None:
+    # c (examples 0, 1: +1, -1), d (+1, +1); drawing 2 of 2 examples: {0,0} 1/4, {1,1} 1/4, {0,1} 1/2
+    outcome = np.array([1, -1, 1, 1])
+    groups = np.array(["c", "c", "d", "d"])
+    design = Design.whole_clusters(np.array([0, 1, 0, 1]), "example")
+    labels, pos, neg = sign_rates(outcome, groups, design, seed=0, key="t", n_boot=20_000)
+    assert labels.tolist() == ["c", "d"]
+    assert pos[0] == pytest.approx(0.25, abs=0.015) and neg[0] == pytest.approx(0.25, abs=0.015)
+    assert pos[1] == 1.0 and neg[1] == 0.0
+    # a narrow win (one example of 10 won, nine tied) survives only the resamples that draw it
+    e = np.array([1] + [0] * 9)
+    _, pos, neg = sign_rates(e, np.zeros(10), Design.whole_clusters(np.arange(10), "example"), seed=1,
+                             n_boot=20_000)
+    assert pos[0] == pytest.approx(1 - 0.9**10, abs=0.015) and neg[0] == 0.0
+    with pytest.raises(InputError, match="outcome"):
+        sign_rates(e, np.zeros(10), Design.whole_clusters(np.arange(4), "example"), seed=0)
 
 
 def test_percentile_interval_is_the_quantiles_of_the_level() -> None:

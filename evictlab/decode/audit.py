@@ -209,7 +209,7 @@ def run_audit(
         for i, (ex, full) in enumerate(zip(examples, fulls)):
             c, q, a = tensors(ex)
             if compression_trace is not None:
-                compression_trace.label(method=spec, mode=cfg.mode, budget_unit=budget.unit,
+                compression_trace.label(facts=ex.useful, method=spec, mode=cfg.mode, budget_unit=budget.unit,
                                         budget_value=budget.value, protocol=protocol, task=ex.task, example=i)
             rss_before = _rss()
             out = run_sequence(model, c, q, cfg.with_labels(ex.useful or (lambda: None)), answer_ids=a,

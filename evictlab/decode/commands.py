@@ -325,7 +325,7 @@ def decode(
         with tqdm(total=ctx.shape[1] + q.shape[1] + max_new_tokens, unit="tok", desc=f"{method} {mode}",
                   disable=quiet) as bar:
             if tracer is not None:
-                tracer.label(method=method, mode=mode, budget=budget, protocol="query-aware" if query_aware
+                tracer.label(facts=lambda: useful_spec(prompt, tok), method=method, mode=mode, budget=budget, protocol="query-aware" if query_aware
                              else "query-agnostic", task=task)
             res = run_sequence(lm, ctx, q, cfg, max_new_tokens=max_new_tokens, progress=bar.update, tokenizer=tok,
                                compression_trace=tracer)

@@ -254,10 +254,11 @@ def answer_arm(ctx: SharedContext, cfg: DecodeConfig, qas: Sequence[QA], *, toke
     if len(numbers) != len(qas):
         raise ValueError(f"{len(numbers)} question numbers for {len(qas)} questions")
     labels = dict(compression_trace.labels) if compression_trace is not None else {}
+    facts = compression_trace.facts if compression_trace is not None else None
 
     def label(question: int | None) -> None:
-        if compression_trace is not None:
-            compression_trace.label(**labels, question=question)
+        if compression_trace is not None:  # the caller's facts stay (one context, its labels)
+            compression_trace.label(facts=facts, **labels, question=question)
 
     def tensors(qa: QA) -> tuple[torch.Tensor, torch.Tensor]:
         return (torch.tensor([qa.question_ids], dtype=torch.long, device=dev),

@@ -25,7 +25,11 @@ before the compression), ``kept`` (after), ``rows``, and means over the rows of:
 | ``es_hat`` | ``ES_hat(s)``, exact minimum over the s-subsets of the pool ``C_s(r_m, r_e)`` | ``solve.kernels.batch_solve`` |
 
 plus ``gap_closed`` = median over rows with ``e_top > 0`` of ``(e_top - es_hat) / e_top``
-(the selection ceiling g(s)) and ``rows_e_top_zero``. ``es_hat`` is computed only where the
+(the selection ceiling g(s)) and ``rows_e_top_zero``. Where the run is labelled with the
+task's facts (``label(facts=...)``: the token positions of the fact the question asks for,
+as the ``oracle_labels`` spans ``"120:139,400:419"``), ``fact_held`` and ``fact_kept`` count
+the cell's entries at those positions before and after the compression (null without
+facts): the direct check of whether an allocation starved the cells that hold the answer. ``es_hat`` is computed only where the
 pool enumeration is small: ``C(min(n, s + r_m + r_e), s) <= max_subsets`` for every row of
 the cell; otherwise it (and ``gap_closed``) is null and ``es_hat_note`` says why. Run
 labels (method, mode, budget, example, ...) are constant columns set by :meth:`label`.
@@ -33,6 +37,7 @@ labels (method, mode, budget, example, ...) are constant columns set by :meth:`l
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from math import comb
 from typing import Any
@@ -49,6 +54,7 @@ __all__ = ["CompressionTrace", "TRACE_COLUMNS"]
 TRACE_COLUMNS: tuple[str, ...] = (
     "compression", "phase", "seen", "item", "layer", "kv_head", "held", "kept", "rows", "dropped_kept",
     "dropped_top", "e_kept", "e_top", "es_hat", "gap_closed", "rows_e_top_zero", "es_hat_note",
+    "fact_held", "fact_kept",
 )
 
 
@@ -77,6 +83,7 @@ class CompressionTrace:
     r_e: int = 2
     labels: dict[str, Any] = field(default_factory=dict)
     rows: list[dict[str, Any]] = field(default_factory=list)
+    facts: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_subsets", "r_m", "r_e"):
@@ -85,9 +92,23 @@ class CompressionTrace:
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise InputError(name, f"must be an integer >= {lo}, got {v!r}", f"pass an integer >= {lo}")
 
-    def label(self, **labels: Any) -> None:
-        """Constant columns for the records that follow (e.g. ``method=..., example=0``)."""
+    def label(self, facts: str | Callable[[], str | None] | np.ndarray | None = None, **labels: Any) -> None:
+        """Constant columns for the records that follow (e.g. ``method=..., example=0``).
+
+        ``facts``: the asked fact's token positions as ``START:END`` ranges (half-open,
+        comma-separated; :func:`evictlab.tasks.examples.useful_spec`), or a callable
+        returning them (called here, once per run), or the positions themselves (int
+        array, as :attr:`facts` holds them), or None: then ``fact_held`` and ``fact_kept``
+        are null. Not a column itself."""
+        from evictlab.methods.oracle_labels import parse_spans
+
         self.labels = dict(labels)
+        if isinstance(facts, np.ndarray):
+            self.facts = np.unique(facts.astype(np.int64))
+            return
+        spec = facts() if callable(facts) else facts
+        self.facts = None if not spec else np.unique(np.concatenate(
+            [np.arange(a, b, dtype=np.int64) for a, b in parse_spans(spec)]))
 
     def record(self, compression: int, phase: str, seen: int, layer: int, keys: torch.Tensor, values: torch.Tensor,
                positions: torch.Tensor, lengths: np.ndarray, keep: list[list[torch.Tensor]],
@@ -123,7 +144,8 @@ class CompressionTrace:
                 kept = keep[i][h].cpu().numpy()
                 c = len(cells)
                 cells.append({"compression": compression, "phase": phase, "seen": int(seen), "item": i,
-                              "layer": layer, "kv_head": h, "held": n, "kept": int(kept.size)})
+                              "layer": layer, "kv_head": h, "held": n, "kept": int(kept.size),
+                              **self._fact_counts(pos.numpy(), kept)})
                 rows.values.append(values[i, h, :n].to("cpu", torch.float64).numpy())
                 start = rows.v_used
                 rows.v_used += n
@@ -139,6 +161,14 @@ class CompressionTrace:
                         rows.cell.append(c)
         self._measure(rows, cells)
         self.rows.extend({**self.labels, **c} for c in cells)
+
+    def _fact_counts(self, pos: np.ndarray, kept: np.ndarray) -> dict[str, int | None]:
+        """``fact_held`` / ``fact_kept``: entries of a cell at the fact's positions among the
+        held positions ``pos`` and among the kept ones ``pos[kept]`` (None without facts)."""
+        if self.facts is None:
+            return {"fact_held": None, "fact_kept": None}
+        return {"fact_held": int(np.isin(pos, self.facts).sum()),
+                "fact_kept": int(np.isin(pos[kept], self.facts).sum())}
 
     def _measure(self, rows: _Rows, cells: list[dict[str, Any]]) -> None:
         """Fill the per-cell means of ``cells`` from the layer's observation rows."""

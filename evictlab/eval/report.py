@@ -183,7 +183,9 @@ def evaluation_markdown(results: pl.DataFrame, pairs: pl.DataFrame, *, rule: str
         lines += ["### ContourKV against the other allocators, same scorer, matched bytes (physical)", "",
                   "One row per comparison, from ContourKV's side: answer wins / ties / losses under the tie rule, "
                   "the comparison's verdict (more answer wins than losses), and the bytes each arm held (MiB; "
-                  "`MiB_baseline_masked`: the baseline held masked, where the grid ran it).", "",
+                  "`MiB_baseline_masked`: the baseline held masked, where the grid ran it); `p_win` / `p_loss`: "
+                  "the share of prompt resamples in which the comparison is won / lost, and `clear` the verdict "
+                  "where that share reaches 97.5% (else undecided).", "",
                   table(contour, digits=3), ""]
     lines += configurations_section(pairs)
     if ev.height:

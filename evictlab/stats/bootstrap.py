@@ -456,6 +456,34 @@ class SignShare(Stat):
         return (np.sign(s) == self._sign).mean(axis=1)
 
 
+def sign_rates(outcome: np.ndarray, groups: np.ndarray | Sequence[object], design: Design, *, seed: int,
+               key: str = "", n_boot: int = 1000) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per group, how often its verdict holds under resampling: ``(labels, p_pos, p_neg)``,
+    ``labels`` the sorted distinct ``groups`` and ``p_pos[k]`` / ``p_neg[k]`` the share of
+    ``design``'s replicates in which group k's resampled summed ``outcome`` is > 0 / < 0
+    (the replicates :func:`bootstrap` would draw with the same seed and key).
+
+    A group with ``p_pos >= 0.975`` has a 95% percentile interval of its summed outcome
+    above 0 (a *clear* win, e.g. of a comparison whose examples are resampled); ``p_neg >=
+    0.975`` a clear loss; anything else is undecided at that level. This is the verdict a
+    :class:`SignShare` counts, with its stability beside it: a share of groups won sits
+    near the top of its own percentile interval when many groups are won by one or two
+    examples, because most resamples undo such narrow wins."""
+    _check(n_boot, 0.95)
+    stat = SignShare(outcome, groups, 1)
+    labels = np.unique(np.asarray(groups))
+    if stat.mask.shape[0] != design.n:
+        raise InputError("outcome", f"has {stat.mask.shape[0]} observations, the design {design.n}",
+                         "build the outcomes and the design from the same table")
+    pos = np.zeros(stat._groups)
+    neg = np.zeros(stat._groups)
+    for counts in resample_counts(design, rng_for(seed, key), n_boot):
+        sums = counts.astype(np.float64) @ stat._by_group
+        pos += (sums > 0).sum(axis=0)
+        neg += (sums < 0).sum(axis=0)
+    return labels, pos / n_boot, neg / n_boot
+
+
 def rng_for(seed: int, key: str = "") -> np.random.Generator:
     """A generator seeded by ``seed`` and a stable hash of ``key`` (not Python's ``hash``)."""
     return np.random.default_rng([int(seed), zlib.crc32(key.encode("utf-8"))])

@@ -106,6 +106,34 @@ def _share(o: pl.DataFrame, which: int, seed: int, key: str, n_boot: int, level:
     return bootstrap({"share": stat}, design, seed=seed, key=key, n_boot=n_boot, level=level)["share"]
 
 
+CLEAR_LEVEL = 0.975
+"""A comparison's verdict is *clear* when it holds in at least this share of the prompt
+resamples (its 95% percentile interval of net answer wins excludes 0)."""
+
+
+def _stability(o: pl.DataFrame, seed: int, key: str, n_boot: int) -> pl.DataFrame:
+    """Per comparison of ``o`` (:data:`_COMPARISON` columns), ``p_win`` / ``p_loss``: the share
+    of prompt resamples (design :func:`share_design`) in which it is won / lost, and
+    ``clear``: ``win`` / ``loss`` where that share reaches :data:`CLEAR_LEVEL`, else
+    ``undecided`` (:func:`evictlab.stats.bootstrap.sign_rates`)."""
+    from evictlab.stats.bootstrap import sign_rates
+
+    design, outcome, comparison = share_design(o)
+    labels, pos, neg = sign_rates(outcome, comparison, design, seed=seed, key=key, n_boot=n_boot)
+    rates = pl.DataFrame({"_h": labels, "p_win": pos, "p_loss": neg})
+    keys = o.select(*_COMPARISON, pl.Series("_h", comparison)).unique(subset=_COMPARISON, maintain_order=True)
+    return (keys.join(rates, on="_h", how="left").drop("_h")
+            .with_columns(clear=pl.when(pl.col("p_win") >= CLEAR_LEVEL).then(pl.lit("win"))
+                          .when(pl.col("p_loss") >= CLEAR_LEVEL).then(pl.lit("loss")).otherwise(pl.lit("undecided"))))
+
+
+def _clear_text(st: pl.DataFrame) -> str:
+    w = int((st["clear"] == "win").sum())
+    lo = int((st["clear"] == "loss").sum())
+    return (f"clear (the comparison's verdict in >= {CLEAR_LEVEL:.1%} of prompt resamples): {w} won / {lo} lost, "
+            f"{st.height - w - lo} undecided")
+
+
 def _wtl_text(c: np.ndarray) -> str:
     n = int(c.sum())
     return f"{c[0]} wins / {c[1]} ties / {c[2]} losses over {n} comparison{'s' if n != 1 else ''}"
@@ -160,14 +188,17 @@ def contourkv_versus(results: pl.DataFrame, *, tolerance: float = 0.1, seed: int
     def full_note_of(g: pl.DataFrame) -> str:
         return full_note(detail.join(g.select(_COMPARISON).unique(), on=_COMPARISON, how="semi"))
 
+    stable = []
     for (method_alloc, base_alloc), g in o.group_by(["allocator", "baseline_allocator"], maintain_order=True):
         c = _counts(g)
         share = _share(g, 0, seed, f"contour|{method_alloc}|{base_alloc}", n_boot)
+        st = _stability(g, seed, f"contour|{method_alloc}|{base_alloc}|clear", n_boot)
+        stable.append(st)
         claims.append(ClaimRow(
             claim_id=f"contourkv:{method_alloc}_vs_{base_alloc}",
             claim=f"{method_alloc} beats {base_alloc} at matched bytes (same scorer)",
             paper_value="n/a (the paper compares against methods; see the rows below)",
-            our_value=f"{_wtl_text(c)}; share won {share.fmt(2)}; {full_note_of(g)}",
+            our_value=f"{_wtl_text(c)}; share won {share.fmt(2)}; {_clear_text(st)}; {full_note_of(g)}",
             verdict="no paper value", **where, **rows_text(g), interval=CONTOUR_INTERVAL, definitions=defs))
 
     def share_row(sub: pl.DataFrame, which: int, claim_id: str, claim: str, paper: tuple[Any, ...],
@@ -229,6 +260,8 @@ def contourkv_versus(results: pl.DataFrame, *, tolerance: float = 0.1, seed: int
         same_scorer("compactor", "uniform"), 1, "contourkv:ties_compactor",
         "ContourKV and Compactor mostly tie (both near the subset optimum)", CONTOUR_COMPACTOR_PAPER,
         "compactor+contourkv vs compactor"))
+    if stable:  # every comparison of the detail is in exactly one (allocator, baseline) group
+        detail = detail.join(pl.concat(stable), on=_COMPARISON, how="left")
     return claims, detail
 
 
