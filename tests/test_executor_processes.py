@@ -24,6 +24,29 @@ def refuse_three(x: int) -> int:
     return x
 
 
+def sleep_long(x: int) -> int:
+    import time
+
+    time.sleep(600)
+    return x
+
+
+def test_an_interrupt_ends_the_running_tasks_at_once() -> None:
+    """Ctrl-C (here raised by the progress callback once the tasks are out) leaves the block
+    with every worker ended: nothing waits for the 600 s tasks still running."""
+    procs: list = []
+
+    def interrupt(counts) -> None:
+        if counts.running == 2 and not procs:
+            procs.extend(ex._pool._processes.values())
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        with ProcessExecutor(2) as ex:
+            list(ex.map(sleep_long, range(4), on_progress=interrupt))
+    assert len(procs) == 2 and not any(p.is_alive() for p in procs)
+
+
 def test_results_are_the_local_ones_in_either_order() -> None:
     items = list(range(7))
     local = dict(LocalExecutor().map(square_and_threads, items))

@@ -10,7 +10,10 @@ worker, i.e. the whole ``map``. Results are the in-process run's: the same funct
 same item.
 
 Leaving the loop early (``break``, an exception, Ctrl-C) cancels the tasks not yet started
-and stops the workers; finished results already yielded are the driver's to keep.
+and stops the workers; finished results already yielded are the driver's to keep. An
+exception or Ctrl-C leaving the ``with`` block also ends the tasks still running (their
+results would be discarded), so an interrupted grid exits at once instead of after its
+running units.
 """
 
 from __future__ import annotations
@@ -39,7 +42,15 @@ def _init_worker(threads: int) -> None:
     for var in _THREAD_VARS:
         os.environ[var] = str(threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import threading
+
     import torch
+    from tqdm import tqdm
+
+    # tqdm's default lock holds a named multiprocessing semaphore; a worker ended by
+    # _stop_workers could not release it and the resource tracker would warn at exit.
+    # Workers' bars (model loading) need no lock across processes.
+    tqdm.set_lock(threading.RLock())
 
     torch.set_num_threads(threads)
     torch.set_num_interop_threads(1)
@@ -73,8 +84,28 @@ class ProcessExecutor:
 
     def __exit__(self, *exc: Any) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=exc[0] is None, cancel_futures=True)
+            if exc[0] is not None:
+                self._stop_workers()
+            # after _stop_workers waiting is short (nothing runs) and lets the pool release its
+            # queues and locks (else the resource tracker warns of a leaked semaphore at exit)
+            self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+
+    def _stop_workers(self) -> None:
+        """End the workers now (an exception or Ctrl-C is leaving the block). Without this
+        the interpreter's exit waits for the tasks still running (a grid unit: a minute),
+        whose results the driver would discard anyway: workers write nothing, so ending
+        them loses nothing but that work."""
+        pool = self._pool
+        if hasattr(pool, "terminate_workers"):  # Python >= 3.14
+            pool.terminate_workers()
+            return
+        procs = list((getattr(pool, "_processes", None) or {}).values())  # 3.11-3.13: no public way
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in procs:
+            proc.join(timeout=10)
 
     def map(self, fn: Callable[[T], R], items: Iterable[T], *, spec: TaskSpec = TaskSpec(),
             ordered: bool = False, on_progress: Callable[[TaskCounts], None] | None = None,
