@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -547,3 +548,6 @@ def test_compare_partial_reads_the_first_examples_done_everywhere(tmp_path: Path
             if u.example == 0:
                 part_path(g, u).unlink()
         partial_results(spec, g)
+    shutil.rmtree(g / "partial")  # the refusal from the command line leaves no empty default folder
+    code, _, err = run_cli(["eval", "compare", str(g), "--partial", "--n-boot", "50"], capsys, monkeypatch)
+    assert code == 2 and "no example" in err and not (g / "partial").exists()

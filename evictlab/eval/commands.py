@@ -246,8 +246,8 @@ def compare(
     from evictlab.errors import InputError
     from evictlab.eval.compare import TieRule, configuration_lines
     from evictlab.eval.grid import MANIFEST, RESULTS, read_manifest
-    from evictlab.io import check_output_file, exclusive_lock, read_checked_parquet
-    from evictlab.record import RunRecord, record_path
+    from evictlab.io import check_output_file, exclusive_lock
+    from evictlab.record import record_path
 
     with as_options(COMPARE_OPTIONS):
         if not grid.is_dir():
@@ -267,23 +267,18 @@ def compare(
         if out.suffix != ".parquet":
             raise InputError("--out", f"{out} does not end in .parquet (the pairs table is a Parquet file)",
                              f"use e.g. --out {out.with_suffix('.parquet')}")
-        if partial and out == grid / "partial" / "pairs.parquet":
-            out.parent.mkdir(exist_ok=True)  # the default folder; a user's --out folder must exist
-        out = check_output_file(out, "--out", overwrite=overwrite)
+        made = None
+        if partial and out == grid / "partial" / "pairs.parquet" and not out.parent.exists():
+            out.parent.mkdir()  # the default folder; a user's --out folder must exist
+            made = out.parent
+        try:
+            out = check_output_file(out, "--out", overwrite=overwrite)
+            results, note, record = _compare_inputs(grid, manifest, partial, seed, tie_rule, tolerance, level, n_boot)
+        except BaseException:
+            if made is not None and not any(made.iterdir()):
+                made.rmdir()  # a refused or interrupted comparison leaves no empty folder behind
+            raise
         rule = TieRule(kind=tie_rule, tolerance=tolerance, level=level, n_boot=n_boot, seed=seed)  # type: ignore[arg-type]
-        record = RunRecord(kind="eval.compare", seed=seed, config={
-            "grid": str(grid), "tie_rule": tie_rule, "tolerance": tolerance, "level": level, "n_boot": n_boot})
-        note = None
-        if partial:
-            from evictlab.eval.grid import partial_results
-            from evictlab.eval.spec import GridSpec
-
-            got = partial_results(GridSpec.from_dict(manifest["spec"]), grid)
-            results, note = got.results, got.describe()
-            record.config["partial"] = {"examples": got.examples, "n": got.n, "units_done": got.units_done,
-                                        "units": got.units}
-        else:
-            results = read_checked_parquet(grid / RESULTS, f"rerun `evictlab eval run` into a new folder")
         with exclusive_lock(out, "--out"):
             written, configs = write_comparison(results, out, rule, manifest, note=note)
         record.write(record_path(out), outputs=[str(p) for p in written])
@@ -293,6 +288,27 @@ def compare(
     typer.echo(f"{written[0]}\n{written[1]}")
     for line in configuration_lines(configs):  # the papers' unit (the report states the rule)
         typer.echo(line)
+
+
+def _compare_inputs(grid: Path, manifest: dict[str, Any], partial: bool, seed: int, tie_rule: str, tolerance: float,
+                    level: float, n_boot: int) -> tuple[Any, str | None, Any]:
+    """``(results, note, record)`` of ``eval compare``: the grid's results (with ``partial``,
+    the examples done everywhere, and the note saying so) and the run record to write."""
+    from evictlab.eval.grid import RESULTS
+    from evictlab.io import read_checked_parquet
+    from evictlab.record import RunRecord
+
+    record = RunRecord(kind="eval.compare", seed=seed, config={
+        "grid": str(grid), "tie_rule": tie_rule, "tolerance": tolerance, "level": level, "n_boot": n_boot})
+    if not partial:
+        return read_checked_parquet(grid / RESULTS, "rerun `evictlab eval run` into a new folder"), None, record
+    from evictlab.eval.grid import partial_results
+    from evictlab.eval.spec import GridSpec
+
+    got = partial_results(GridSpec.from_dict(manifest["spec"]), grid)
+    record.config["partial"] = {"examples": got.examples, "n": got.n, "units_done": got.units_done,
+                                "units": got.units}
+    return got.results, got.describe(), record
 
 
 def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any],
