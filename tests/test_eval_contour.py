@@ -161,6 +161,26 @@ def test_clear_verdicts_are_the_resampling_stability_of_each_comparison() -> Non
     assert "2 wins / 0 ties / 0 losses" in row.our_value and "1 won / 0 lost, 1 undecided" in row.our_value
 
 
+def test_the_glance_table_pools_and_splits_by_scorer() -> None:
+    from evictlab.eval.claims.contour import contour_summary
+    from evictlab.eval.report import glance_table
+
+    res = _frame(_rows("snapkv+contourkv", [1] * 8, [-1] * 8, budget="64/cell"),
+                 _rows("snapkv", [0] * 8, [-1] * 8, budget="64/cell"),
+                 _rows("kvzip+contourkv", [0] * 8, [-1] * 8, budget="64/cell"),
+                 _rows("kvzip", [1, 1] + [0] * 6, [-1] * 8, budget="64/cell"))
+    s = contour_summary(res, n_boot=500)
+    by = {r["split"]: r for r in s.iter_rows(named=True)}
+    assert set(by) == {"all", "scorer=snapkv", "scorer=kvzip"} and (s["baseline"] == "uniform").all()
+    assert (by["all"]["wins"], by["all"]["losses"], by["all"]["comparisons"]) == (1, 1, 2)
+    assert by["scorer=snapkv"]["d_em"] == 100.0 and by["scorer=snapkv"]["clear_wins"] == 1
+    assert by["scorer=kvzip"]["d_em"] == -25.0 and by["scorer=kvzip"]["losses"] == 1
+    assert by["all"]["d_em"] == pytest.approx(37.5) and by["all"]["answers"] == 16
+    assert by["scorer=kvzip"]["d_em_lo"] <= -25.0 <= by["scorer=kvzip"]["d_em_hi"] <= 0.0
+    shown = glance_table(s).row(0, named=True)
+    assert shown["W / T / L"] == "1 / 0 / 1" and shown["EM diff (points)"].startswith("+37.5 [")
+
+
 def test_traced_grid_writes_the_per_compression_diagnostics(tmp_path) -> None:
     """``trace=True``: every evicting cell's compressions, labelled by cell, example and
     question, in parts/<unit key>.trace.parquet (one-pass: a context unit's cells) and

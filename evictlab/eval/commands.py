@@ -321,7 +321,7 @@ def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any
     import polars as pl
 
     from evictlab.errors import InputError
-    from evictlab.eval.claims.contour import contourkv_versus
+    from evictlab.eval.claims.contour import contour_summary, contourkv_versus
     from evictlab.eval.claims.enforcement import enforcement_cost
     from evictlab.eval.claims.margin import query_aware_margin
     from evictlab.eval.compare import compare as compare_pairs
@@ -334,6 +334,8 @@ def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any
     claims_e, detail_e = enforcement_cost(results, seed=rule.seed, n_boot=rule.n_boot)
     claims_m, detail_m = query_aware_margin(results, seed=rule.seed, n_boot=rule.n_boot)
     claims_c, detail_c = contourkv_versus(results, tolerance=rule.tolerance, seed=rule.seed, n_boot=rule.n_boot)
+    glance = (contour_summary(results, tolerance=rule.tolerance, seed=rule.seed, n_boot=rule.n_boot)
+              if detail_c.height else pl.DataFrame())
     stem = out.with_suffix("")
     figs = []
     for make, suffix in ((lambda p: wtl_bars(pairs, p), "_wtl"), (lambda p: accuracy_vs_bytes(results, p), "_accuracy")):
@@ -346,7 +348,7 @@ def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any
                                    "seed", "loop", "scorer_params", "allocator_params", "device", "prefill",
                                    "questions") if k in spec}
     md = evaluation_markdown(results, pairs, rule=rule.describe(), claims=[*claims_e, *claims_m, *claims_c],
-                             enforcement=detail_e, margin=detail_m, contour=detail_c,
+                             enforcement=detail_e, margin=detail_m, contour=detail_c, contour_glance=glance,
                              figures=[(f.png.name, f.caption) for f in figs], config=config,
                              skipped=manifest.get("skipped", []), floors=spec.get("floors", []), seed=rule.seed,
                              n_boot=rule.n_boot, note=note)
@@ -361,4 +363,8 @@ def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any
     configs = configurations(pairs)
     configs_path = stem.parent / (stem.name + "_configurations.parquet")
     write_checked_parquet(configs, configs_path)
-    return [out, report, claims_path, configs_path, *[f.png for f in figs], *[f.pdf for f in figs]], configs
+    extra = []
+    if glance.height:
+        extra.append(stem.parent / (stem.name + "_contour.parquet"))
+        write_checked_parquet(glance, extra[0])
+    return [out, report, claims_path, configs_path, *extra, *[f.png for f in figs], *[f.pdf for f in figs]], configs

@@ -108,15 +108,31 @@ def configurations_section(pairs: pl.DataFrame) -> list[str]:
             table(c.drop("rule")), ""]
 
 
+def glance_table(summary: pl.DataFrame) -> pl.DataFrame:
+    """:func:`evictlab.eval.claims.contour.contour_summary` as printed: counts, shares and
+    differences with their intervals in one column each."""
+    return summary.select(
+        "variant", "baseline", "split",
+        pl.format("{} / {} / {}", "wins", "ties", "losses").alias("W / T / L"),
+        pl.format("{} / {}", "clear_wins", "clear_losses").alias("clear W / L"),
+        pl.struct("share_won", "share_lo", "share_hi").map_elements(
+            lambda r: ci(r["share_won"], r["share_lo"], r["share_hi"], 2), return_dtype=pl.Utf8).alias("share won"),
+        pl.struct("d_em", "d_em_lo", "d_em_hi").map_elements(
+            lambda r: ci(r["d_em"], r["d_em_lo"], r["d_em_hi"], 1, signed=True), return_dtype=pl.Utf8)
+        .alias("EM diff (points)"),
+        pl.col("d_logprob").round(3).alias("log-prob diff"), "answers")
+
+
 def evaluation_markdown(results: pl.DataFrame, pairs: pl.DataFrame, *, rule: str, claims: Sequence[Any] = (),
                         enforcement: pl.DataFrame | None = None, margin: pl.DataFrame | None = None,
-                        contour: pl.DataFrame | None = None,
+                        contour: pl.DataFrame | None = None, contour_glance: pl.DataFrame | None = None,
                         figures: Sequence[tuple[str, str]] = (), config: dict[str, Any] | None = None,
                         skipped: Sequence[dict[str, str]] = (), floors: Sequence[Sequence[Any]] = (),
                         seed: int = 0, n_boot: int = 2000, note: str | None = None) -> str:
     """The grid's report (Markdown). ``figures``: ``(relative path, caption)``; ``floors``:
     the ``(model, task, context, reason)`` cells a ``suite`` grid left out; ``note``: a line
-    set in bold under the title (a partial grid's, :class:`evictlab.eval.grid.PartialResults`)."""
+    set in bold under the title (a partial grid's, :class:`evictlab.eval.grid.PartialResults`);
+    ``contour_glance``: :func:`evictlab.eval.claims.contour.contour_summary`."""
     models = list(dict.fromkeys(results["model"].to_list()))
     ev = results.filter(pl.col("method") != "full")
     lines = [
@@ -179,6 +195,13 @@ def evaluation_markdown(results: pl.DataFrame, pairs: pl.DataFrame, *, rule: str
                   table(enforcement, digits=2), ""]
     if margin is not None and margin.height:
         lines += ["### Query-aware margin per comparison (points)", "", table(margin, digits=2), ""]
+    if contour_glance is not None and contour_glance.height:
+        lines += ["### ContourKV at a glance: each variant against each allocator, pooled and by scorer", "",
+                  "Comparisons (one per model, task, context, budget and scorer) won / tied / lost by the rule above; "
+                  "*clear*: the verdict holds in at least 97.5% of prompt resamples; share won and the mean "
+                  "exact-match difference per answer (points, ContourKV minus baseline) with 95% percentile "
+                  "bootstrap intervals resampling prompts; log-prob difference in nats.", "",
+                  table(glance_table(contour_glance)), ""]
     if contour is not None and contour.height:
         lines += ["### ContourKV against the other allocators, same scorer, matched bytes (physical)", "",
                   "One row per comparison, from ContourKV's side: answer wins / ties / losses under the tie rule, "

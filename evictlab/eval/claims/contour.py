@@ -269,3 +269,53 @@ def _not_run(claim_id: str, claim: str, paper: str, needs: str) -> ClaimRow:
     return ClaimRow(claim_id=claim_id, claim=claim, paper_value=paper, our_value="not run",
                     verdict="no data", model="-", rows="0", budgets="-",
                     definitions=f"needs {needs} in physical mode in the grid")
+
+
+SUMMARY_BY = ("scorer",)
+"""How :func:`contour_summary` splits the pooled rows by default (besides the pooled row)."""
+
+
+def contour_summary(results: pl.DataFrame, *, by: tuple[str, ...] = SUMMARY_BY, tolerance: float = 0.1,
+                    seed: int = 0, n_boot: int = 2000) -> pl.DataFrame:
+    """The verdict at a glance: one row per (ContourKV variant, baseline allocator) pooled over
+    everything (``split = "all"``) and one per value of each column of ``by`` (``split`` =
+    e.g. ``"scorer=kvzip"``), with
+
+    - ``comparisons``, ``wins`` / ``ties`` / ``losses`` (the per-comparison rule of
+      :func:`contourkv_versus`) and ``share_won`` with its interval ``share_lo`` / ``share_hi``;
+    - ``clear_wins`` / ``clear_losses``: comparisons whose verdict holds in at least
+      :data:`CLEAR_LEVEL` of the prompt resamples (the rest undecided);
+    - ``d_em`` with ``d_em_lo`` / ``d_em_hi``: the mean exact-match difference per answer in
+      points (ContourKV minus baseline), interval resampling whole contexts;
+    - ``d_logprob``: the mean answer log-probability difference (nats).
+
+    Every interval: 95% percentile bootstrap over prompts (each with all its rows)."""
+    from evictlab.eval.claims.common import pooled_mean
+
+    o = contour_outcomes(results, tolerance)
+    rows: list[dict[str, Any]] = []
+    if o.height == 0:
+        return pl.DataFrame()
+    splits: list[tuple[str, pl.Expr]] = [("all", pl.lit(True))]
+    for col in by:
+        splits += [(f"{col}={v}", pl.col(col) == v) for v in o[col].unique(maintain_order=True).to_list()]
+    for (alloc, base), g in o.group_by(["allocator", "baseline_allocator"], maintain_order=True):
+        for name, keep in splits:
+            sub = g.filter(keep)
+            if sub.height == 0:
+                continue
+            key = f"contour-summary|{alloc}|{base}|{name}"
+            c = _counts(sub)
+            share = _share(sub, 0, seed, key, n_boot)
+            st = _stability(sub, seed, key + "|clear", n_boot)
+            d = sub.with_columns((pl.col("exact_match") - pl.col("exact_match_b")).alias("d"))
+            m, lo, hi = pooled_mean(d, "d", key + "|em", seed, n_boot)
+            rows.append({"variant": alloc, "baseline": base, "split": name,
+                         "comparisons": int(c.sum()), "wins": int(c[0]), "ties": int(c[1]), "losses": int(c[2]),
+                         "share_won": share.value, "share_lo": share.lo, "share_hi": share.hi,
+                         "clear_wins": int((st["clear"] == "win").sum()),
+                         "clear_losses": int((st["clear"] == "loss").sum()),
+                         "d_em": m, "d_em_lo": lo, "d_em_hi": hi,
+                         "d_logprob": float((sub["answer_logprob"] - sub["answer_logprob_b"]).mean()),
+                         "answers": sub.height})
+    return pl.DataFrame(rows)
