@@ -181,6 +181,29 @@ def test_the_glance_table_pools_and_splits_by_scorer() -> None:
     assert shown["W / T / L"] == "1 / 0 / 1" and shown["EM diff (points)"].startswith("+37.5 [")
 
 
+def test_verdict_lines_apply_the_stated_rule(tmp_path) -> None:
+    from evictlab.eval.claims.contour import BEATS_RULE, shipped_summary, verdict_lines
+    from evictlab.io import write_checked_parquet
+
+    def row(variant: str, base: str, cw: int, cl: int, lo: float, hi: float, split: str = "all") -> dict:
+        return {"variant": variant, "baseline": base, "split": split, "comparisons": 10, "wins": cw, "ties": 0,
+                "losses": 10 - cw, "share_won": cw / 10, "share_lo": 0.0, "share_hi": 1.0, "clear_wins": cw,
+                "clear_losses": cl, "d_em": (lo + hi) / 2, "d_em_lo": lo, "d_em_hi": hi, "d_logprob": 0.0,
+                "answers": 500}
+
+    s = pl.DataFrame([row("contourkv", "uniform", 6, 2, -1.0, 3.0), row("contourkv", "adakv", 5, 1, 0.5, 2.0),
+                      row("contourkv_mass", "uniform", 6, 1, -9.0, -2.0),   # more clear wins, but fewer answers
+                      row("contourkv_mass", "adakv", 1, 5, -5.0, 1.0),
+                      row("contourkv_mass", "uniform", 9, 0, 1.0, 2.0, split="scorer=snapkv")])  # splits don't count
+    lines = verdict_lines(s)
+    assert lines[0] == f"Variants that beat uniform and adakv: contourkv. Rule: {BEATS_RULE}."
+    assert lines[2].startswith("`contourkv_mass`: vs uniform 6/0/4 (clear 6/1), exact match -5.5 [-9.0, -2.0] points")
+    assert verdict_lines(s.filter(pl.col("variant") != "contourkv"))[0].startswith("No ContourKV variant beats both")
+    assert shipped_summary(tmp_path) is None
+    write_checked_parquet(s, tmp_path / "pairs_contour.parquet")
+    assert shipped_summary(tmp_path).equals(s)
+
+
 def test_traced_grid_writes_the_per_compression_diagnostics(tmp_path) -> None:
     """``trace=True``: every evicting cell's compressions, labelled by cell, example and
     question, in parts/<unit key>.trace.parquet (one-pass: a context unit's cells) and

@@ -195,7 +195,24 @@ def _contour_section(a: Any) -> list[str]:
         md.claims_table(ours),
         "Per comparison (`tables/contourkv_comparisons.parquet`):\n",
         md.table(c.detail.drop("protocol", "MiB_baseline_masked").to_dicts()) if c.detail.height else "none\n",
+        *_contour_verdict(),
     ]
+
+
+def _contour_verdict() -> list[str]:
+    """The verdict at scale, from the committed grid (``data/grids/contourkv/``): this job's
+    few examples decide nothing, so the report says what the n = 50 grid found."""
+    from evictlab.eval.claims.contour import shipped_summary, verdict_lines
+
+    summary = shipped_summary()
+    if summary is None:
+        return ["The verdict grid (`experiments/contourkv.toml`) is not committed in this checkout: the examples "
+                "above decide nothing on their own.\n"]
+    return ["### What the verdict grid found (`data/grids/contourkv/`, n = 50 per cell, both models)\n",
+            "The comparisons above are a handful of examples and decide nothing. The verdict grid "
+            "(`experiments/contourkv.toml`: SnapKV and KVzip-style scores, the task suite's kept cells at 1k and 2k "
+            "tokens, budgets 64, 128 and 256 per cell, physical, query-agnostic; docs/evaluation.md) says:\n",
+            "".join(f"- {line}\n" for line in verdict_lines(summary))]
 
 
 def sections(a: Any, provenance: dict[str, Any]) -> list[str]:

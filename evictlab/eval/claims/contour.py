@@ -4,6 +4,7 @@ the paper's three rows (vs KVzip, vs SnapKV on retrieval at s = 128, ties with C
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -319,3 +320,53 @@ def contour_summary(results: pl.DataFrame, *, by: tuple[str, ...] = SUMMARY_BY, 
                          "d_logprob": float((sub["answer_logprob"] - sub["answer_logprob_b"]).mean()),
                          "answers": sub.height})
     return pl.DataFrame(rows)
+
+
+VERDICT_DIR = Path(__file__).resolve().parents[3] / "data" / "grids" / "contourkv"
+"""The finished verdict grid (``experiments/contourkv.toml``) as committed: its ``grid.json``,
+``results.parquet`` and ``eval compare``'s outputs, ``pairs_contour.parquet`` among them."""
+BEATS_RULE = ("a variant beats an allocator when, pooled over models, tasks, contexts, budgets and scorers, "
+              "its clear wins outnumber its clear losses and its exact-match difference's interval does not lie "
+              "entirely below 0")
+"""The rule :func:`verdict_lines` states and applies."""
+
+
+def shipped_summary(folder: Path = VERDICT_DIR) -> pl.DataFrame | None:
+    """The committed verdict grid's :func:`contour_summary` table (``pairs_contour.parquet``,
+    checksum-verified), or None where it is not committed."""
+    from evictlab.io import read_checked_parquet
+
+    path = folder / "pairs_contour.parquet"
+    if not path.is_file():
+        return None
+    return read_checked_parquet(path, "recompute it: evictlab eval compare data/grids/contourkv --overwrite")
+
+
+def beats(summary: pl.DataFrame) -> pl.DataFrame:
+    """The pooled (``split = "all"``) rows of ``summary`` with ``beats`` (:data:`BEATS_RULE`)."""
+    return (summary.filter(pl.col("split") == "all")
+            .with_columns(beats=(pl.col("clear_wins") > pl.col("clear_losses")) & (pl.col("d_em_hi") >= 0)))
+
+
+def verdict_lines(summary: pl.DataFrame, against: tuple[str, ...] = ("uniform", "adakv")) -> list[str]:
+    """Plain sentences: which variants beat every allocator of ``against`` (:data:`BEATS_RULE`),
+    then one line per variant with its pooled counts and exact-match difference against each."""
+    from evictlab.report.markdown import ci
+
+    b = beats(summary).filter(pl.col("baseline").is_in(list(against)))
+    variants = b["variant"].unique(maintain_order=True).to_list()
+    winners = [v for v in variants
+               if b.filter(pl.col("variant") == v)["beats"].sum() == len(against)
+               and b.filter(pl.col("variant") == v).height == len(against)]
+    names = " and ".join(against)
+    head = (f"Variants that beat {names}: {', '.join(winners)}." if winners else
+            f"No ContourKV variant beats both {names}.")
+    lines = [f"{head} Rule: {BEATS_RULE}."]
+    for v in variants:
+        parts = []
+        for r in b.filter(pl.col("variant") == v).iter_rows(named=True):
+            parts.append(f"vs {r['baseline']} {r['wins']}/{r['ties']}/{r['losses']} (clear {r['clear_wins']}/"
+                         f"{r['clear_losses']}), exact match {ci(r['d_em'], r['d_em_lo'], r['d_em_hi'], 1, signed=True)}"
+                         " points")
+        lines.append(f"`{v}`: " + "; ".join(parts))
+    return lines
