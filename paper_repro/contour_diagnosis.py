@@ -26,7 +26,11 @@ The figure ``cells.png`` (``evictlab.plots.contour.allocation_cells``) shows per
 head) how far each method's sizes move from uniform's and how much of the fact each cell kept.
 
     .venv/bin/python paper_repro/contour_diagnosis.py --n 3 --context 512 --budget 64 \
-        --out runs/contour_diagnosis            # -> diagnosis.md, audit.parquet, trace.parquet
+        --out runs/contour_diagnosis            # -> diagnosis.md, cells.png, audit.parquet, trace.parquet
+    # KVzip-style scores on the needle at 1k tokens, one-pass prefill as the verdict grid runs it:
+    .venv/bin/python paper_repro/contour_diagnosis.py --task needle --context 1024 --budget 64 --n 5 \
+        --chunk 4096 --methods kvzip,kvzip+adakv,kvzip+contourkv,kvzip+contourkv_mass,kvzip+contourkv_error,kvzip+contourkv_offline \
+        --out runs/contour_diagnosis_kvzip
 
 ``--trace FILE`` re-tabulates an existing trace (and ``--audit FILE`` its audit table)
 without running anything.
@@ -100,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--methods", default=DEFAULT_METHODS)
     p.add_argument("--phase", default="prefill", help="compressions tabulated: prefill, question or decode")
+    p.add_argument("--chunk", type=int, default=256,
+                   help="context tokens per prefill chunk (a chunk as long as the context: the grid's one-pass prefill)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=Path("runs/contour_diagnosis"))
     p.add_argument("--trace", type=Path, default=None, help="tabulate this trace instead of running")
@@ -128,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
         model, tok = load_model(args.model, device="cpu", attn_implementation=register_ragged_attention())
         examples = task_examples(tok, [args.task], args.n, args.context, args.seed)
-        loop = LoopSettings()
+        loop = LoopSettings(chunk_size=args.chunk)
         configs = audit_configs([m.strip() for m in args.methods.split(",")], [Budget.parse(args.budget)],
                                 loop=loop, modes=("physical",))
         tracer = CompressionTrace(max_subsets=1)  # ES_hat off: the drops and errors are what is read
