@@ -117,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
 
     record = RunRecord(kind="paper_repro.contour_diagnosis", model=args.model, seed=args.seed,
                        config={k: str(v) for k, v in vars(args).items()})
+    for opt, path in (("--trace", args.trace), ("--audit", args.audit)):
+        if path is not None and not path.is_file():
+            p.exit(2, f"error: {opt} {path}: no such file (pass a trace.parquet / audit.parquet this script wrote)\n")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.trace is not None:
         trace = pl.read_parquet(args.trace)
