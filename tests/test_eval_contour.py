@@ -179,6 +179,14 @@ def test_the_glance_table_pools_and_splits_by_scorer() -> None:
     assert by["scorer=kvzip"]["d_em_lo"] <= -25.0 <= by["scorer=kvzip"]["d_em_hi"] <= 0.0
     shown = glance_table(s).row(0, named=True)
     assert shown["W / T / L"] == "1 / 0 / 1" and shown["EM diff (points)"].startswith("+37.5 [")
+    # the pooled row is the claim row's share, the same resamples: one interval for one number
+    rng = np.random.default_rng(11)
+    parts = [_rows(m, rng.integers(0, 2, 10).tolist(), [-1] * 10, budget=f"{b}/cell")
+             for b in range(8, 88, 8) for m in ("snapkv+contourkv", "snapkv")]  # 10 comparisons
+    res = _frame(*parts)
+    pooled = glance_table(contour_summary(res, n_boot=300)).row(0, named=True)
+    claim = {c.claim_id: c for c in contourkv_versus(res, n_boot=300)[0]}["contourkv:contourkv_vs_uniform"]
+    assert pooled["split"] == "all" and f"share won {pooled['share won']};" in claim.our_value
 
 
 def test_verdict_lines_apply_the_stated_rule(tmp_path) -> None:

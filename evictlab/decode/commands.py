@@ -13,6 +13,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
@@ -311,7 +312,8 @@ def decode(
         return_freed_memory()
         lm, tok = load_model(model, device=device, attn_implementation=register_ragged_attention())
         prompt = tokenize_task(make_task(task, context, tok, seed), tok)
-        cfg = cfg.with_labels(lambda: useful_spec(prompt, tok))  # oracle_labels: the example's labels
+        facts = partial(useful_spec, prompt, tok)  # the example's labels (computed when asked for)
+        cfg = cfg.with_labels(facts)  # oracle_labels
         dev = next(lm.parameters()).device
         ctx = torch.tensor([prompt.context_ids], device=dev)
         q = torch.tensor([prompt.question_ids], device=dev)
@@ -325,8 +327,8 @@ def decode(
         with tqdm(total=ctx.shape[1] + q.shape[1] + max_new_tokens, unit="tok", desc=f"{method} {mode}",
                   disable=quiet) as bar:
             if tracer is not None:
-                tracer.label(facts=lambda: useful_spec(prompt, tok), method=method, mode=mode, budget=budget, protocol="query-aware" if query_aware
-                             else "query-agnostic", task=task)
+                tracer.label(facts=facts, method=method, mode=mode, budget=budget,
+                             protocol="query-aware" if query_aware else "query-agnostic", task=task)
             res = run_sequence(lm, ctx, q, cfg, max_new_tokens=max_new_tokens, progress=bar.update, tokenizer=tok,
                                compression_trace=tracer)
     text = decode_ids(tok, res.tokens[0].tolist())

@@ -128,6 +128,11 @@ def _stability(o: pl.DataFrame, seed: int, key: str, n_boot: int) -> pl.DataFram
                           .when(pl.col("p_loss") >= CLEAR_LEVEL).then(pl.lit("loss")).otherwise(pl.lit("undecided"))))
 
 
+def _verdict_key(alloc: str, base: str) -> str:
+    """The resampling key of a (variant, baseline) row pooled over everything."""
+    return f"contour|{alloc}|{base}"
+
+
 def _clear_text(st: pl.DataFrame) -> str:
     w = int((st["clear"] == "win").sum())
     lo = int((st["clear"] == "loss").sum())
@@ -192,8 +197,8 @@ def contourkv_versus(results: pl.DataFrame, *, tolerance: float = 0.1, seed: int
     stable = []
     for (method_alloc, base_alloc), g in o.group_by(["allocator", "baseline_allocator"], maintain_order=True):
         c = _counts(g)
-        share = _share(g, 0, seed, f"contour|{method_alloc}|{base_alloc}", n_boot)
-        st = _stability(g, seed, f"contour|{method_alloc}|{base_alloc}|clear", n_boot)
+        share = _share(g, 0, seed, _verdict_key(method_alloc, base_alloc), n_boot)
+        st = _stability(g, seed, _verdict_key(method_alloc, base_alloc) + "|clear", n_boot)
         stable.append(st)
         claims.append(ClaimRow(
             claim_id=f"contourkv:{method_alloc}_vs_{base_alloc}",
@@ -305,7 +310,9 @@ def contour_summary(results: pl.DataFrame, *, by: tuple[str, ...] = SUMMARY_BY, 
             sub = g.filter(keep)
             if sub.height == 0:
                 continue
-            key = f"contour-summary|{alloc}|{base}|{name}"
+            # the pooled row draws the resamples of contourkv_versus's row (same key), so the
+            # report prints one interval for one share, not two
+            key = _verdict_key(alloc, base) if name == "all" else f"contour-summary|{alloc}|{base}|{name}"
             c = _counts(sub)
             share = _share(sub, 0, seed, key, n_boot)
             st = _stability(sub, seed, key + "|clear", n_boot)
