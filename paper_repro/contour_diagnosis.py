@@ -19,7 +19,10 @@ Per method, over the cells of the ``--phase`` compressions (default prefill):
 * ``fact kept``: of the asked fact's entries the cells held, the share they kept (the
   trace's ``fact_kept`` over ``fact_held``, summed over cells and examples); ``cells losing
   fact``: the share of the cells holding some of the fact that dropped at least one of its
-  entries. These say directly whether an allocation starved the cells that hold the answer;
+  entries; ``fact kept where uniform keeps >= 80%``: the same share in the cells where the
+  scorer's uniform arm keeps at least 80% of the fact (the cells that hold the answer; their
+  number in ``such cells``, and ``of those, below half``). These say directly whether an
+  allocation starved the cells that hold the answer;
 * ``KL``, ``EM``: the audit's mean next-token KL to the full cache and exact match.
 
 The figure ``cells.png`` (``evictlab.plots.contour.allocation_cells``) shows per (layer, KV
@@ -69,7 +72,7 @@ def diagnose(trace: pl.DataFrame, phase: str = "prefill") -> pl.DataFrame:
         facts = with_fact.group_by("method").agg(
             (pl.col("fact_kept").sum() / pl.col("fact_held").sum()).alias("fact kept"),
             (pl.col("fact_kept") < pl.col("fact_held")).mean().alias("cells losing fact"))
-        out = out.join(facts, on="method", how="left")
+        out = out.join(facts, on="method", how="left").join(_reading_cells(t), on="method", how="left")
     for ref_name, suffix in (("uniform", ""), ("adakv", "+adakv")):
         cols = []
         for method in out["method"].to_list():
@@ -80,6 +83,20 @@ def diagnose(trace: pl.DataFrame, phase: str = "prefill") -> pl.DataFrame:
             cols.append(None if j.height == 0 else float((j["kept"] - j["ref"]).abs().mean()))
         out = out.with_columns(pl.Series(f"size diff vs {ref_name}", cols, dtype=pl.Float64))
     return out
+
+
+def _reading_cells(t: pl.DataFrame, hold: float = 0.8) -> pl.DataFrame:
+    """Per method, over the (layer, KV head) cells where its scorer's uniform arm keeps at
+    least ``hold`` of the fact (pooled over examples: the cells that hold the answer): the
+    mean share of the fact the method keeps there, and how many of them keep below half."""
+    share = (t.filter(pl.col("fact_held") > 0).group_by("method", "layer", "kv_head")
+             .agg((pl.col("fact_kept").sum() / pl.col("fact_held").sum()).alias("f"))
+             .with_columns(pl.col("method").str.split("+").list.first().alias("uniform")))
+    ref = share.select(pl.col("method").alias("uniform"), "layer", "kv_head", pl.col("f").alias("f_uniform"))
+    hot = share.join(ref, on=["uniform", "layer", "kv_head"]).filter(pl.col("f_uniform") >= hold)
+    return hot.group_by("method").agg(
+        pl.col("f").mean().alias(f"fact kept where uniform keeps >= {hold:.0%}"),
+        (pl.col("f") < 0.5).sum().alias("of those, below half"), pl.len().alias("such cells"))
 
 
 def markdown(table: pl.DataFrame, audit: pl.DataFrame | None) -> str:
@@ -117,6 +134,13 @@ def main(argv: list[str] | None = None) -> int:
 
     record = RunRecord(kind="paper_repro.contour_diagnosis", model=args.model, seed=args.seed,
                        config={k: str(v) for k, v in vars(args).items()})
+    from evictlab.errors import InputError
+    from evictlab.kv.budget import Budget
+
+    budget = Budget.parse(args.budget)
+    if args.trace is None and budget.unit == "tokens_per_cell" and budget.value >= args.context:
+        raise InputError("--budget", f"{args.budget} per cell keeps all {args.context} context tokens: nothing "
+                         "is evicted, so there is nothing to diagnose", f"use a budget below {args.context}, e.g. 64")
     for opt, path in (("--trace", args.trace), ("--audit", args.audit)):
         if path is not None and not path.is_file():
             p.exit(2, f"error: {opt} {path}: no such file (pass a trace.parquet / audit.parquet this script wrote)\n")
@@ -130,7 +154,6 @@ def main(argv: list[str] | None = None) -> int:
         from evictlab.decode.audit import audit_configs, run_audit, task_examples
         from evictlab.decode.config import LoopSettings
         from evictlab.decode.trace import CompressionTrace
-        from evictlab.kv.budget import Budget
         from evictlab.kv.cache import register_ragged_attention
         from evictlab.models.loading import load_model
 
@@ -138,12 +161,15 @@ def main(argv: list[str] | None = None) -> int:
         model, tok = load_model(args.model, device="cpu", attn_implementation=register_ragged_attention())
         examples = task_examples(tok, [args.task], args.n, args.context, args.seed)
         loop = LoopSettings(chunk_size=args.chunk)
-        configs = audit_configs([m.strip() for m in args.methods.split(",")], [Budget.parse(args.budget)],
+        configs = audit_configs([m.strip() for m in args.methods.split(",")], [budget],
                                 loop=loop, modes=("physical",))
         tracer = CompressionTrace(max_subsets=1)  # ES_hat off: the drops and errors are what is read
         audit = run_audit(model, examples, configs, loop=loop, tokenizer=tok, compression_trace=tracer,
                           progress=lambda m: print(m, file=sys.stderr, flush=True))
         trace = tracer.table()
+        if trace.height == 0:
+            raise InputError("--budget", f"no compression happened at {args.budget} with {args.context} context "
+                             "tokens (the budget holds everything)", "use a smaller --budget or a longer --context")
         write_checked_parquet(trace, args.out / "trace.parquet")
         write_checked_parquet(audit, args.out / "audit.parquet")
     text = markdown(diagnose(trace, args.phase), audit)
@@ -167,4 +193,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from evictlab.errors import InputError
+
+    try:
+        raise SystemExit(main())
+    except InputError as exc:  # one line naming the input and the fix, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None

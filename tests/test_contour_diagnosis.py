@@ -47,6 +47,10 @@ def test_fact_columns_say_which_arm_lost_the_answer(script) -> None:
     assert got["kvzip+contourkv_mass"]["fact kept"] == pytest.approx(2 / 8)  # 1 of 4, twice
     assert got["kvzip+contourkv_mass"]["cells losing fact"] == 1.0
     assert got["kvzip+contourkv_mass"]["size diff vs uniform"] == 4.0
+    # the one cell holding the fact is one where uniform keeps all of it: the variant keeps 1/4 there
+    assert got["kvzip"]["fact kept where uniform keeps >= 80%"] == 1.0 and got["kvzip"]["such cells"] == 1
+    assert got["kvzip+contourkv_mass"]["fact kept where uniform keeps >= 80%"] == 0.25
+    assert got["kvzip+contourkv_mass"]["of those, below half"] == 1
 
 
 def test_script_tabulates_a_trace_and_draws_the_cells(script, tmp_path: Path) -> None:
