@@ -42,6 +42,7 @@ without running anything.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -172,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                              "tokens (the budget holds everything)", "use a smaller --budget or a longer --context")
         write_checked_parquet(trace, args.out / "trace.parquet")
         write_checked_parquet(audit, args.out / "audit.parquet")
+    label, provenance = _labels(args, trace)
     text = markdown(diagnose(trace, args.phase), audit)
     outputs = [str(args.out / "diagnosis.md")]
     uniform = next((m for m in trace["method"].unique(maintain_order=True).to_list() if "+" not in m), None)
@@ -179,17 +181,36 @@ def main(argv: list[str] | None = None) -> int:
         from evictlab.plots.contour import allocation_cells
 
         fig = allocation_cells(trace, args.out / "cells", uniform=uniform, phase=args.phase,
-                               title=f"{args.model}, {args.task} at {args.context} tokens, budget {args.budget}")
+                               title=label)
         outputs.append(str(fig.png))
         text += f"\n![cells]({fig.png.name})\n\n{fig.caption}\n"
-    load = os.getloadavg()
-    note = (f"{args.model}, {args.task} at {args.context} tokens, budget {args.budget}, n = "
-            f"{trace['example'].n_unique()} examples, {args.phase} compressions; load average "
-            f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n\n")
+    note = f"{label}, n = {trace['example'].n_unique()} examples, {args.phase} compressions; {provenance}\n\n"
     atomic_write_text(args.out / "diagnosis.md", note + text)
     record.write(args.out / "diagnosis.run_record.json", outputs=outputs)
     print(note + text)
     return 0
+
+
+def _labels(args: argparse.Namespace, trace: pl.DataFrame) -> tuple[str, str]:
+    """The run's "model, task at N tokens, budget B" and where it came from. A re-tabulated
+    ``--trace`` is labelled by its own run record (``diagnosis.run_record.json`` beside it), else
+    by the trace's task and budget columns with the model and context "not recorded": never by
+    this invocation's defaults, which describe another run."""
+    if args.trace is None:
+        load = os.getloadavg()
+        return (f"{args.model}, {args.task} at {args.context} tokens, budget {args.budget}",
+                f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    rec = args.trace.parent / "diagnosis.run_record.json"
+    try:
+        cfg = json.loads(rec.read_text())["config"]
+        return (f"{cfg['model']}, {cfg['task']} at {cfg['context']} tokens, budget {cfg['budget']}",
+                f"re-tabulated from {args.trace} (run record {rec.name})")
+    except (OSError, ValueError, KeyError, TypeError):
+        tasks = ",".join(map(str, trace["task"].unique(maintain_order=True))) if "task" in trace.columns else "?"
+        budgets = (",".join(map(str, trace["budget_value"].unique(maintain_order=True)))
+                   if "budget_value" in trace.columns else "?")
+        return (f"model not recorded, {tasks} at context not recorded, budget {budgets}",
+                f"re-tabulated from {args.trace} (no run record beside it)")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -59,6 +60,20 @@ def test_script_tabulates_a_trace_and_draws_the_cells(script, tmp_path: Path) ->
     text = (tmp_path / "out" / "diagnosis.md").read_text()
     assert "fact kept" in text and "![cells](cells.png)" in text
     assert (tmp_path / "out" / "cells.png").stat().st_size > 0 and (tmp_path / "out" / "cells.pdf").exists()
+    # no run record beside the trace: labelled by the trace's own columns, not by this call's defaults
+    assert text.startswith("model not recorded, ") and "smollm2" not in text.splitlines()[0]
+
+
+def test_a_retabulated_trace_keeps_the_labels_of_its_run(script, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    _trace().with_columns(task=pl.lit("needle"), budget_value=pl.lit(128.0)).write_parquet(run / "trace.parquet")
+    (run / "diagnosis.run_record.json").write_text(json.dumps(
+        {"config": {"model": "gemma3-270m", "task": "needle", "context": "1024", "budget": "128"}}))
+    assert script.main(["--trace", str(run / "trace.parquet"), "--out", str(tmp_path / "out")]) == 0
+    first = (tmp_path / "out" / "diagnosis.md").read_text().splitlines()[0]
+    assert first.startswith("gemma3-270m, needle at 1024 tokens, budget 128, n = 2 examples")
+    assert "re-tabulated from" in first and "load average" not in first
 
 
 def test_cells_figure_refuses_a_missing_uniform_arm(tmp_path: Path) -> None:

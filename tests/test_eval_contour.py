@@ -161,6 +161,23 @@ def test_clear_verdicts_are_the_resampling_stability_of_each_comparison() -> Non
     assert "2 wins / 0 ties / 0 losses" in row.our_value and "1 won / 0 lost, 1 undecided" in row.our_value
 
 
+def test_the_glance_splits_by_model_show_a_model_the_pooled_row_hides() -> None:
+    """One model wins every answer, the other loses more: pooled the variant loses, split by
+    model (and model x scorer) each model's own difference shows, counted on its rows only."""
+    from evictlab.eval.claims.contour import contour_summary
+
+    res = _frame(_rows("kvzip+contourkv_error", [1] * 4 + [0] * 4, [-1] * 8, model="a"),
+                 _rows("kvzip", [0] * 4 + [0] * 4, [-1] * 8, model="a"),
+                 _rows("kvzip+contourkv_error", [0] * 8, [-1] * 8, model="b"),
+                 _rows("kvzip", [1] * 8, [-1] * 8, model="b"))
+    by = {r["split"]: r for r in contour_summary(res, n_boot=300).iter_rows(named=True)}
+    assert by["all"]["d_em"] == pytest.approx(-25.0) and by["all"]["answers"] == 16
+    assert by["model=a"]["d_em"] == 50.0 and by["model=a"]["wins"] == 1 and by["model=a"]["answers"] == 8
+    assert by["model=b"]["d_em"] == -100.0 and by["model=b"]["losses"] == 1
+    assert by["model=a,scorer=kvzip"]["d_em"] == 50.0 and "model=a,scorer=snapkv" not in by
+    assert by["model=a"]["d_em_lo"] <= 50.0 <= by["model=a"]["d_em_hi"]
+
+
 def test_the_glance_table_pools_and_splits_by_scorer() -> None:
     from evictlab.eval.claims.contour import contour_summary
     from evictlab.eval.report import glance_table
@@ -171,7 +188,9 @@ def test_the_glance_table_pools_and_splits_by_scorer() -> None:
                  _rows("kvzip", [1, 1] + [0] * 6, [-1] * 8, budget="64/cell"))
     s = contour_summary(res, n_boot=500)
     by = {r["split"]: r for r in s.iter_rows(named=True)}
-    assert set(by) == {"all", "scorer=snapkv", "scorer=kvzip"} and (s["baseline"] == "uniform").all()
+    assert set(by) == {"all", "scorer=snapkv", "scorer=kvzip", "model=m", "model=m,scorer=snapkv",
+                       "model=m,scorer=kvzip"} and (s["baseline"] == "uniform").all()
+    assert by["model=m,scorer=kvzip"]["d_em"] == by["scorer=kvzip"]["d_em"]
     assert (by["all"]["wins"], by["all"]["losses"], by["all"]["comparisons"]) == (1, 1, 2)
     assert by["scorer=snapkv"]["d_em"] == 100.0 and by["scorer=snapkv"]["clear_wins"] == 1
     assert by["scorer=kvzip"]["d_em"] == -25.0 and by["scorer=kvzip"]["losses"] == 1

@@ -63,7 +63,8 @@ def allocation_cells(trace: pl.DataFrame, out: str | os.PathLike[str], *, unifor
         sns.heatmap(_grid(d, "fact", layers, heads), ax=axes[1][k], cmap="viridis", vmin=0.0, vmax=1.0,
                     xticklabels=heads, yticklabels=layers if k == 0 else False, cbar=last,
                     cbar_kws={"label": "fact entries kept (share)"})
-        axes[0][k].set_title(m, fontsize=7)
+        # one line per part of SCORER+ALLOCATOR: a one-head model's columns are narrower than the name
+        axes[0][k].set_title(m.replace("+", "\n+"), fontsize=7)
         for r in (0, 1):
             axes[r][k].set_xlabel("KV head" if r == 1 else "")
             axes[r][k].set_ylabel("layer" if k == 0 else "")

@@ -277,15 +277,19 @@ def _not_run(claim_id: str, claim: str, paper: str, needs: str) -> ClaimRow:
                     definitions=f"needs {needs} in physical mode in the grid")
 
 
-SUMMARY_BY = ("scorer",)
-"""How :func:`contour_summary` splits the pooled rows by default (besides the pooled row)."""
+SUMMARY_BY: tuple[str | tuple[str, ...], ...] = ("scorer", "model", ("model", "scorer"))
+"""How :func:`contour_summary` splits the pooled rows by default (besides the pooled row): by
+scorer, by model and by both (the verdict grid's pooled rows hide a model that goes the other way:
+``kvzip+contourkv_error`` beats uniform on SmolLM2 and collapses on Gemma 3)."""
 
 
-def contour_summary(results: pl.DataFrame, *, by: tuple[str, ...] = SUMMARY_BY, tolerance: float = 0.1,
+def contour_summary(results: pl.DataFrame, *, by: tuple[str | tuple[str, ...], ...] = SUMMARY_BY,
+                    tolerance: float = 0.1,
                     seed: int = 0, n_boot: int = 2000) -> pl.DataFrame:
     """The verdict at a glance: one row per (ContourKV variant, baseline allocator) pooled over
-    everything (``split = "all"``) and one per value of each column of ``by`` (``split`` =
-    e.g. ``"scorer=kvzip"``), with
+    everything (``split = "all"``) and one per value of each entry of ``by``: a column
+    (``split`` = e.g. ``"scorer=kvzip"``) or a tuple of columns, one row per combination present
+    (``"model=gemma3-270m,scorer=kvzip"``), with
 
     - ``comparisons``, ``wins`` / ``ties`` / ``losses`` (the per-comparison rule of
       :func:`contourkv_versus`) and ``share_won`` with its interval ``share_lo`` / ``share_hi``;
@@ -303,8 +307,14 @@ def contour_summary(results: pl.DataFrame, *, by: tuple[str, ...] = SUMMARY_BY, 
     if o.height == 0:
         return pl.DataFrame()
     splits: list[tuple[str, pl.Expr]] = [("all", pl.lit(True))]
-    for col in by:
-        splits += [(f"{col}={v}", pl.col(col) == v) for v in o[col].unique(maintain_order=True).to_list()]
+    for entry in by:
+        cols = (entry,) if isinstance(entry, str) else tuple(entry)
+        for values in o.select(cols).unique(maintain_order=True).iter_rows():
+            name = ",".join(f"{c}={v}" for c, v in zip(cols, values))
+            keep = pl.lit(True)
+            for c, v in zip(cols, values):
+                keep = keep & (pl.col(c) == v)
+            splits.append((name, keep))
     for (alloc, base), g in o.group_by(["allocator", "baseline_allocator"], maintain_order=True):
         for name, keep in splits:
             sub = g.filter(keep)
