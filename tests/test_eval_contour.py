@@ -226,6 +226,19 @@ def test_verdict_lines_apply_the_stated_rule(tmp_path) -> None:
     assert lines[0] == f"Variants that beat uniform and adakv: contourkv. Rule: {BEATS_RULE}."
     assert lines[2].startswith("`contourkv_mass`: vs uniform 6/0/4 (clear 6/1), exact match -5.5 [-9.0, -2.0] points")
     assert verdict_lines(s.filter(pl.col("variant") != "contourkv"))[0].startswith("No ContourKV variant beats both")
+    # within each model: the rule on that model's rows only (here the pooled loser wins on model a)
+    per_model = pl.concat([s, pl.DataFrame([row("contourkv_mass", "uniform", 7, 1, 1.0, 3.0, split="model=a"),
+                                            row("contourkv_mass", "adakv", 4, 2, -0.5, 2.0, split="model=a"),
+                                            row("contourkv", "uniform", 2, 5, -3.0, -1.0, split="model=a"),
+                                            row("contourkv", "adakv", 6, 1, 1.0, 2.0, split="model=a"),
+                                            row("contourkv", "uniform", 2, 5, -3.0, 1.0, split="model=b"),
+                                            row("contourkv", "adakv", 6, 1, 1.0, 2.0, split="model=b"),
+                                            row("contourkv", "uniform", 9, 0, 1.0, 3.0,
+                                                split="model=b,scorer=kvzip")])])
+    lines = verdict_lines(per_model)
+    assert lines[1] == ("The same rule within each model (a choice made on this grid, not confirmed on held-out "
+                        "cells): a: `contourkv_mass`; b: none.")
+    assert lines[2].startswith("`contourkv`: vs uniform 6/0/4") and len(lines) == 4
     assert shipped_summary(tmp_path) is None
     write_checked_parquet(s, tmp_path / "pairs_contour.parquet")
     assert shipped_summary(tmp_path).equals(s)
@@ -302,3 +315,16 @@ def test_claim_script_runs_model_grids_and_publishes_rows(tmp_path, monkeypatch:
     assert (tmp_path / "figs" / "contourkv_accuracy_vs_bytes.png").is_file()
     assert script.main(argv) == 0
     assert len(json.loads((tmp_path / "out" / "claims.json").read_text())) == len(rows)
+
+
+def test_the_main_jobs_verdict_paragraph_reads_the_committed_grid() -> None:
+    """``data/grids/contourkv/`` is committed: the main job's ContourKV section ends with its
+    verdict (pooled, then per model), not with "not committed"."""
+    from evictlab.eval.claims.contour import VERDICT_DIR
+    from evictlab.pipeline.report import _contour_verdict
+
+    assert (VERDICT_DIR / "pairs_contour.parquet").is_file()
+    text = "".join(_contour_verdict())
+    assert "What the verdict grid found" in text and "not committed" not in text
+    assert "No ContourKV variant beats both uniform and adakv" in text
+    assert "within each model" in text and "smollm2-135m: " in text and "gemma3-270m: " in text

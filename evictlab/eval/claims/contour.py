@@ -359,26 +359,44 @@ def shipped_summary(folder: Path = VERDICT_DIR) -> pl.DataFrame | None:
     return read_checked_parquet(path, "recompute it: evictlab eval compare data/grids/contourkv --overwrite")
 
 
-def beats(summary: pl.DataFrame) -> pl.DataFrame:
-    """The pooled (``split = "all"``) rows of ``summary`` with ``beats`` (:data:`BEATS_RULE`)."""
-    return (summary.filter(pl.col("split") == "all")
+def beats(summary: pl.DataFrame, split: str = "all") -> pl.DataFrame:
+    """The rows of ``summary`` for one ``split`` (default the pooled ``"all"``) with ``beats``
+    (:data:`BEATS_RULE`, applied within that split)."""
+    return (summary.filter(pl.col("split") == split)
             .with_columns(beats=(pl.col("clear_wins") > pl.col("clear_losses")) & (pl.col("d_em_hi") >= 0)))
+
+
+def _winners(b: pl.DataFrame, against: tuple[str, ...]) -> list[str]:
+    """Variants of ``b`` (:func:`beats` rows) that beat every allocator of ``against``."""
+    b = b.filter(pl.col("baseline").is_in(list(against)))
+    return [v for v in b["variant"].unique(maintain_order=True).to_list()
+            if b.filter(pl.col("variant") == v)["beats"].sum() == len(against)
+            and b.filter(pl.col("variant") == v).height == len(against)]
 
 
 def verdict_lines(summary: pl.DataFrame, against: tuple[str, ...] = ("uniform", "adakv")) -> list[str]:
     """Plain sentences: which variants beat every allocator of ``against`` (:data:`BEATS_RULE`),
-    then one line per variant with its pooled counts and exact-match difference against each."""
+    pooled, then the same rule within each model (the ``model=...`` splits, where present: a
+    pooled verdict can hide models that go opposite ways), then one line per variant with its
+    pooled counts and exact-match difference against each."""
     from evictlab.report.markdown import ci
 
     b = beats(summary).filter(pl.col("baseline").is_in(list(against)))
     variants = b["variant"].unique(maintain_order=True).to_list()
-    winners = [v for v in variants
-               if b.filter(pl.col("variant") == v)["beats"].sum() == len(against)
-               and b.filter(pl.col("variant") == v).height == len(against)]
+    winners = _winners(b, against)
     names = " and ".join(against)
     head = (f"Variants that beat {names}: {', '.join(winners)}." if winners else
             f"No ContourKV variant beats both {names}.")
     lines = [f"{head} Rule: {BEATS_RULE}."]
+    models = [sp for sp in summary["split"].unique(maintain_order=True).to_list()
+              if sp.startswith("model=") and "," not in sp]
+    if models:
+        per = []
+        for sp in models:
+            w = _winners(beats(summary, sp), against)
+            per.append(f"{sp.removeprefix('model=')}: {', '.join(f'`{v}`' for v in w) if w else 'none'}")
+        lines.append("The same rule within each model (a choice made on this grid, not confirmed on held-out "
+                     "cells): " + "; ".join(per) + ".")
     for v in variants:
         parts = []
         for r in b.filter(pl.col("variant") == v).iter_rows(named=True):
