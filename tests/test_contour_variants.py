@@ -200,6 +200,10 @@ def _objective(name: str, inp: AllocInputs, alloc) -> callable:
     if name == "contourkv_error":
         E = _curve(w.error, inp)
         return lambda b: sum(E[c][b[c]] for c in range(len(b)))
+    if name == "contourkv_relerror":  # each cell's error over its error keeping nothing
+        E = _curve(w.error, inp)
+        R = [e / e[0] if e[0] > 0 else np.zeros_like(e) for e in E]
+        return lambda b: sum(R[c][b[c]] for c in range(len(b)))
     if name == "contourkv_query":  # minimax of the per-query tail at b - floor (the floor on top)
         T = _curve(w.tail, inp)
         return lambda b: max((_running_min_from(T[c], 0, b[c] - floors[c]) for c in range(len(b))), default=0.0)
@@ -219,8 +223,8 @@ def _objective(name: str, inp: AllocInputs, alloc) -> callable:
     raise AssertionError(name)
 
 
-VARIANTS = ["contourkv", "contourkv_mass", "contourkv_error", "contourkv_query", "contourkv_pred",
-            "contourkv_offline", "contourkv_offline_mass"]
+VARIANTS = ["contourkv", "contourkv_mass", "contourkv_error", "contourkv_relerror", "contourkv_query",
+            "contourkv_pred", "contourkv_offline", "contourkv_offline_mass"]
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -258,6 +262,26 @@ def test_objectives_pick_different_splits() -> None:
     assert make_allocator("contourkv_mass").allocate(inp).tolist() == [[2, 2]]
     # summed error: 0.05 + 0.1 = 0.15 beats 0.04 + 0.2 and 0.03 + 0.9
     assert make_allocator("contourkv_error").allocate(inp).tolist() == [[1, 3]]
+    # relative error: the same curves over e(0) = 2 each: the same split
+    assert make_allocator("contourkv_relerror").allocate(inp).tolist() == [[1, 3]]
+
+
+def test_relative_error_discounts_a_cell_that_is_large_in_value_units() -> None:
+    """Cell 0's outputs are 100x cell 1's (e(0) = 20 vs 0.2) with the same relative curve
+    shifted: in value units any entry of cell 0 outweighs cell 1 and the absolute objective
+    gives it everything; relative to its own output cell 0 is already at 1% at size 1 while
+    cell 1 keeps losing 50% until it gets 2 more."""
+    inp = AllocInputs.build([torch.zeros(1, 2, 4)], 4, floor=1, lengths=np.array([[4, 4]]), sinks=1, recent=0)
+    error = np.array([[[20.0, 0.2, 0.15, 0.1, 0.0], [0.2, 0.1, 0.1, 0.01, 0.0]]])
+    window = dataclasses.replace(example_ranked_window(inp), error=(error,))
+    inp = dataclasses.replace(inp, window=window)
+    # absolute: (3, 1) costs 0.1 + 0.1 = 0.2, (1, 3) 0.2 + 0.01 = 0.21, (2, 2) 0.15 + 0.1 = 0.25
+    assert make_allocator("contourkv_error").allocate(inp).tolist() == [[3, 1]]
+    # relative: (1, 3) 0.01 + 0.05 = 0.06 beats (3, 1) 0.005 + 0.5 and (2, 2) 0.0075 + 0.5
+    assert make_allocator("contourkv_relerror").allocate(inp).tolist() == [[1, 3]]
+    zero = dataclasses.replace(inp, window=dataclasses.replace(window, error=(error * np.array([0.0, 1.0])[None, :, None],)))
+    # a cell with no output (e(0) = 0) costs nothing: the other cell takes every entry it can
+    assert make_allocator("contourkv_relerror").allocate(zero).tolist() == [[1, 3]]
 
 
 def test_variant_parameters_are_validated(tmp_path) -> None:
@@ -267,6 +291,8 @@ def test_variant_parameters_are_validated(tmp_path) -> None:
         make_allocator("contourkv_error", profile="default")
     with pytest.raises(InputError, match="contourkv_error parameter ranking=.*forced error"):
         make_allocator("contourkv_error", ranking="query")
+    with pytest.raises(InputError, match="contourkv_relerror parameter profile=.*holds no forced error"):
+        make_allocator("contourkv_relerror", profile="default")
     with pytest.raises(InputError, match="ranking='sideways' is not one of scorer, query or none"):
         make_allocator("contourkv", ranking="sideways")
     with pytest.raises(InputError, match="contourkv_offline parameter profile=.*reads a fitted profile"):

@@ -22,8 +22,8 @@ from evictlab.methods.contour import ContourKV
 from evictlab.methods.testing import example_predictor, model_profile
 from evictlab.models.geometry import model_geometry
 
-VARIANTS = ["contourkv", "contourkv_mass", "contourkv_error", "contourkv_query", "contourkv_pred",
-            "contourkv_offline"]
+VARIANTS = ["contourkv", "contourkv_mass", "contourkv_error", "contourkv_relerror", "contourkv_query",
+            "contourkv_pred", "contourkv_offline"]
 
 
 def _cfg(**kw):

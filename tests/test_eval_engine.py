@@ -335,7 +335,9 @@ def test_the_contourkv_config_expands_to_its_grid() -> None:
     arms = {(c.scorer, c.allocator) for c in spec.cells() if not c.is_full}
     for scorer in ("snapkv", "kvzip"):
         # every variant but contourkv_pred (it needs a fitted predictor no shipped profile embeds)
-        want = {*CONTOUR_ALLOCATORS, "pyramidkv", "adakv", "global", "uniform"} - {"contourkv_pred"}
+        # and contourkv_relerror (built after this grid ran: contourkv_relerror.toml)
+        want = {*CONTOUR_ALLOCATORS, "pyramidkv", "adakv", "global", "uniform"} - {"contourkv_pred",
+                                                                                   "contourkv_relerror"}
         assert {a for s_, a in arms if s_ == scorer} == want
     floors = {(m, t, c) for m, t, c, _ in spec.floors}
     groups = [(m, t, c) for m in spec.models for t in spec.tasks for c in spec.contexts if (m, t, c) not in floors]
@@ -364,9 +366,30 @@ def test_the_contourkv_scorers_config_expands_to_its_grid() -> None:
     assert len(spec.units()) == len(main.units())
 
 
+def test_the_contourkv_follow_up_configs_expand_to_their_grids() -> None:
+    """contourkv_relerror.toml: the verdict grid's cells, budgets and n with the relative-error
+    objective against uniform and AdaKV; contourkv_4k.toml: the suite's 4k cells at s = 128,
+    n = 20, the per-model picks and relerror against uniform and AdaKV, both scorers."""
+    rel, p, _ = _grid_of(["--config", str(ROOT / "experiments" / "contourkv_relerror.toml")])
+    main, _, _ = _grid_of(["--config", str(ROOT / "experiments" / "contourkv.toml")])
+    assert (rel.models, rel.tasks, rel.contexts, rel.n, rel.floors, rel.budgets) == (
+        main.models, main.tasks, main.contexts, main.n, main.floors, main.budgets)
+    arms = {(c.scorer, c.allocator) for c in rel.cells() if not c.is_full}
+    assert arms == {(s_, a) for s_ in ("snapkv", "kvzip") for a in ("uniform", "adakv", "contourkv_relerror")}
+    assert len(rel.units()) == len(main.units()) and p["out"] == Path("runs/experiments/contourkv_relerror")
+    k4, p4, _ = _grid_of(["--config", str(ROOT / "experiments" / "contourkv_4k.toml")])
+    assert k4.contexts == (4096,) and k4.n == 20 and len(k4.budgets) == 1 and k4.modes == ("physical",)
+    arms = {(c.scorer, c.allocator) for c in k4.cells() if not c.is_full}
+    picks = {"uniform", "adakv", "contourkv", "contourkv_error", "contourkv_relerror", "contourkv_query",
+             "contourkv_offline"}
+    assert arms == {(s_, a) for s_ in ("snapkv", "kvzip") for a in picks}
+    assert len(k4.units()) == 20 * (len(k4.models) * len(k4.tasks) - len(k4.floors))
+
+
 def test_every_experiment_file_parses() -> None:
     files = sorted((ROOT / "experiments").glob("*.toml"))
-    assert {f.name for f in files} == {*CLAIMS, "smoke.toml", "gpu_check.toml", "contourkv.toml", "contourkv_scorers.toml"}  # gpu_check: benchmarks/gpu_check.sh
+    assert {f.name for f in files} == {*CLAIMS, "smoke.toml", "gpu_check.toml", "contourkv.toml", "contourkv_scorers.toml",
+                                       "contourkv_relerror.toml", "contourkv_4k.toml"}  # gpu_check: benchmarks/gpu_check.sh
     for f in files:
         spec, _, _ = _grid_of(["--config", str(f)])
         assert spec.cells()

@@ -302,7 +302,7 @@ def test_check_sizes_enforces_the_rule() -> None:
 def test_make_allocator_types_and_validates_parameters() -> None:
     assert make_allocator("adakv", alpha="0.35").alpha == 0.35  # strings from the CLI are typed
     assert make_allocator("pyramidkv", beta="4").beta == 4.0
-    with pytest.raises(InputError, match="unknown allocator 'nope'.*adakv, contourkv, contourkv_error, contourkv_mass, contourkv_offline, contourkv_pred, contourkv_query, global, pyramidkv, uniform"):
+    with pytest.raises(InputError, match="unknown allocator 'nope'.*adakv, contourkv, contourkv_error, contourkv_mass, contourkv_offline, contourkv_pred, contourkv_query, contourkv_relerror, global, pyramidkv, uniform"):
         make_allocator("nope")
     with pytest.raises(InputError, match=r"allocator_param: allocator adakv has no parameter bet.*alpha"):
         make_allocator("adakv", bet="1")

@@ -331,6 +331,26 @@ class ContourKVError(ContourKV):
 
 
 @dataclass(frozen=True)
+class ContourKVRelError(ContourKVError):
+    """ContourKV minimising the summed *relative* forced error ``sum_c e_c(b_c) / e_c(0)``:
+    each cell's error of the scorer's kept set divided by its error when keeping nothing,
+    ``e_c(0)`` = the window rows' mean ``||o||`` (the full-cache output's size in value units),
+    so a cell whose values are large does not outweigh the others by their size alone. Why:
+    on Gemma 3 the absolute objective (``contourkv_error``) keeps whole windows in layers 0-1,
+    whose value-unit errors are 5-10 times the others', and starves the global layers that
+    hold the answer; Gemma 3 normalises every attention block's output before the residual
+    stream, so only the error relative to the output reaches the network (docs/contour.md).
+    A cell with ``e_c(0) = 0`` (no output to lose) costs 0 at every size. Online only."""
+
+    name: ClassVar[str] = "contourkv_relerror"
+
+    def weights(self, inputs: AllocInputs, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """``y / y[:, 0]`` per cell (``y[:, 0]`` = ``e_c(0)``; 0 where it is 0)."""
+        scale = y[:, :1]
+        return np.divide(y, scale, out=np.zeros_like(y), where=scale > 0)
+
+
+@dataclass(frozen=True)
 class ContourKVQuery(ContourKV):
     """ContourKV's level on the per-query profile (``ranking=query``): the mean mass outside
     each window row's own top-``b`` keys, the floor counted on top. ContourKV's online default

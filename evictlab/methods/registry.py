@@ -41,6 +41,7 @@ ALLOCATORS: dict[str, type[Allocator]] = {
     "contourkv": contour.ContourKV,
     "contourkv_mass": contour.ContourKVMass,
     "contourkv_error": contour.ContourKVError,
+    "contourkv_relerror": contour.ContourKVRelError,
     "contourkv_pred": contour.ContourKVPred,
     "contourkv_query": contour.ContourKVQuery,
     "contourkv_offline": contour.ContourKVOffline,

@@ -14,8 +14,8 @@ from evictlab.eval.claims.common import PAIR_ON, contexts, full_em, full_note, v
 from evictlab.stats.bootstrap import Design, bootstrap_mean
 from evictlab.stats.claims import ClaimRow, weights_for
 
-CONTOUR_ALLOCATORS = ("contourkv", "contourkv_mass", "contourkv_error", "contourkv_query", "contourkv_offline",
-                      "contourkv_pred")
+CONTOUR_ALLOCATORS = ("contourkv", "contourkv_mass", "contourkv_error", "contourkv_relerror", "contourkv_query",
+                      "contourkv_offline", "contourkv_pred")
 """Allocators counted as ContourKV (arm A of every ContourKV comparison; each variant is
 reported on its own rows, against the non-ContourKV allocators only)."""
 CONTOUR_KVZIP_PAPER = (93, 22, 22, 160)
