@@ -139,3 +139,22 @@ def publish(args: argparse.Namespace, script: str, claim_rows: Iterable[Any], fi
                  figures=[str(f.png) for f in figures], claims=len(new), read=getattr(args, "read", None))
     print(f"claims table: {out}")
     return out
+
+
+def entry(main: Any) -> None:
+    """Run a script's ``main()`` as its ``__main__``: its return value is the exit code; bad
+    input (:class:`InputError`) is one line naming the input and the fix, exit 2; Ctrl-C is one
+    line, exit 130 (the shell's code for SIGINT), never a traceback. Files the script wrote are
+    whole either way (every write is atomic); what it was computing is not written."""
+    import sys
+
+    try:
+        code = main()
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        print("interrupted (Ctrl-C): the files written before it are complete; the step in progress was not "
+              "written. Rerun the same command to finish.", file=sys.stderr)
+        raise SystemExit(130) from None
+    raise SystemExit(code)

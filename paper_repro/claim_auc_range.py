@@ -10,7 +10,6 @@ on held-out rows) and the mass-vs-kappa scatter to figures/.
 
 from __future__ import annotations
 
-import sys
 
 import polars as pl
 
@@ -55,4 +54,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from _common import entry
+
+    entry(main)

@@ -19,7 +19,6 @@ to ``<out>/ceiling_beyond_pool.parquet``; and the figure (pool vs all-key gap, p
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -88,8 +87,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except InputError as exc:  # one line naming the input and the fix, no traceback
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    from _common import entry
+
+    entry(main)

@@ -168,8 +168,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except InputError as exc:  # one line naming the input and the fix, no traceback
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    from _common import entry
+
+    entry(main)

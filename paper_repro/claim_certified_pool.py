@@ -10,7 +10,6 @@ pool optimum ES_hat(s), per (model, s), with prompt-clustered bootstrap CIs.
 
 from __future__ import annotations
 
-import sys
 
 import _common
 
@@ -32,4 +31,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from _common import entry
+
+    entry(main)

@@ -9,7 +9,6 @@ table and the decision times to figures/.
 
 from __future__ import annotations
 
-import sys
 
 import _common
 
@@ -36,4 +35,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from _common import entry
+
+    entry(main)

@@ -13,7 +13,6 @@ paper the data support.
 
 from __future__ import annotations
 
-import sys
 
 import polars as pl
 
@@ -59,4 +58,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from _common import entry
+
+    entry(main)

@@ -12,7 +12,6 @@ table, and the per-comparison detail beside it.
 
 from __future__ import annotations
 
-import sys
 
 import _grid
 
@@ -31,4 +30,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from _common import entry
+
+    entry(main)

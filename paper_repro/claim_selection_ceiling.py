@@ -11,7 +11,6 @@ figures/.
 
 from __future__ import annotations
 
-import sys
 
 import polars as pl
 
@@ -41,4 +40,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from _common import entry
+
+    entry(main)

@@ -214,10 +214,6 @@ def _labels(args: argparse.Namespace, trace: pl.DataFrame) -> tuple[str, str]:
 
 
 if __name__ == "__main__":
-    from evictlab.errors import InputError
+    from _common import entry
 
-    try:
-        raise SystemExit(main())
-    except InputError as exc:  # one line naming the input and the fix, no traceback
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+    entry(main)

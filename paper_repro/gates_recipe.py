@@ -109,4 +109,6 @@ def ship(folder: Path, dest: Path, info: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from _common import entry
+
+    entry(main)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import shutil
-import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
@@ -181,4 +180,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from _common import entry
+
+    entry(main)

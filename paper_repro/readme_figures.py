@@ -16,12 +16,10 @@ and paste `figures/readme_claims.md` into the README's "What `make demo` produce
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import polars as pl
 
-from evictlab.errors import InputError
 from evictlab.io import atomic_write_text
 from evictlab.plots.gap import gap_closed_medians
 from evictlab.report import markdown as md
@@ -68,7 +66,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except InputError as exc:
-        sys.exit(f"error: {exc}")
+    from _common import entry
+
+    entry(main)

@@ -96,3 +96,34 @@ def test_penalty_script_uses_the_runs_rows(tmp_path: Path) -> None:
     claims = json.loads((out / "claims.json").read_text())
     assert "penalty-head-dim" in {r["claim_id"] for r in claims}
     assert (tmp_path / "f" / "penalty_vs_head_dim.png").exists()
+
+
+def test_every_script_exits_through_the_shared_entry() -> None:
+    """Every paper_repro script's ``__main__`` is ``_common.entry(main)``: bad input one line
+    (exit 2), Ctrl-C one line (exit 130), never a traceback."""
+    scripts = [p for p in (ROOT / "paper_repro").glob("*.py") if not p.name.startswith("_")]
+    assert scripts
+    for p in scripts:
+        tail = p.read_text().rsplit('if __name__ == "__main__":', 1)
+        assert len(tail) == 2 and "entry(main)" in tail[1], p.name
+
+
+def test_entry_turns_bad_input_and_ctrl_c_into_one_line(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    from evictlab.errors import InputError
+
+    monkeypatch.syspath_prepend(str(ROOT / "paper_repro"))
+    from _common import entry
+
+    def bad() -> int:
+        raise InputError("--budget", "above the context", "use a smaller --budget")
+
+    def interrupted() -> int:
+        raise KeyboardInterrupt
+
+    for fn, code, words in ((bad, 2, "error: --budget"), (interrupted, 130, "interrupted (Ctrl-C)"),
+                            (lambda: 0, 0, None)):
+        with pytest.raises(SystemExit) as exc:
+            entry(fn)
+        assert exc.value.code == code
+        err = capsys.readouterr().err
+        assert (err == "") if words is None else (err.startswith(words) and err.count("\n") == 1)
