@@ -328,3 +328,33 @@ def test_the_main_jobs_verdict_paragraph_reads_the_committed_grid() -> None:
     assert "What the verdict grid found" in text and "not committed" not in text
     assert "No ContourKV variant beats both uniform and adakv" in text
     assert "within each model" in text and "smollm2-135m: " in text and "gemma3-270m: " in text
+
+
+def test_the_verdict_forest_draws_pooled_model_and_model_scorer_panels(tmp_path) -> None:
+    from evictlab.eval.claims.contour import contour_summary
+    from evictlab.errors import InputError
+    from evictlab.plots.contour import verdict_forest
+
+    res = _frame(_rows("kvzip+contourkv_error", [1] * 4 + [0] * 4, [-1] * 8, model="a"),
+                 _rows("kvzip", [0] * 8, [-1] * 8, model="a"),
+                 _rows("kvzip+contourkv_error", [0] * 8, [-1] * 8, model="b"),
+                 _rows("kvzip", [1] * 8, [-1] * 8, model="b"))
+    s = contour_summary(res, n_boot=200)
+    fig = verdict_forest(s, tmp_path / "forest")
+    assert fig.png.stat().st_size > 3000 and fig.pdf.exists() and "per model x scorer" in fig.caption
+    with pytest.raises(InputError, match="no ContourKV comparison against 'adakv'"):
+        verdict_forest(s, tmp_path / "none", baseline="adakv")
+
+
+def test_compare_writes_the_glance_and_its_forest(tmp_path) -> None:
+    """``eval compare`` on a grid with ContourKV and uniform arms writes pairs_contour.parquet
+    and draws the verdict forest (pairs_contour.png), listed in the report's figures."""
+    from evictlab.eval.commands import write_comparison
+    from evictlab.eval.compare import TieRule
+
+    res = _frame(_rows("snapkv+contourkv", [1] * 6 + [0] * 2, [-1] * 8), _rows("snapkv", [0] * 8, [-1] * 8),
+                 _rows("full", [1] * 8, [0] * 8))
+    written, _ = write_comparison(res, tmp_path / "pairs.parquet", TieRule(n_boot=200), {"spec": {}})
+    names = {p.name for p in written}
+    assert {"pairs_contour.parquet", "pairs_contour.png", "pairs_contour.pdf"} <= names
+    assert "pairs_contour.png" in (tmp_path / "pairs.md").read_text()

@@ -343,6 +343,10 @@ def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any
             figs.append(make(stem.parent / (stem.name + suffix)))
         except InputError:
             continue  # nothing of that kind in this grid (e.g. only the full cache)
+    if glance.height and (glance["baseline"] == "uniform").any():
+        from evictlab.plots.contour import verdict_forest
+
+        figs.append(verdict_forest(glance, stem.parent / (stem.name + "_contour")))
     spec = manifest["spec"]
     config = {k: spec[k] for k in ("models", "tasks", "contexts", "budgets", "methods", "modes", "protocols", "n",
                                    "seed", "loop", "scorer_params", "allocator_params", "device", "prefill",

@@ -75,3 +75,55 @@ def allocation_cells(trace: pl.DataFrame, out: str | os.PathLike[str], *, unifor
     if title:
         fig.suptitle(title, fontsize=9)
     return save(fig, out, caption)
+
+
+def verdict_forest(summary: pl.DataFrame, out: str | os.PathLike[str], *, baseline: str = "uniform") -> Figure:
+    """Each ContourKV variant's mean exact-match difference against ``baseline`` (points per
+    answer, ContourKV minus baseline) with its 95% interval: the pooled row, then one panel per
+    model (both scorers) and per model x scorer (the ``model=M`` and ``model=M,scorer=S``
+    splits of :func:`evictlab.eval.claims.contour.contour_summary`, where present). Filled markers: the
+    configuration-level verdict is clear more often won than lost (more clear wins than
+    clear losses); hollow: not.
+
+    ``summary``: the glance table (``variant``, ``baseline``, ``split``, ``d_em``, ``d_em_lo``,
+    ``d_em_hi``, ``clear_wins``, ``clear_losses``)."""
+    require(summary, ["variant", "baseline", "split", "d_em", "d_em_lo", "d_em_hi", "clear_wins", "clear_losses"],
+            "verdict forest")
+    s = summary.filter(pl.col("baseline") == baseline)
+    if s.height == 0:
+        from evictlab.errors import InputError
+
+        raise InputError("baseline", f"no ContourKV comparison against {baseline!r} in the summary",
+                         f"use one of {sorted(summary['baseline'].unique().to_list())}")
+    present = s["split"].unique().to_list()
+    models = sorted(sp for sp in present if sp.startswith("model=") and "," not in sp)
+    crossed = sorted(sp for sp in present if sp.startswith("model=") and ",scorer=" in sp)
+    splits = ["all", *models, *crossed]
+    variants = s["variant"].unique(maintain_order=True).to_list()
+    plt = setup()
+    cols = min(len(splits), 3)
+    rows = -(-len(splits) // cols)
+    fig, axes = plt.subplots(rows, cols, squeeze=False, sharey=True, figsize=(3.4 * cols, 0.9 + 0.32 * len(variants) * rows))
+    ypos = {v: i for i, v in enumerate(variants)}
+    for k, sp in enumerate(splits):
+        ax = axes[k // cols][k % cols]
+        d = s.filter(pl.col("split") == sp)
+        for r in d.iter_rows(named=True):
+            y = ypos[r["variant"]]
+            ax.plot([r["d_em_lo"], r["d_em_hi"]], [y, y], color="0.3", lw=1.2)
+            clear = r["clear_wins"] > r["clear_losses"]
+            ax.plot([r["d_em"]], [y], "o", ms=5, color="C0" if r["d_em"] >= 0 else "C3",
+                    mfc=None if clear else "white")
+        ax.axvline(0.0, color="k", lw=0.8, ls="--")
+        title = "pooled" if sp == "all" else sp.replace("model=", "").replace(",scorer=", ", ")
+        ax.set_title(title if "," in sp or sp == "all" else f"{title}, both scorers", fontsize=8)
+        ax.set_yticks(range(len(variants)), variants, fontsize=7)
+        ax.tick_params(axis="x", labelsize=7)
+        ax.set_xlabel(f"exact match minus {baseline} (points)", fontsize=7)
+    for k in range(len(splits), rows * cols):
+        axes[k // cols][k % cols].set_visible(False)
+    axes[0][0].invert_yaxis()
+    caption = (f"Mean exact-match difference per answer against {baseline} sizes (same scorer, physical, matched "
+               "bytes), with 95% percentile bootstrap intervals over prompts; pooled, per model, per model x scorer. "
+               "Filled: more clear configuration wins than clear losses.")
+    return save(fig, out, caption)
