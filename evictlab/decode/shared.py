@@ -46,6 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from evictlab.decode.config import DecodeConfig
@@ -217,7 +218,8 @@ def answer_full(ctx: SharedContext, qas: Sequence[QA]) -> list[DecodeOutput]:
 
 def answer_arm(ctx: SharedContext, cfg: DecodeConfig, qas: Sequence[QA], *, tokenizer: Any = None,
                protocol: str = "query-agnostic", extended: Callable[[QA], SharedContext] | None = None,
-               compression_trace: Any = None, numbers: Sequence[int] | None = None) -> list[DecodeOutput]:
+               compression_trace: Any = None, numbers: Sequence[int] | None = None,
+               question_facts: Sequence[Any] | None = None) -> list[DecodeOutput]:
     """One arm (``cfg``: physical or masked, any scorer and allocator) on every question of
     ``ctx``, under the one-pass ``protocol`` (module docstring). Returns one
     :class:`DecodeOutput` per question, as :func:`~evictlab.decode.loop.run_sequence` with
@@ -229,7 +231,10 @@ def answer_arm(ctx: SharedContext, cfg: DecodeConfig, qas: Sequence[QA], *, toke
     compression, its labels (:meth:`~evictlab.decode.trace.CompressionTrace.label`, set by
     the caller) extended by ``question``: the question's number (``numbers[i]`` for
     ``qas[i]``, default ``i``), or None for the context's compression that every question
-    shares (query-agnostic, not question-specific).
+    shares (query-agnostic, not question-specific). ``question_facts``: per question (aligned
+    with ``qas``) the token positions of the facts it asks for (int array, or None: none),
+    labelling that question's compressions' ``fact_held`` / ``fact_kept``; the shared
+    compression gets the union of them. Default: the facts the caller labelled the trace with.
     """
     if cfg.mode == "full":
         raise InputError("mode", "the full cache is answer_full's", "pass an evicting mode (physical or masked)")
@@ -255,10 +260,17 @@ def answer_arm(ctx: SharedContext, cfg: DecodeConfig, qas: Sequence[QA], *, toke
         raise ValueError(f"{len(numbers)} question numbers for {len(qas)} questions")
     labels = dict(compression_trace.labels) if compression_trace is not None else {}
     facts = compression_trace.facts if compression_trace is not None else None
+    if question_facts is not None:
+        if len(question_facts) != len(qas):
+            raise ValueError(f"{len(question_facts)} question facts for {len(qas)} questions")
+        known = [f for f in question_facts if f is not None]
+        facts = np.unique(np.concatenate(known)) if known else None
 
-    def label(question: int | None) -> None:
-        if compression_trace is not None:  # the caller's facts stay (one context, its labels)
-            compression_trace.label(facts=facts, **labels, question=question)
+    def label(index: int | None) -> None:
+        """Label the compressions that follow: question ``qas[index]``'s, or (None) the shared one."""
+        if compression_trace is not None:  # the caller's labels stay (one context, its labels)
+            f = facts if index is None or question_facts is None else question_facts[index]
+            compression_trace.label(facts=f, **labels, question=None if index is None else numbers[index])
 
     def tensors(qa: QA) -> tuple[torch.Tensor, torch.Tensor]:
         return (torch.tensor([qa.question_ids], dtype=torch.long, device=dev),
@@ -302,7 +314,7 @@ def answer_arm(ctx: SharedContext, cfg: DecodeConfig, qas: Sequence[QA], *, toke
                 t1 = time.perf_counter()
                 if i:
                     runner.restore(snap)
-                label(numbers[i])
+                label(i)
                 q, a = tensors(qa)
                 own = list(trace)
                 logits, tokens, t_dec = answer(runner, q, a, a.shape[1], compress_every=cfg.loop.compress_every,
@@ -311,13 +323,13 @@ def answer_arm(ctx: SharedContext, cfg: DecodeConfig, qas: Sequence[QA], *, toke
                 outs.append(_output(runner, g, n, q, a, logits, tokens, own, peak[0],
                                     shared_s / len(qas) + now - t1, now - t_dec))
         return outs
-    for number, qa in zip(numbers, qas):
+    for index, qa in enumerate(qas):
         t0 = time.perf_counter()
         q, a = tensors(qa)
         base = (extended(qa) if extended is not None else ctx.extended(q[:, :-1])) if aware else ctx
         runner = build(qa)
         runner.compression_trace = compression_trace
-        label(number)
+        label(index)
         own: list[StepTrace] = []
         peak = [_rss()]
 

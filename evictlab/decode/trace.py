@@ -48,7 +48,7 @@ import torch
 
 from evictlab.errors import InputError
 
-__all__ = ["CompressionTrace", "TRACE_COLUMNS"]
+__all__ = ["CompressionTrace", "TRACE_COLUMNS", "fact_positions"]
 
 #: Columns of the trace table after the run labels, in order.
 TRACE_COLUMNS: tuple[str, ...] = (
@@ -56,6 +56,17 @@ TRACE_COLUMNS: tuple[str, ...] = (
     "dropped_top", "e_kept", "e_top", "es_hat", "gap_closed", "rows_e_top_zero", "es_hat_note",
     "fact_held", "fact_kept",
 )
+
+
+def fact_positions(spans: str | None) -> np.ndarray | None:
+    """The token positions (int64, sorted, unique) of ``START:END`` ranges (half-open,
+    comma-separated, as :func:`evictlab.tasks.examples.useful_spec` writes them); None for
+    None or an empty text (no facts)."""
+    from evictlab.methods.oracle_labels import parse_spans
+
+    if not spans:
+        return None
+    return np.unique(np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in parse_spans(spans)]))
 
 
 @dataclass
@@ -100,15 +111,11 @@ class CompressionTrace:
         returning them (called here, once per run), or the positions themselves (int
         array, as :attr:`facts` holds them), or None: then ``fact_held`` and ``fact_kept``
         are null. Not a column itself."""
-        from evictlab.methods.oracle_labels import parse_spans
-
         self.labels = dict(labels)
         if isinstance(facts, np.ndarray):
             self.facts = np.unique(facts.astype(np.int64))
             return
-        spec = facts() if callable(facts) else facts
-        self.facts = None if not spec else np.unique(np.concatenate(
-            [np.arange(a, b, dtype=np.int64) for a, b in parse_spans(spec)]))
+        self.facts = fact_positions(facts() if callable(facts) else facts)
 
     def record(self, compression: int, phase: str, seen: int, layer: int, keys: torch.Tensor, values: torch.Tensor,
                positions: torch.Tensor, lengths: np.ndarray, keep: list[list[torch.Tensor]],

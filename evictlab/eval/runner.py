@@ -295,10 +295,22 @@ def _arm_fields(out: Any, g: Any, wall: float, prefill_s: float | None) -> dict[
         bytes_full=out.bytes_full_cache, compressions=out.compressions, wall_s=wall, prefill_s=prefill_s)
 
 
-def _trace_labels(tracer: Any, cell: CellSpec, ex: Any) -> None:
+def _trace_labels(tracer: Any, cell: CellSpec, ex: Any, **extra: Any) -> None:
+    """Label the trace's next records with ``cell``'s and ``ex``'s columns (``extra``: more
+    labels, e.g. ``question``, and ``facts`` for ``fact_held`` / ``fact_kept``)."""
     if tracer is not None:
         tracer.label(cell=cell.key, model=cell.model, task=cell.task, context=cell.context, method=cell.method,
-                     mode=cell.mode, protocol=cell.protocol, budget=cell.budget, example=ex.index)
+                     mode=cell.mode, protocol=cell.protocol, budget=cell.budget, example=ex.index, **extra)
+
+
+def question_facts(ex: Any, tokenizer: Any, count: int) -> list[Any]:
+    """Per question ``0..count-1`` of ``ex`` the token positions (int64 array) of the facts
+    it asks for, or None where it asks for none (a ``heldout_ppl`` window): what a traced
+    unit's ``fact_held`` / ``fact_kept`` count (:func:`evictlab.tasks.examples.useful_spec`)."""
+    from evictlab.decode.trace import fact_positions
+    from evictlab.tasks.examples import useful_spec
+
+    return [fact_positions(useful_spec(ex, tokenizer, question=i)) for i in range(count)]
 
 
 def run_unit(unit: CellSpec | ContextUnit, progress: Callable[[int], None] | None = None,
@@ -321,7 +333,8 @@ def run_context_traced(unit: ContextUnit, progress: Callable[[int], None] | None
                        ) -> tuple[pl.DataFrame, pl.DataFrame]:
     """:func:`run_context` plus the per-compression diagnostics of every evicting cell (as
     :func:`run_cell_traced`'s, with ``question``: the question's number, or null for the
-    context's compression that a query-agnostic arm's questions share)."""
+    context's compression that a query-agnostic arm's questions share, whose ``fact_held`` /
+    ``fact_kept`` count the facts of every question answered)."""
     from evictlab.decode.trace import CompressionTrace
 
     tracer = CompressionTrace()
@@ -376,15 +389,23 @@ def _run_context(unit: ContextUnit, progress: Callable[[int], None] | None, trac
         return cfg.with_labels(lambda: useful_spec(ex, tok, question=i))
 
     arms = [c for c in unit.evicting if only is None or c == only]
+    # traced: each question's fact positions (fact_held / fact_kept), where the example has labels
+    qfacts = question_facts(ex, tok, len(pqs)) if tracer is not None else None
+
+    def facts_of(i: int | None = None) -> list[Any] | None:
+        return None if qfacts is None else (qfacts if i is None else [qfacts[i]])
+
     with torch.no_grad():
         for cell in (c for c in arms if c.protocol != "query-aware"):
             cfg = cfgs[cell]
             _trace_labels(tracer, cell, ex)
             if cfg.needs_labels:  # each question its own labels, its own compression
                 outs = [answer_arm(ctx, labelled(cfg, i), [qa], tokenizer=tok, protocol=cell.protocol,
-                                   compression_trace=tracer, numbers=[i])[0] for i, qa in enumerate(qas)]
+                                   compression_trace=tracer, numbers=[i], question_facts=facts_of(i))[0]
+                        for i, qa in enumerate(qas)]
             else:
-                outs = answer_arm(ctx, cfg, qas, tokenizer=tok, protocol=cell.protocol, compression_trace=tracer)
+                outs = answer_arm(ctx, cfg, qas, tokenizer=tok, protocol=cell.protocol, compression_trace=tracer,
+                                  question_facts=facts_of())
             for i, out in enumerate(outs):
                 record(cell, i, out, prefill_s)
             if progress is not None:
@@ -397,7 +418,8 @@ def _run_context(unit: ContextUnit, progress: Callable[[int], None] | None, trac
             for cell in aware:
                 _trace_labels(tracer, cell, ex)
                 (out,) = answer_arm(ctx, labelled(cfgs[cell], i), [qa], tokenizer=tok, protocol=cell.protocol,
-                                    extended=lambda _qa: prefix, compression_trace=tracer, numbers=[i])
+                                    extended=lambda _qa: prefix, compression_trace=tracer, numbers=[i],
+                                    question_facts=facts_of(i))
                 record(cell, i, out, prefill_s + prefix_s)
             del prefix
         if progress is not None and aware:
@@ -422,8 +444,10 @@ def run_cell_traced(cell: CellSpec, progress: Callable[[int], None] | None = Non
     (:class:`~evictlab.decode.trace.CompressionTrace`: one row per (compression, layer, KV
     head) with kept and held entries, the observation window's dropped mass, e(A), e(T_s)
     and ES_hat), labelled ``cell``, ``model``, ``task``, ``context``, ``method``, ``mode``,
-    ``protocol``, ``budget``, ``example``, ``question``. The full cell compresses nothing:
-    empty trace."""
+    ``protocol``, ``budget``, ``example``, ``question``; ``fact_held`` / ``fact_kept`` count
+    the entries at the positions of the facts the question asks for (the example's labels;
+    null where it has none, as ``heldout_ppl``). The full cell compresses nothing: empty
+    trace."""
     from evictlab.decode.trace import CompressionTrace
 
     tracer = None if cell.is_full else CompressionTrace()
@@ -467,11 +491,10 @@ def _run_cell(cell: CellSpec, progress: Callable[[int], None] | None, tracer: An
                 row.update(_full_fields(ref.bytes_full[e][i], ref.wall_s[e][i], None))
             else:
                 q, ad = (torch.tensor([x], dtype=torch.long, device=dev) for x in (pq.question_ids, pq.answer_ids))
-                if tracer is not None:
-                    _trace_labels(tracer, cell, ex)
-                    tracer.label(**tracer.labels, question=i)
+                facts = lambda: useful_spec(ex, tok, question=i)  # noqa: E731 - the labels, computed when read
+                _trace_labels(tracer, cell, ex, question=i, facts=facts)  # fact_held / fact_kept: question i's
                 t0 = time.perf_counter()
-                ex_cfg = cfg.with_labels(lambda: useful_spec(ex, tok, question=i))  # oracle_labels: its labels
+                ex_cfg = cfg.with_labels(facts)  # oracle_labels: its labels
                 with torch.no_grad():
                     out = run_sequence(lm, c, q, ex_cfg, answer_ids=ad, tokenizer=tok, compression_trace=tracer)
                 wall = time.perf_counter() - t0
