@@ -31,6 +31,7 @@ RUN_OPTIONS = {
     "allocator_param": "--allocator-param", "ppl_target": "--ppl-target", "out": "--out", "chunk_size": "--chunk",
     "compress_every": "--compress-every", "window": "--window", "block_size": "--block-size", "sinks": "--sinks",
     "recent": "--recent", "prefill": "--prefill", "questions": "--questions", "question": "--questions",
+    "distractors": "--distractors",
 }
 COMPARE_OPTIONS = {"tie_rule": "--tie-rule", "tolerance": "--tolerance", "level": "--level", "n_boot": "--n-boot",
                    "results": "GRID", "out": "--out"}
@@ -44,7 +45,7 @@ CONFIG_KEYS: dict[str, str] = {
     "protocol": "list", "prefill": "str", "questions": "int", "n": "int", "seed": "int", "out": "path",
     "scorer_param": "strings", "allocator_param": "strings", "ppl_target": "int", "device": "str", "sinks": "int",
     "recent": "int", "chunk": "int", "compress_every": "int", "window": "int", "block_size": "int",
-    "threads": "int", "workers": "int", "trace": "bool",
+    "threads": "int", "workers": "int", "trace": "bool", "distractors": "list",
 }
 #: Config keys whose parameter is named otherwise (the option's plural spelling in Python).
 CONFIG_PARAMS = {"budget": "budgets", "store": "modes", "protocol": "protocols"}
@@ -58,7 +59,14 @@ def run(
     tasks: str = typer.Option("needle", "--tasks", "--task", help="comma-separated tasks (docs/evaluation.md): needle, multi_key, multi_needle, "
                               "variable_tracking, needle_word, multi_key_word, multi_value, heldout_ppl, the "
                               "multi-question families, or suite (the suite's tasks without the cells the full "
-                              "cache cannot do, from data/task_floor)"),
+                              "cache cannot do, from data/task_floor), dilution_near_miss_kK / dilution_filler_kK "
+                              "(needle retrieval with K labelled distractors; docs/dilution.md), or the families "
+                              "dilution_near_miss / dilution_filler with --distractors"),
+    distractors: Optional[str] = typer.Option(None, "--distractors", show_default=False,
+                                              help="comma-separated distractor counts K (0-270): each dilution "
+                                                   "family in --tasks (dilution_near_miss, dilution_filler) becomes "
+                                                   "one task per K, e.g. dilution_near_miss_k16; refused without a "
+                                                   "family"),
     context: str = typer.Option("1024", "--context", help="comma-separated context lengths (tokens)"),
     budgets: str = typer.Option(None, "--budget", show_default=False,
                                 help="KV budgets, comma-separated: 64 (kept tokens per cell), 4096total, 2MiB "
@@ -177,7 +185,7 @@ def grid_of(ctx: Any) -> tuple[Any, dict[str, Any], Any]:
     option was not given on the command line), every typed value checked (InputError
     naming the option), no model loaded. Tests and ``experiments/`` checks read a config
     file's grid through it."""
-    from evictlab.cliutil import apply_config, given, parse_list, read_config
+    from evictlab.cliutil import apply_config, given, parse_ints, parse_list, read_config
     from evictlab.decode.config import LoopSettings
     from evictlab.errors import InputError
     from evictlab.eval.spec import GridSpec
@@ -217,7 +225,9 @@ def grid_of(ctx: Any) -> tuple[Any, dict[str, Any], Any]:
         scorer_params=parse_assignments(p["scorer_param"], "--scorer-param"),
         allocator_params=parse_assignments(p["allocator_param"], "--allocator-param"),
         target_tokens=p["ppl_target"], device=p["device"], trace=p["trace"], prefill=p["prefill"],
-        questions=p["questions"])
+        questions=p["questions"],
+        distractors=None if p["distractors"] is None else parse_ints(p["distractors"], "--distractors",
+                                                                      "distractor count", lo=0, example="0,4,16,64"))
     return spec, p, cfg_file
 
 

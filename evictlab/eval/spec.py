@@ -15,6 +15,12 @@ every (model, task, context) cell where the shipped full-cache table says the mo
 do the task (a floor: exact match below 0.8) left out of the grid; ``floors`` holds those
 cells with the measured accuracy, and the manifest and the report list them.
 
+``tasks`` may name the attention-dilution tasks ``dilution_near_miss_kK`` and
+``dilution_filler_kK`` (:mod:`evictlab.tasks.distractors`: needle retrieval with K labelled
+distractors; the context length is the filler besides the needles), and, with
+``GridSpec.build(distractors=...)``, their families ``dilution_near_miss`` /
+``dilution_filler``, expanded to one task per count.
+
 Two combinations are not cells, and the manifest lists them as skipped with the reason:
 ``uniform`` mode of a method whose allocator is already ``uniform`` (it *is* the physical
 run), and the ``query-aware`` protocol on ``heldout_ppl`` (a perplexity window has no
@@ -276,12 +282,18 @@ class GridSpec:
               protocols: Sequence[str] | None = None, n: int = 10, seed: int = 0, loop: LoopSettings | None = None,
               scorer_params: Mapping[str, str] | None = None, allocator_params: Mapping[str, str] | None = None,
               target_tokens: int = 32, device: str = "cpu", trace: bool = False, prefill: str = ONE_PASS,
-              questions: int | None = None, floor_table: Any = None) -> GridSpec:
+              questions: int | None = None, floor_table: Any = None,
+              distractors: Sequence[int] | None = None) -> GridSpec:
         """A validated grid from lists as typed (``None`` modes / protocols: ``physical`` /
         ``query-agnostic`` when an evicting method is asked for). ``suite`` in ``tasks``
         expands to the suite's tasks less their floor cells, read from ``floor_table`` (a
         polars frame as ``benchmarks/task_floor.py`` writes; default: the shipped tables,
-        :func:`evictlab.tasks.suite.shipped_floors`)."""
+        :func:`evictlab.tasks.suite.shipped_floors`). ``distractors``: counts K that expand
+        each dilution family in ``tasks`` (``dilution_near_miss``, ``dilution_filler``) in
+        place to ``dilution_near_miss_kK`` for each K
+        (:func:`evictlab.tasks.distractors.expand_families`; refused, field ``distractors``,
+        when ``tasks`` names no family). The grid keeps the expanded tasks only."""
+        from evictlab.tasks.distractors import expand_families
         from evictlab.tasks.suite import suite_grid
 
         ctx: list[int] = []
@@ -298,7 +310,8 @@ class GridSpec:
             protocols = ["query-agnostic"] if evicting else []
         canon_budgets = [budget_text(Budget.parse(b)) for b in (budgets or [])]
         model_list = [m.strip() for m in models]
-        task_list, floors = suite_grid([t.strip() for t in tasks], model_list, ctx, floor_table)
+        task_list, floors = suite_grid(expand_families([t.strip() for t in tasks], distractors), model_list, ctx,
+                                       floor_table)
         return cls(models=tuple(model_list), tasks=tuple(task_list), floors=tuple(floors),
                    contexts=tuple(ctx), methods=tuple(m.strip() for m in methods), budgets=tuple(canon_budgets),
                    modes=tuple(modes), protocols=tuple(protocols), n=int(n), seed=int(seed),
@@ -308,14 +321,15 @@ class GridSpec:
                    questions=None if questions is None else int(questions))
 
     def __post_init__(self) -> None:
-        from evictlab.tasks.examples import EVAL_TASKS
+        from evictlab.tasks.examples import EVAL_TASKS, is_eval_task
 
         _nonempty(self.models, "models", "name at least one model, e.g. smollm2-135m")
         refuse_duplicates(self.models, "models", "model")
         _nonempty(self.tasks, "tasks", f"use some of: {', '.join(EVAL_TASKS)}")
         for t in self.tasks:
-            if t not in EVAL_TASKS:
-                raise InputError("tasks", f"unknown task {t!r}", f"use some of: {', '.join(EVAL_TASKS)} (or suite)")
+            if not is_eval_task(t):
+                raise InputError("tasks", f"unknown task {t!r}", f"use some of: {', '.join(EVAL_TASKS)}, "
+                                 "dilution_near_miss_kK, dilution_filler_kK (or suite)")
         refuse_duplicates(self.tasks, "tasks", "task")
         for f in self.floors:
             if len(f) != 4 or f[0] not in self.models or f[1] not in self.tasks or f[2] not in self.contexts:

@@ -104,3 +104,10 @@ def heldout_split() -> tuple[str, str]:
 def encode(tokenizer: Any, text: str, *, special: bool = True) -> list[int]:
     """Token ids of ``text``; ``special`` adds the tokenizer's own BOS (Gemma needs it)."""
     return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+
+
+def encode_text(tokenizer: Any, text: str, *, special: bool = True) -> list[int]:
+    """Token ids of ``text``; with ``tokenizer=None`` the UTF-8 bytes (tiny models' vocab)."""
+    if tokenizer is None:
+        return list(text.encode("utf-8"))
+    return encode(tokenizer, text, special=special)

@@ -15,18 +15,28 @@ Example i with k distractors (seeded by ``(seed, i)`` and ``(seed, i, k)``):
 The question asks for KEY's number; the answer is VALUE. Every needle is a labelled fact
 (:func:`evictlab.tasks.synthetic.locate_facts`); the useful keys are the asked needle's
 tokens (exact spans, :func:`evictlab.tasks.synthetic.fact_token_spans`).
+
+**On the evaluation engine** (``evictlab eval run``, docs/dilution.md): the task
+``dilution_KIND_kK`` (``dilution_near_miss_k16``, ``dilution_filler_k0``; :func:`parse_task`)
+is example ``i`` of kind KIND with K distractors, built by
+:func:`evictlab.tasks.examples.dilution_example` from :func:`make_example` with the grid's
+seed and its context length as the filler, so the engine's example ``i`` is the sweep's. The families ``dilution_near_miss`` and
+``dilution_filler`` expand to one task per count (:func:`expand_families`, ``eval run
+--distractors``).
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from evictlab.errors import InputError
-from evictlab.tasks.examples import encode_text
-from evictlab.tasks.synthetic import fact_token_spans, haystack, locate_facts
+from evictlab.errors import InputError, refuse_duplicates
+from evictlab.tasks.corpus import encode_text
+from evictlab.tasks.synthetic import Fact, fact_token_spans, haystack, locate_facts
 
 KINDS = ("near_miss", "filler")
 #: Key words of the dilution needles (distinct from the filler's words).
@@ -36,7 +46,12 @@ QUALIFIERS = ("old", "tiny", "north", "silver", "quiet", "wild", "broken", "gold
               "early", "lucky", "frozen", "bright", "secret", "royal", "plain", "dusty")
 MAX_DISTRACTORS = (len(WORDS) - 1) * (len(QUALIFIERS) + 1)  # 270
 
-__all__ = ["KINDS", "MAX_DISTRACTORS", "DilutionExample", "make_example"]
+#: The engine's task families (one per kind): ``dilution_near_miss``, ``dilution_filler``.
+FAMILIES: tuple[str, ...] = tuple(f"dilution_{k}" for k in KINDS)
+_TASK = re.compile(r"^dilution_(?P<kind>near_miss|filler)_k(?P<k>\d+)$")
+
+__all__ = ["FAMILIES", "KINDS", "MAX_DISTRACTORS", "DilutionExample", "expand_families", "make_example",
+           "parse_task", "task_name"]
 
 
 @dataclass(frozen=True)
@@ -44,7 +59,10 @@ class DilutionExample:
     """One tokenised example: ``context_ids`` are compressed, then ``question_ids`` are fed,
     then the model is scored on ``answer_ids`` (teacher forcing). ``useful``: the asked
     needle's token positions as ``(start, end)`` in ``context_ids``; ``facts``: every
-    needle's token spans (:func:`~evictlab.tasks.synthetic.fact_token_spans`)."""
+    needle's token spans (:func:`~evictlab.tasks.synthetic.fact_token_spans`);
+    ``context_text`` and ``labels``: the context's text and its needles as
+    :class:`~evictlab.tasks.synthetic.Fact` (character spans; the asked one ``asked``), the
+    labels the evaluation engine reads (:func:`evictlab.tasks.examples.dilution_example`)."""
 
     index: int
     distractors: int
@@ -57,6 +75,8 @@ class DilutionExample:
     answer_ids: list[int]
     useful: tuple[int, int]
     facts: tuple[dict[str, Any], ...]
+    context_text: str = ""
+    labels: tuple[Fact, ...] = ()
 
     def useful_spec(self) -> str:
         """The ``oracle_labels`` scorer's ``useful`` parameter for this example."""
@@ -119,4 +139,66 @@ def make_example(tokenizer: Any, index: int, distractors: int, *, filler: int = 
         index=index, distractors=distractors, kind=kind, seed=seed, key=key, value=value, context_ids=ctx,
         question_ids=encode_text(tokenizer, "\n\n" + question, special=False),
         answer_ids=encode_text(tokenizer, " " + value, special=False),
-        useful=(asked_spans[0]["start"], asked_spans[0]["end"]), facts=spans)
+        useful=(asked_spans[0]["start"], asked_spans[0]["end"]), facts=spans, context_text=context, labels=facts)
+
+
+# --------------------------------------------------------------------------- engine tasks
+
+
+def task_name(kind: str, distractors: int) -> str:
+    """The engine's task of ``kind`` with ``distractors`` distractors: ``dilution_near_miss_k16``."""
+    return f"dilution_{kind}_k{distractors}"
+
+
+def parse_task(name: str) -> tuple[str, int] | None:
+    """``(kind, K)`` of an engine task ``dilution_KIND_kK``; None for a name that does not
+    start with ``dilution_`` (another task). InputError (field ``tasks``) for a family
+    without its count (``dilution_near_miss``), K outside 0..:data:`MAX_DISTRACTORS`, or
+    another spelling (``dilution_near_miss_k016``, ``dilution_misc_k4``)."""
+    if not name.startswith("dilution_"):
+        return None
+    m = _TASK.match(name)
+    examples = ", ".join(task_name(k, 16) for k in KINDS)
+    if m is None:
+        if name in FAMILIES:
+            raise InputError("tasks", f"{name} needs a distractor count",
+                             f"name {name}_kK (K in 0..{MAX_DISTRACTORS}, e.g. {name}_k16), or give the counts "
+                             "with --distractors 0,4,16,64")
+        raise InputError("tasks", f"unknown dilution task {name!r}",
+                         f"write dilution_KIND_kK with KIND one of {', '.join(KINDS)} and K in 0..{MAX_DISTRACTORS} "
+                         f"(e.g. {examples})")
+    kind, digits = m["kind"], m["k"]
+    k = int(digits)
+    if str(k) != digits:
+        raise InputError("tasks", f"{name!r} writes its count with a leading zero", f"write {task_name(kind, k)}")
+    if k > MAX_DISTRACTORS:
+        raise InputError("tasks", f"{name}: {k} distractors is more than the {MAX_DISTRACTORS} distinct near-miss "
+                         "keys", f"use K in 0..{MAX_DISTRACTORS}, e.g. {task_name(kind, 64)}")
+    return kind, k
+
+
+def expand_families(tasks: Sequence[str], distractors: Sequence[int] | None) -> list[str]:
+    """``tasks`` with each family of :data:`FAMILIES` replaced, in place, by one task per
+    count of ``distractors`` (``dilution_near_miss`` with ``(0, 4)`` ->
+    ``dilution_near_miss_k0, dilution_near_miss_k4``); other names are kept as written.
+    ``distractors`` None: nothing is expanded (a family left in ``tasks`` is refused by
+    :func:`parse_task`). InputError (field ``distractors``) for counts with no family to
+    expand, an empty list, a repeated count or one outside 0..:data:`MAX_DISTRACTORS`."""
+    if distractors is None:
+        return list(tasks)
+    counts = [int(k) for k in distractors]
+    if not counts:
+        raise InputError("distractors", "the list is empty", "give distractor counts, e.g. 0,4,16,64")
+    if not any(t in FAMILIES for t in tasks):
+        raise InputError("distractors", f"the counts expand the dilution task families ({', '.join(FAMILIES)}) "
+                         "and no task is one", f"add {' or '.join(FAMILIES)} to the tasks, or drop the distractor "
+                         "counts")
+    bad = [k for k in counts if not 0 <= k <= MAX_DISTRACTORS]
+    if bad:
+        raise InputError("distractors", f"{bad[0]} is outside 0..{MAX_DISTRACTORS}",
+                         f"use counts up to {MAX_DISTRACTORS} (distinct near-miss keys available)")
+    refuse_duplicates(counts, "distractors", "distractor count")
+    out: list[str] = []
+    for t in tasks:
+        out.extend([task_name(t.removeprefix("dilution_"), k) for k in counts] if t in FAMILIES else [t])
+    return out

@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from evictlab.tasks.corpus import encode, heldout_split
+from evictlab.tasks.corpus import encode_text, heldout_split
+from evictlab.tasks.distractors import make_example, parse_task
 from evictlab.tasks.synthetic import TASKS, Fact, Question, TaskExample, check_questions, fact_token_spans, make_task
 from evictlab.errors import InputError
 
@@ -36,21 +37,16 @@ __all__ = [
     "HELDOUT_PPL",
     "RETRIEVAL_TASKS",
     "decode_ids",
+    "dilution_example",
     "encode_text",
     "eval_examples",
     "heldout_windows",
+    "is_eval_task",
     "normalize_answer",
     "score_exact_match",
     "task_suite",
     "useful_spec",
 ]
-
-def encode_text(tokenizer: Any, text: str, *, special: bool = True) -> list[int]:
-    """Token ids of ``text``; with ``tokenizer=None`` the UTF-8 bytes (tiny models' vocab)."""
-    if tokenizer is None:
-        return list(text.encode("utf-8"))
-    return encode(tokenizer, text, special=special)
-
 
 def decode_ids(tokenizer: Any, ids: Sequence[int]) -> str:
     """Text of generated ids (special tokens dropped); the inverse of :func:`encode_text`."""
@@ -238,11 +234,19 @@ def heldout_windows(
 HELDOUT_PPL = "heldout_ppl"
 """The fidelity task of the evaluation grid: perplexity on held-out Shakespeare windows."""
 EVAL_TASKS: tuple[str, ...] = (*TASKS, HELDOUT_PPL)
-"""Every task name the evaluation grid accepts: the synthetic task families and ``heldout_ppl``."""
+"""The fixed task names the evaluation grid accepts: the synthetic task families and
+``heldout_ppl``; beside them the dilution tasks ``dilution_KIND_kK`` (:func:`is_eval_task`)."""
 RETRIEVAL_TASKS: tuple[str, ...] = tuple(t for t in TASKS if t not in ("variable_tracking", "vt_chains"))
 """The tasks whose answer is copied from one or more inserted facts found by their key (the
 needle family, ``lines`` included; not the variable-tracking tasks, whose answer needs a chain
 of facts followed)."""
+
+
+def is_eval_task(task: str) -> bool:
+    """Whether the evaluation grid runs ``task``: one of :data:`EVAL_TASKS` or a dilution task
+    ``dilution_KIND_kK`` (:func:`evictlab.tasks.distractors.parse_task`, which refuses a
+    malformed one: InputError, field ``tasks``)."""
+    return task in EVAL_TASKS or parse_task(task) is not None
 
 
 @dataclass(frozen=True)
@@ -288,7 +292,12 @@ def eval_examples(task: str, n: int, context_tokens: int, tokenizer: Any, seed: 
     :func:`heldout_windows` of ``context_tokens + target_tokens`` tokens (window ``i`` from
     ``default_rng([seed, i])``), split as context = all but the last context token, question
     = that token, answer = the targets (one question; ``questions`` must be None or 1).
+    A dilution task ``dilution_KIND_kK``: example ``i`` is
+    :func:`evictlab.tasks.distractors.make_example`'s (``context_tokens`` filler tokens
+    besides the needles, drawn from ``(seed, i)``: the sweep's example), with its labels
+    (:func:`dilution_example`; one question).
     """
+
     if task == HELDOUT_PPL:
         check_questions(task, questions)
         if context_tokens < 2:
@@ -296,9 +305,39 @@ def eval_examples(task: str, n: int, context_tokens: int, tokenizer: Any, seed: 
         wins = heldout_windows(tokenizer, n, context_tokens, target_tokens, seed)
         return [EvalExample(task, i, seed, w.context_ids[:-1], w.context_ids[-1:], list(w.target_ids),
                             decode_ids(tokenizer, w.target_ids)) for i, w in enumerate(wins)]
+    if parse_task(task) is not None:
+        if questions not in (None, 1):
+            raise InputError("questions", f"{task} asks one question per context, not {questions}",
+                             "use 1, or leave it out")
+        if n < 1:
+            raise InputError("n", f"{n} examples", "use n >= 1")
+        return [dilution_example(tokenizer, task, i, context_tokens, seed) for i in range(n)]
     if task not in TASKS:
         raise InputError("task", f"unknown task {task!r}", f"use one of: {', '.join(EVAL_TASKS)}")
     return [EvalExample(task, i, seed * 1_000_003 + i, p.context_ids, p.question_ids,
                         encode_text(tokenizer, " " + p.answer, special=False), p.answer,
                         context_text=p.context_text, facts=p.facts, question_set=p.question_set)
             for i, p in enumerate(task_suite([task], n, context_tokens, tokenizer, seed, questions=questions))]
+
+
+def dilution_example(tokenizer: Any, task: str, index: int, filler: int, seed: int) -> EvalExample:
+    """Example ``index`` of the dilution task ``task`` (``dilution_KIND_kK``) as an
+    :class:`EvalExample`: :func:`evictlab.tasks.distractors.make_example` with ``K``
+    distractors of ``KIND``, ``filler`` filler tokens (the grid's context length) and the
+    grid's ``seed`` (``seed`` here is that seed: the example is drawn from ``(seed, index)``,
+    as the sweep's), with its labels (the needles as facts, the asked one marked), so the
+    label ORACLE and the trace's fact columns read them. InputError (field ``tasks``) for a
+    name :func:`~evictlab.tasks.distractors.parse_task` refuses, (field ``contexts``) for a
+    filler the haystack cannot fill."""
+    parsed = parse_task(task)
+    if parsed is None:
+        raise InputError("tasks", f"{task!r} is not a dilution task", "name one like dilution_near_miss_k16")
+    kind, k = parsed
+    if filler < 64:
+        raise InputError("contexts", f"{filler} filler tokens is too short", "use at least 64")
+    try:
+        ex = make_example(tokenizer, index, k, filler=filler, kind=kind, seed=seed)
+    except InputError as exc:
+        raise InputError("contexts", exc.problem, exc.fix) from None
+    return EvalExample(task=task, index=index, seed=seed, context_ids=ex.context_ids, question_ids=ex.question_ids,
+                       answer_ids=ex.answer_ids, answer=ex.value, context_text=ex.context_text, facts=ex.labels)
