@@ -2,7 +2,8 @@
 arm) gives the per-arm path's rows (run_sequence with a chunk as long as the prefix) to float
 rounding with identical byte columns; several questions per context, one row each; --workers
 gives one worker's results; --config files (the command line overrides them, unknown keys are
-refused) and the experiments/ files expand to the cells they are meant to. Tiny local models,
+refused) and the experiments/ files expand to the cells they are meant to (the claim grids, ContourKV,
+the dilution sweep, the gates comparison). Tiny local models,
 and one short case on the real SmolLM2."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 
 from cli_helpers import run_cli
 from evictlab.capture.testing import save_tiny_folder
+from evictlab.errors import InputError
 from evictlab.eval.grid import RESULTS, run_grid
 from evictlab.eval.spec import GridSpec, LoopSettings
 
@@ -386,12 +388,84 @@ def test_the_contourkv_follow_up_configs_expand_to_their_grids() -> None:
     assert len(k4.units()) == 20 * (len(k4.models) * len(k4.tasks) - len(k4.floors))
 
 
+DILUTION_METHODS = {"oracle_labels", "snapkv", "snapkv+adakv", "expected_attention", "streaming_llm"}
+#: the local gates of the gates ablation (gates_local.toml; relative to the working directory,
+#: as the scorer reads it), not trained yet when the file was written
+LOCAL_GATES = Path("runs/gates/smollm2-local")
+
+
+def test_the_dilution_configs_expand_to_their_grids() -> None:
+    """dilution.toml: the distractor sweep on the engine: both models, both kinds x K = 0, 4,
+    16, 64 (the families expanded by `distractors`), the sweep's default filler (512) and
+    budget (128 per cell), the full cache, the label ORACLE and four query-agnostic methods,
+    physical, query-agnostic, one-pass, n = 50; dilution_trimkv.toml: SmolLM2 only, the same
+    plus trimkv+global and trimkv with the shipped gates (gates=default, the trimkv scorer's
+    only)."""
+    from evictlab.dilution.sweep import SweepConfig
+    from evictlab.eval.spec import budget_text
+    from evictlab.kv.budget import Budget
+
+    tasks = tuple(f"dilution_{kind}_k{k}" for kind in ("near_miss", "filler") for k in (0, 4, 16, 64))
+    sweep = SweepConfig()
+    for name, models, methods in (
+        ("dilution.toml", ("smollm2-135m", "gemma3-270m"), DILUTION_METHODS),
+        ("dilution_trimkv.toml", ("smollm2-135m",), DILUTION_METHODS | {"trimkv+global", "trimkv"}),
+    ):
+        spec, p, _ = _grid_of(["--config", str(ROOT / "experiments" / name)])
+        assert spec.models == models and spec.tasks == tasks and spec.n == 50 and not spec.floors
+        assert spec.contexts == (sweep.context,) and spec.budgets == (budget_text(Budget.parse(sweep.budget)),)
+        assert spec.modes == ("physical",) and spec.protocols == ("query-agnostic",) and spec.prefill == "one-pass"
+        assert set(spec.evicting) == methods and "full" in spec.methods
+        assert len(spec.cells()) == len(models) * len(tasks) * (1 + len(methods))
+        assert len(spec.units()) == len(models) * len(tasks) * 50
+        for c in spec.cells():
+            assert c.scorer_params == ((("gates", "default"),) if c.scorer == "trimkv" else ())
+        assert p["out"] == Path("runs/experiments") / name.removesuffix(".toml")
+
+
+def test_the_gates_configs_expand_to_their_grids() -> None:
+    """gates.toml (issue 25, item 3): SmolLM2, the task suite's kept cells at 1k and 2k, the
+    budgets of contourkv.toml, trimkv+global and trimkv (the shipped gates) against SnapKV,
+    SnapKV + AdaKV and SnapKV + contourkv_error, physical, query-agnostic, one-pass, n = 50;
+    gates_local.toml: the same cells with trimkv+global on the local gates (refused, naming
+    the folder, until they are trained; its grid read with the shipped gates instead)."""
+    from evictlab.tasks.suite import SUITE_TASKS
+
+    spec, p, _ = _grid_of(["--config", str(ROOT / "experiments" / "gates.toml")])
+    contour, _, _ = _grid_of(["--config", str(ROOT / "experiments" / "contourkv.toml")])
+    assert spec.models == ("smollm2-135m",) and spec.tasks == SUITE_TASKS and spec.contexts == (1024, 2048)
+    assert spec.budgets == contour.budgets and spec.n == 50 and spec.prefill == "one-pass"
+    assert spec.modes == ("physical",) and spec.protocols == ("query-agnostic",)
+    assert set(spec.evicting) == {"trimkv+global", "trimkv", "snapkv", "snapkv+adakv", "snapkv+contourkv_error"}
+    floors = {(m, t, c) for m, t, c, _ in spec.floors}
+    groups = len(SUITE_TASKS) * 2 - len(floors)
+    assert groups == 5 and len(spec.cells()) == groups * (1 + 3 * 5) and len(spec.units()) == groups * 50
+    for c in spec.cells():
+        assert c.scorer_params == ((("gates", "default"),) if c.scorer == "trimkv" else ())
+    assert p["out"] == Path("runs/experiments/gates")
+    local = ["--config", str(ROOT / "experiments" / "gates_local.toml")]
+    if not LOCAL_GATES.is_dir():
+        with pytest.raises(InputError, match="runs/gates/smollm2-local"):
+            _grid_of(local)
+    ablation, p, _ = _grid_of([*local, "--scorer-param", "gates=default"])
+    assert (ablation.models, ablation.tasks, ablation.contexts, ablation.budgets, ablation.n, ablation.floors) == (
+        spec.models, spec.tasks, spec.contexts, spec.budgets, spec.n, spec.floors)
+    assert ablation.evicting == ["trimkv+global"] and p["out"] == Path("runs/experiments/gates_local")
+    from evictlab.cliutil import read_config
+    from evictlab.eval.commands import CONFIG_KEYS
+
+    assert read_config(local[1], CONFIG_KEYS).values["scorer_param"] == ["gates=runs/gates/smollm2-local"]
+
+
 def test_every_experiment_file_parses() -> None:
     files = sorted((ROOT / "experiments").glob("*.toml"))
     assert {f.name for f in files} == {*CLAIMS, "smoke.toml", "gpu_check.toml", "contourkv.toml", "contourkv_scorers.toml",
-                                       "contourkv_relerror.toml", "contourkv_4k.toml"}  # gpu_check: benchmarks/gpu_check.sh
+                                       "contourkv_relerror.toml", "contourkv_4k.toml", "dilution.toml",
+                                       "dilution_trimkv.toml", "gates.toml", "gates_local.toml"}  # gpu_check: benchmarks/gpu_check.sh
     for f in files:
-        spec, _, _ = _grid_of(["--config", str(f)])
+        # gates_local.toml names gates not trained yet: its grid is read with the shipped ones
+        extra = ["--scorer-param", "gates=default"] if f.name == "gates_local.toml" and not LOCAL_GATES.is_dir() else []
+        spec, _, _ = _grid_of(["--config", str(f), *extra])
         assert spec.cells()
 
 
