@@ -263,7 +263,9 @@ def useful_mass(ref: Reference, ex: DilutionExample, kept: list[Any] | None) -> 
 def run_unit(lm: Any, tok: Any, ex: DilutionExample, method: str, cfg: SweepConfig, ref: Reference) -> dict[str, Any]:
     """The unit of work: ``method`` on example ``ex`` -> one result row (:data:`RESULT_COLUMNS`).
 
-    (When the evaluation grid lands this is one example of a grid cell; see docs/dilution.md.)
+    (On the evaluation engine the same example is one context of the task
+    ``dilution_KIND_kK``, :func:`evictlab.tasks.examples.dilution_example`; docs/dilution.md,
+    "The sweep on the evaluation engine".)
     """
     import torch
 
