@@ -20,9 +20,9 @@ tokens (exact spans, :func:`evictlab.tasks.synthetic.fact_token_spans`).
 ``dilution_KIND_kK`` (``dilution_near_miss_k16``, ``dilution_filler_k0``; :func:`parse_task`)
 is example ``i`` of kind KIND with K distractors, built by
 :func:`evictlab.tasks.examples.dilution_example` from :func:`make_example` with the grid's
-seed and its context length as the filler, so the engine's example ``i`` is the sweep's. The families ``dilution_near_miss`` and
-``dilution_filler`` expand to one task per count (:func:`expand_families`, ``eval run
---distractors``).
+seed and its context length as the filler, so the engine's example ``i`` is the sweep's.
+The families ``dilution_near_miss`` and ``dilution_filler`` expand to one task per count
+(:func:`expand_families`, ``eval run --distractors``).
 """
 
 from __future__ import annotations
