@@ -7,7 +7,10 @@ whole chunk). Timed: ``uniform`` (the baseline of every ratio, same run), ``pyra
 ``adakv`` (reads the scores), ``contourkv`` offline (a profile file: knots from the relative
 grid, 98 per cell), ``contourkv`` online (the window profile given: one knot per held
 entry), ``contourkv_pred`` offline (a mass-only predictor on every knot). Also the level
-search alone (the Numba k-way merge) against its enumerate-and-sort numpy reference, and,
+search alone (the Numba k-way merge) against its enumerate-and-sort numpy reference,
+``contourkv_mass`` and ``contourkv_error`` online (the scorer-ranked curves given) and their
+exact min-sum split alone, pruned (the default) against unpruned (``prune=False``, every step
+of the programme: the same counts, asserted), and,
 separately, what the online mode adds to a compression in the loop: ``window_stats`` for
 all 90 cells (9 query heads, a 32-query window).
 
@@ -32,10 +35,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from evictlab.contour.level import envelope, top_increments, top_increments_reference
+from evictlab.contour.level import envelope, min_sum_increments, top_increments, top_increments_reference
 from evictlab.contour.profile import GRID, ContourProfile, window_stats
 from evictlab.methods import AllocInputs, check_sizes, make_allocator
-from evictlab.methods.testing import example_predictor, example_window
+from evictlab.methods.testing import example_predictor, example_ranked_window, example_window
 
 L, HK, HQ, D = 30, 3, 9, 64
 FLOOR = 20  # sinks 4 + recent 16, the decode defaults
@@ -81,18 +84,23 @@ def bench(held: int, per_cells: list[int], reps: int, seed: int) -> list[dict[st
         "contourkv (offline)": make_allocator("contourkv", profile=str(profile)),
         "contourkv (online)": make_allocator("contourkv"),
         "contourkv_pred (offline)": make_allocator("contourkv_pred", profile=str(profile), predictor=str(predictor)),
+        "contourkv_mass (online)": make_allocator("contourkv_mass"),
+        "contourkv_error (online)": make_allocator("contourkv_error"),
     }
     rows = []
     for per_cell in per_cells:
         base = AllocInputs.build(scores, per_cell * L * HK, floor=FLOOR, next_position=4096)
         window = example_window(base, seed)
+        ranked = example_ranked_window(base, seed)
         times = {}
         for name, alloc in allocators.items():
-            inp = dataclasses.replace(base, window=window) if "online" in name else base
+            inp = base
+            if "online" in name:
+                inp = dataclasses.replace(base, window=ranked)  # the ranked curves besides the query tails
             check_sizes(inp, alloc.allocate(inp), name)
             times[name] = _time(lambda a=alloc, i=inp: a.allocate(i), reps)
         # The level search alone on the online knots (one per held entry), kernel vs reference.
-        alloc = allocators["contourkv (online)"]
+        alloc = make_allocator("contourkv_query")  # the query-tail knots, one per held entry
         inp = dataclasses.replace(base, window=window)
         x, y, nk = alloc.knots(inp)
         prio = envelope(y)
@@ -102,6 +110,17 @@ def bench(held: int, per_cells: list[int], reps: int, seed: int) -> list[dict[st
         times["level search (kernel)"] = _time(lambda: top_increments(x, prio, nk, room, extra, validate=False), reps)
         times["level search (numpy reference)"] = _time(lambda: top_increments_reference(x, prio, nk, room, extra),
                                                         max(3, reps // 20))
+        # The exact min-sum split alone on contourkv_error's curves, pruned vs every step.
+        alloc = allocators["contourkv_error (online)"]
+        inp = dataclasses.replace(base, window=ranked)
+        caps = alloc.caps(inp)
+        F = alloc.costs(inp, caps)
+        room_e = (caps - inp.floors).reshape(-1)
+        extra_e = inp.target - int(inp.floors.sum())
+        assert (min_sum_increments(F, room_e, extra_e) == min_sum_increments(F, room_e, extra_e, prune=False)).all()
+        times["min-sum split (pruned)"] = _time(lambda: min_sum_increments(F, room_e, extra_e), max(3, reps // 10))
+        times["min-sum split (every step)"] = _time(lambda: min_sum_increments(F, room_e, extra_e, prune=False),
+                                                    max(3, reps // 50))
         for name, (wall, cpu) in times.items():
             rows.append({"held": held, "budget_per_cell": per_cell, "method": name, "wall_us": wall, "cpu_us": cpu,
                          "ratio_vs_uniform": cpu / times["uniform"][1]})

@@ -6,8 +6,9 @@
   ``floors <= b <= caps``, ``sum b = target``: its stated objective is the minimum (level:
   ``max_c D_c``; mass: ``sum_c D_c``; error: ``sum_c e_c``), the total is exact and the
   per-cell bounds hold (floors; lengths; ``window - 1`` on sliding layers);
-* the exact split (:func:`evictlab.contour.level.min_sum_increments`) against enumeration on
-  arbitrary cost curves.
+* the exact split (:func:`evictlab.contour.level.min_sum_increments`, pruned by convex-hull
+  bounds) against enumeration on arbitrary cost curves, and count for count against the
+  unpruned programme :func:`evictlab.contour.level.min_sum_reference` (ties included).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evictlab.contour.level import min_sum_increments
+from evictlab.contour.level import min_sum_increments, min_sum_reference
 from evictlab.contour.profile import GRID, forced_error_reference, ranked_curves, ranked_window_stats
 from evictlab.core import reference as ref
 from evictlab.errors import InputError
@@ -118,6 +119,42 @@ def test_min_sum_split_is_the_enumerated_minimum(m: int, seed: int, data: st.Dat
     best = min(sum(F[c, k[c]] for c in range(m))
                for k in itertools.product(*[range(r + 1) for r in room]) if sum(k) == extra)
     assert sum(F[c, got[c]] for c in range(m)) == pytest.approx(best, abs=1e-12)
+    np.testing.assert_array_equal(got, min_sum_reference(F, room, extra))
+
+
+@st.composite
+def cost_curves(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, int]:
+    """Up to 12 cells with room up to 40: noisy falling curves (like the dropped mass and the
+    forced error along a scorer's order), plateaus of exact ties, convex and concave ones."""
+    m = draw(st.integers(1, 12))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    room = rng.integers(0, 41, size=m)
+    K = int(room.max()) + 1
+    kind = draw(st.sampled_from(["falling", "ties", "convex", "concave", "noise"]))
+    k = np.arange(K)[None, :]
+    if kind == "falling":
+        F = np.exp(-k / rng.uniform(1, 20, (m, 1))) + 0.05 * rng.random((m, K))
+    elif kind == "ties":
+        F = rng.integers(0, 3, (m, K)).astype(np.float64)
+    elif kind == "convex":
+        F = (k - rng.uniform(0, K, (m, 1))) ** 2 * rng.uniform(0.1, 2, (m, 1))
+    elif kind == "concave":
+        F = -(k ** 2) * rng.uniform(0.1, 2, (m, 1))
+    else:
+        F = rng.normal(size=(m, K)) * 1e3
+    extra = draw(st.integers(0, int(room.sum())))
+    return F, room, extra
+
+
+@settings(max_examples=300)
+@given(problem=cost_curves())
+def test_the_pruned_split_is_the_unpruned_programme(problem: tuple[np.ndarray, np.ndarray, int]) -> None:
+    """Pruning by the hulls' bounds changes nothing: the same counts as the plain programme
+    (so the same tie-breaking), summing to ``extra`` within the rooms."""
+    F, room, extra = problem
+    got = min_sum_increments(F, room, extra)
+    assert got.sum() == extra and (got >= 0).all() and (got <= room).all()
+    np.testing.assert_array_equal(got, min_sum_reference(F, room, extra))
 
 
 def test_min_sum_split_refuses_bad_input() -> None:

@@ -35,7 +35,7 @@ from numba import njit
 
 from evictlab.errors import InputError
 
-__all__ = ["envelope", "min_sum_increments", "top_increments", "top_increments_reference"]
+__all__ = ["envelope", "min_sum_increments", "min_sum_reference", "top_increments", "top_increments_reference"]
 
 
 def envelope(y: np.ndarray) -> np.ndarray:
@@ -283,55 +283,185 @@ def top_increments_reference(x: np.ndarray, y: np.ndarray, n_knots: np.ndarray, 
 
 
 @njit(cache=True)
-def _k_min_sum(F: np.ndarray, room: np.ndarray, extra: int) -> np.ndarray:
+def _lower_hull(F: np.ndarray, c: int, r: int, hx: np.ndarray) -> int:
+    """Vertices ``k`` of the lower convex hull of ``(k, F[c, k])``, ``k = 0..r``, into ``hx``
+    (monotone chain); returns their count. The first is 0 and the last ``r``."""
+    n = 0
+    for k in range(r + 1):
+        while n >= 2:
+            a = hx[n - 2]
+            b = hx[n - 1]
+            if (F[c, b] - F[c, a]) * (k - a) >= (F[c, k] - F[c, a]) * (b - a):
+                n -= 1  # b lies on or above the chord a -> k
+            else:
+                break
+        hx[n] = k
+        n += 1
+    return n
+
+
+@njit(cache=True)
+def _k_suffix_bounds(F: np.ndarray, rr: np.ndarray, extra: int) -> tuple[np.ndarray, np.ndarray]:
+    """``LB[c, T]``: a lower bound on the least cost of cells ``c..m-1`` placing ``T`` entries
+    (inf where they cannot hold ``T``), and ``split``: an integer split of all ``extra``.
+
+    Each curve is replaced by its lower convex hull; for convex separable costs the greedy on
+    unit slopes (cheapest first) is exact, so ``LB[c, T] = sum_q F[q, 0] + the T smallest
+    unit slopes of the hulls of cells c..``. Taking the first ``extra`` unit slopes of all
+    cells gives ``split``, a feasible integer split (its true cost bounds the optimum above)."""
     m = F.shape[0]
-    best = np.full(extra + 1, np.inf)
-    best[0] = 0.0
-    choice = np.zeros((m, extra + 1), dtype=np.int32)
-    reach = 0
+    n_seg = 0
     for c in range(m):
-        r = min(room[c], extra)
-        new = np.full(extra + 1, np.inf)
-        top = min(extra, reach + r)
-        for t in range(top + 1):
-            lo = max(0, t - reach)
-            hi = min(r, t)
+        n_seg += rr[c]
+    slope = np.empty(n_seg)
+    length = np.empty(n_seg, dtype=np.int64)
+    cell = np.empty(n_seg, dtype=np.int64)
+    hx = np.empty(int(rr.max()) + 1 if m else 1, dtype=np.int64)
+    ns = 0
+    for c in range(m):
+        n = _lower_hull(F, c, rr[c], hx)
+        for i in range(n - 1):
+            a = hx[i]
+            b = hx[i + 1]
+            slope[ns] = (F[c, b] - F[c, a]) / (b - a)
+            length[ns] = b - a
+            cell[ns] = c
+            ns += 1
+    order = np.argsort(slope[:ns], kind="mergesort")
+    LB = np.full((m + 1, extra + 1), np.inf)
+    LB[m, 0] = 0.0
+    base = 0.0
+    for c in range(m - 1, -1, -1):
+        base += F[c, 0]
+        v = base
+        T = 0
+        LB[c, 0] = v
+        for oi in range(ns):
+            if T >= extra:
+                break
+            i = order[oi]
+            if cell[i] < c:
+                continue
+            for _ in range(min(length[i], extra - T)):
+                T += 1
+                v += slope[i]
+                LB[c, T] = v
+    split = np.zeros(m, dtype=np.int64)
+    T = 0
+    for oi in range(ns):
+        if T >= extra:
+            break
+        i = order[oi]
+        take = min(length[i], extra - T)
+        split[cell[i]] += take
+        T += take
+    return LB, split
+
+
+@njit(cache=True)
+def _k_min_sum(F: np.ndarray, room: np.ndarray, extra: int, tol: float) -> np.ndarray:
+    m = F.shape[0]
+    rr = np.minimum(room, extra)
+    LB, split = _k_suffix_bounds(F, rr, extra)
+    ub = 0.0
+    scale = 1.0
+    for c in range(m):
+        ub += F[c, split[c]]
+        top = 0.0
+        for k in range(rr[c] + 1):
+            top = max(top, abs(F[c, k]))
+        scale += top
+    # A partial total t after cell c can lie on an optimal path only if its best cost plus
+    # the remaining cells' lower bound stays within the feasible split's cost; the slack
+    # covers rounding in the bound (relative to the curves' size), so no optimum is cut.
+    lim = ub + tol * scale
+    rows = np.full((m + 1, extra + 1), np.inf)
+    rows[0, 0] = 0.0
+    lo = 0
+    hi = 0
+    for c in range(m):
+        r = rr[c]
+        prev = rows[c]
+        new = rows[c + 1]
+        nlo = extra + 1
+        nhi = -1
+        for t in range(lo, min(extra, hi + r) + 1):
             bv = np.inf
-            bk = lo
-            for k in range(lo, hi + 1):
-                v = best[t - k] + F[c, k]
+            for tp in range(max(lo, t - r), min(hi, t) + 1):
+                v = prev[tp] + F[c, t - tp]
                 if v < bv:
                     bv = v
-                    bk = k
-            new[t] = bv
-            choice[c, t] = bk
-        best = new
-        reach = top
+            if bv + LB[c + 1, extra - t] <= lim:
+                new[t] = bv
+                nlo = min(nlo, t)
+                nhi = t
+        lo = nlo
+        hi = nhi
+    # Walk back: each cell takes the smallest count that reaches the best total (the states
+    # of an optimal path are never pruned and carry their exact prefix minimum).
     counts = np.zeros(m, dtype=np.int64)
     t = extra
     for c in range(m - 1, -1, -1):
-        k = choice[c, t]
+        target = rows[c + 1, t]
+        k = 0
+        for k in range(min(rr[c], t) + 1):
+            if rows[c, t - k] + F[c, k] == target:
+                break
         counts[c] = k
         t -= k
     return counts
 
 
-def min_sum_increments(F: np.ndarray, room: np.ndarray, extra: int) -> np.ndarray:
+def min_sum_reference(F: np.ndarray, room: np.ndarray, extra: int) -> np.ndarray:
+    """Plain numpy: the unpruned dynamic programme over cells and partial totals, each cell
+    taking the smallest count among equal best totals (what :func:`min_sum_increments` returns,
+    tested). ``O(cells x extra x room)`` memory per cell: for small instances."""
+    F = np.asarray(F, dtype=np.float64)
+    rm = np.asarray(room, dtype=np.int64).reshape(-1)
+    best = np.full(extra + 1, np.inf)
+    best[0] = 0.0
+    history = [best]
+    for c in range(rm.size):
+        r = int(min(rm[c], extra))
+        t = np.arange(extra + 1)[:, None]
+        k = np.arange(r + 1)[None, :]
+        prev = np.where(t - k >= 0, best[np.clip(t - k, 0, None)], np.inf)
+        best = (prev + F[c, : r + 1][None, :]).min(axis=1)
+        history.append(best)
+    counts = np.zeros(rm.size, dtype=np.int64)
+    t = extra
+    for c in range(rm.size - 1, -1, -1):
+        r = int(min(rm[c], t))
+        ks = np.arange(r + 1)
+        counts[c] = int(np.flatnonzero(history[c][t - ks] + F[c, ks] == history[c + 1][t])[0])
+        t -= counts[c]
+    return counts
+
+
+def min_sum_increments(F: np.ndarray, room: np.ndarray, extra: int, *, prune: bool = True) -> np.ndarray:
     """Extra entries per cell minimising a summed per-cell cost, exactly (dynamic programme).
 
     Finds integer ``k_c`` with ``0 <= k_c <= room_c`` and ``sum_c k_c = extra`` minimising
     ``sum_c F[c, k_c]``. No shape is assumed of the curves (a forced-error curve along the
     scorer's order rises and falls; a dropped-mass curve along it falls but is not convex,
     so no threshold on marginal gains is exact): the programme runs over the cells with the
-    best cost of every partial total, ``O(sum_c extra x min(room_c, extra))`` steps and
-    ``cells x (extra + 1)`` int32 back-pointers. Ties: the first cell-by-cell minimum found
-    (each cell takes the smallest count among equal totals), deterministic.
+    best cost of every partial total, ``O(sum_c extra x min(room_c, extra))`` steps in the
+    worst case. It is pruned by bounds, without changing the answer: the lower convex hulls
+    of the curves give, for the cells not yet placed, a lower bound on their least cost for
+    every total (exact for convex curves) and, by the greedy on their slopes, a feasible
+    split whose cost bounds the optimum above; a partial total whose cost plus that bound
+    exceeds it is dropped. On the allocator's real curves (SmolLM2, 90 cells, 2k tokens) that
+    leaves 0.4-2% of the steps: 35-130x faster (docs/performance.md). Memory: two float64
+    tables of ``(cells + 1) x (extra + 1)``. Ties: each cell, from the last, takes the
+    smallest count among equal best totals (:func:`min_sum_reference`, tested), deterministic.
 
     Args:
         F: float64 ``(cells, K)``, ``F[c, k]`` the cost of cell ``c`` keeping ``k`` extra
             entries (``K > room_c``; entries past ``room_c`` are not read); finite.
         room: int ``(cells,)`` most extra entries per cell.
         extra: entries to place, ``0 <= extra <= room.sum()``.
+        prune: drop partial totals by the bounds (the default); False runs every step (the
+            same answer: for benchmarks and checks).
 
     Returns:
         int64 ``(cells,)`` summing to ``extra``.
@@ -347,4 +477,4 @@ def min_sum_increments(F: np.ndarray, room: np.ndarray, extra: int) -> np.ndarra
     used = np.arange(F.shape[1])[None, :] <= rm[:, None]
     if not np.isfinite(F[used]).all():
         raise InputError("costs", "a cost curve holds NaN or inf", "check the profile")
-    return _k_min_sum(F, rm, int(extra))
+    return _k_min_sum(F, rm, int(extra), 1e-9 if prune else np.inf)
