@@ -5,7 +5,9 @@
   takes them comma-separated (``--methods snapkv,h2o``), repeated (``--budget 64 --budget
   128``) or both; items are stripped of spaces. An empty entry (``--methods snapkv,``,
   ``--budgets 4,,8``) and a value given twice (``--methods h2o,h2o``) are refused with one
-  line naming the option and the entry, never dropped or merged silently.
+  line naming the option and the entry, never dropped or merged silently. A comma inside
+  square brackets does not split (:func:`split_outside_brackets`): a method's own parameters,
+  ``--methods "snapkv[window=32,kernel=7],h2o"`` is two methods.
 * **Options that apply only with another** (:func:`refuse_unused`): given on the command
   line where the other option makes them meaningless (``rows synth --clusters 3`` without
   ``--values clustered``), they are refused, never ignored.
@@ -40,15 +42,35 @@ import typer
 from evictlab.errors import InputError, refuse_duplicates
 
 __all__ = ["CONFIG_KINDS", "QUIET", "RENAMED", "ConfigFile", "apply_config", "given", "outputs_written", "parse_ints",
-           "parse_list", "read_config", "refuse_unused", "renamed_options", "written_outputs"]
+           "parse_list", "read_config", "refuse_unused", "renamed_options", "split_outside_brackets", "written_outputs"]
 
 #: Outputs the running command has declared complete (:func:`outputs_written`).
 _WRITTEN: list[str] = []
 
 
+def split_outside_brackets(text: str, sep: str) -> list[str]:
+    """``text`` split at every ``sep`` that is not inside square brackets (not stripped):
+    ``"a[x=1,y=2],b"`` -> ``["a[x=1,y=2]", "b"]``. A bracket left open keeps the rest in one
+    piece (the method parser refuses it, naming the option); a ``]`` with no ``[`` counts as
+    outside. One rule for list entries (:func:`parse_list`) and the parts of a method text
+    (:func:`evictlab.methods.registry.parse_method_text`)."""
+    out, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth = max(0, depth - 1)
+        elif ch == sep and depth == 0:
+            out.append(text[start:i])
+            start = i + 1
+    out.append(text[start:])
+    return out
+
+
 def parse_list(values: str | Sequence[str] | None, option: str, what: str = "entry", *,
                key: Callable[[str], Any] | None = None) -> list[str]:
-    """The entries of a list option: ``"a, b,c"`` or ``["a", "b,c"]`` -> ``["a", "b", "c"]``.
+    """The entries of a list option: ``"a, b,c"`` or ``["a", "b,c"]`` -> ``["a", "b", "c"]``;
+    commas inside ``[...]`` do not split (:func:`split_outside_brackets`: a method's parameters).
 
     ``None`` (the option not given) -> ``[]``. An empty entry (``"a,,b"``, ``"a,"``, ``""``) or
     an entry given twice is an :class:`InputError` on ``option`` naming it (``what`` is the
@@ -60,7 +82,7 @@ def parse_list(values: str | Sequence[str] | None, option: str, what: str = "ent
     raw = [values] if isinstance(values, str) else list(values)
     out: list[str] = []
     for item in raw:
-        parts = [p.strip() for p in str(item).split(",")]
+        parts = [p.strip() for p in split_outside_brackets(str(item), ",")]
         if any(not p for p in parts):
             shown = ",".join(str(r) for r in raw)
             problem = "is empty" if not shown.strip() else f"{shown!r} has an empty entry"

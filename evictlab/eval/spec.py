@@ -80,7 +80,10 @@ __all__ = [
 
 GRID_VERSION = 2
 """Version of the grid's manifest and of the results' columns (bump on any change).
-2: the prefill (one-pass units) and several questions per context (rows per question)."""
+2: the prefill (one-pass units) and several questions per context (rows per question).
+Methods with bracket parameters (``snapkv[window=32]``) did not bump it: a grid without them
+has the same manifest, cell keys and columns as before, and the new texts only appear in
+new grids (an older evictlab refuses them as unknown scorers, in one line)."""
 FULL = "full"
 """The method (and mode) name of the full-cache reference rows."""
 MODES: tuple[str, ...] = ("physical", "uniform", "masked")
@@ -116,22 +119,31 @@ def cell_method(spec: str, scorer_params: tuple[tuple[str, str], ...],
     return build_method(spec, dict(scorer_params), dict(allocator_params))
 
 
+@functools.lru_cache(maxsize=256)
 def _canonical_method(spec: str) -> tuple[str, str, str]:
-    """``(canonical spec, scorer, allocator)``: ``snapkv+uniform`` -> ``snapkv``."""
-    from evictlab.methods import parse_method
+    """``(canonical spec, scorer, allocator)`` of a method text, the parts with their bracket
+    parameters (:func:`evictlab.methods.registry.parse_method_text`): ``snapkv+uniform`` ->
+    ``("snapkv", "snapkv", "uniform")``; ``trimkv[gates=x]+global`` -> ``(...,
+    "trimkv[gates=x]", "global")``. A bracketed part is an arm of its own everywhere the
+    grid names scorers and allocators (cells, rows, ``eval compare``)."""
+    from evictlab.methods import parse_method_text
 
-    scorer, alloc = parse_method(spec)
-    return (scorer if alloc == "uniform" else f"{scorer}+{alloc}"), scorer, alloc
+    text = parse_method_text(spec)
+    return text.text, text.scorer_text, text.allocator_text
 
 
 @dataclass(frozen=True)
 class CellSpec:
     """One unit of work: one method (or the full cache) on ``n`` examples of one task.
 
-    ``method`` is ``"full"`` or a canonical ``scorer[+allocator]``; ``mode`` is ``"full"``
+    ``method`` is ``"full"`` or a canonical method text (``scorer[+allocator]``, each part
+    with its bracket parameters: ``snapkv[window=32]+adakv``); ``mode`` is ``"full"``
     or one of :data:`MODES`; ``protocol`` is ``"none"`` (full) or one of :data:`PROTOCOLS`;
     ``budget`` a canonical budget text (None for full). ``scorer_params`` /
-    ``allocator_params`` are this method's ``(key, value)`` pairs as typed (strings), sorted.
+    ``allocator_params`` are this method's effective ``(key, value)`` pairs as typed
+    (strings), sorted: the routed ``--scorer-param`` / ``--allocator-param`` with the bracket
+    parameters over them. :attr:`scorer` / :attr:`allocator` are the parts' texts with their
+    brackets (``snapkv[window=32]``).
     ``target_tokens`` is the length of a ``heldout_ppl`` target window. ``trace``: also
     record the per-compression diagnostics (:func:`evictlab.eval.runner.run_cell_traced`).
     ``prefill``: one of :data:`PREFILLS`; ``questions``: how many questions of each
@@ -251,10 +263,13 @@ class GridSpec:
     """The grid the user asked for; validated on construction, before any model loads.
 
     ``budgets`` and ``methods`` are stored canonically (``64`` -> ``64/cell``,
-    ``snapkv+uniform`` -> ``snapkv``), so ``64`` and ``64/cell`` are the same budget (and a
-    duplicate). ``methods`` may name ``full`` (the full cache, always run); a grid of only
-    ``full`` takes no budgets, modes or protocols. ``scorer_params`` / ``allocator_params``
-    are ``k=v`` (or ``name.k=v``) strings routed to the chosen methods as in ``decode``.
+    ``snapkv+uniform`` -> ``snapkv``, bracket parameters sorted by key), so ``64`` and
+    ``64/cell`` are the same budget (and a duplicate), as are ``snapkv[window=32,kernel=7]`` and
+    ``snapkv[kernel=7, window=32]``. ``methods`` may name ``full`` (the full cache, always
+    run); a grid of only ``full`` takes no budgets, modes or protocols. ``scorer_params`` /
+    ``allocator_params`` are ``k=v`` (or ``name.k=v``) strings routed to the chosen methods
+    as in ``decode`` (by registry name: ``snapkv.window=64`` reaches every ``snapkv[...]``
+    arm); a method's bracket parameters override them for that method only.
     """
 
     models: tuple[str, ...]
@@ -408,13 +423,30 @@ class GridSpec:
         return [m for m in self.methods if m != FULL]
 
     def method_params(self) -> dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]]:
-        """``{method: (scorer params, allocator params)}`` routed like ``decode``'s options."""
+        """``{method: (scorer params, allocator params)}``: the effective parameters of each
+        method, routed like ``decode``'s options (by registry name) with the method's bracket
+        parameters over them. Two methods that come to the same parts with the same
+        parameters (``snapkv`` with ``--scorer-param window=8`` and ``snapkv[window=8]``) are
+        refused (field ``methods``): they would be one arm twice."""
+        from evictlab.methods import parse_method_text
         from evictlab.methods.registry import route_params
 
-        parsed = {m: _canonical_method(m) for m in self.evicting}
-        sp = route_params(dict(self.scorer_params), [s for _, s, _ in parsed.values()], "scorer")
-        ap = route_params(dict(self.allocator_params), [a for _, _, a in parsed.values()], "allocator")
-        return {m: (tuple(sorted(sp[s].items())), tuple(sorted(ap[a].items()))) for m, (_, s, a) in parsed.items()}
+        parsed = {m: parse_method_text(m) for m in self.evicting}
+        sp = route_params(dict(self.scorer_params), [t.scorer for t in parsed.values()], "scorer")
+        ap = route_params(dict(self.allocator_params), [t.allocator for t in parsed.values()], "allocator")
+        out: dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]] = {}
+        seen: dict[tuple[Any, ...], str] = {}
+        for m, t in parsed.items():
+            own = (tuple(sorted({**sp[t.scorer], **dict(t.scorer_params)}.items())),
+                   tuple(sorted({**ap[t.allocator], **dict(t.allocator_params)}.items())))
+            arm = (t.scorer, t.allocator, *own)
+            if arm in seen:
+                raise InputError("methods", f"{seen[arm]} and {m} are the same arm (the same scorer, allocator and "
+                                 "parameters once the --scorer-param/--allocator-param are routed)",
+                                 "list it once, or give the two arms different parameters")
+            seen[arm] = m
+            out[m] = own
+        return out
 
     def cells(self) -> list[CellSpec]:
         """Every cell, in the grid's order: model, task, context, then the full cell, then

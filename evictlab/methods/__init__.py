@@ -23,7 +23,16 @@ from evictlab.methods.base import (
 )
 from evictlab.methods.method import Method, build_method
 from evictlab.methods.params import parse_assignments
-from evictlab.methods.registry import ALLOCATORS, REGISTRY, make_allocator, make_scorer, parse_method
+from evictlab.methods.registry import (
+    ALLOCATORS,
+    REGISTRY,
+    MethodText,
+    canonical_method,
+    make_allocator,
+    make_scorer,
+    parse_method,
+    parse_method_text,
+)
 
 __all__ = [
     "ALLOCATORS",
@@ -32,14 +41,17 @@ __all__ = [
     "AllocationError",
     "Allocator",
     "Method",
+    "MethodText",
     "ScoreInputs",
     "Scorer",
     "WindowProfile",
     "build_method",
+    "canonical_method",
     "check_sizes",
     "make_allocator",
     "make_scorer",
     "parse_assignments",
     "parse_method",
+    "parse_method_text",
     "select_keep",
 ]

@@ -1,7 +1,10 @@
 """One eviction method, built once: :class:`Method` (scorer, allocator, what they need).
 
-A method text is ``SCORER`` or ``SCORER+ALLOCATOR`` (``snapkv`` is ``snapkv+uniform``) with
-``k=v`` parameters for each part. :func:`build_method` turns it into a :class:`Method`
+A method text is ``SCORER`` or ``SCORER+ALLOCATOR`` (``snapkv`` is ``snapkv+uniform``), each
+part optionally with its own parameters in brackets (``snapkv[window=32]+adakv[alpha=0.3]``,
+:func:`evictlab.methods.registry.parse_method_text`), plus ``k=v`` parameters given beside it
+(routed ``--scorer-param`` / ``--allocator-param``; a bracket parameter overrides one of the
+same key). :func:`build_method` turns it into a :class:`Method`
 once: the registry builds the scorer and the allocator (validating every parameter and
 reading the files they name, :mod:`evictlab.methods.params`), and the method's needs are
 read from their classes' declarations (:class:`~evictlab.methods.base.Scorer`'s
@@ -25,9 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from evictlab.errors import InputError
 from evictlab.methods.base import Allocator, Scorer
 from evictlab.methods.params import settable_params
-from evictlab.methods.registry import REGISTRY, make_allocator, make_scorer, parse_method
+from evictlab.methods.registry import REGISTRY, MethodText, Params, make_allocator, make_scorer, parse_method_text
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from evictlab.models.geometry import ModelGeometry
@@ -47,7 +51,8 @@ class Method:
     Attributes:
         scorer_name, allocator_name: registry names (``uniform`` for a bare scorer).
         scorer_params, allocator_params: the parameters given, typed by the dataclasses
-            (only those given; the rest are the defaults the objects carry).
+            (only those given: the bracket parameters merged over the routed ones; the rest
+            are the defaults the objects carry).
         scorer: the scorer built with its parameters (the dataclass defaults otherwise).
         allocator: the allocator built with its parameters.
         needs: what the scorer and the allocator need beyond held keys and recent queries
@@ -58,6 +63,8 @@ class Method:
         layer_scorers: per layer, the scorer of a method bound to a model
             (:meth:`for_model`); empty for an unbound one.
         geometry: the model geometry a bound method was bound to (None unbound).
+        scorer_inline, allocator_inline: the bracket parameters of the method text
+            (``snapkv[window=32]``: ``(("window", "32"),)``), part of :attr:`spec`.
     """
 
     scorer_name: str
@@ -70,23 +77,29 @@ class Method:
     all_queries: bool
     layer_scorers: tuple[Scorer, ...] = ()
     geometry: ModelGeometry | None = None
+    scorer_inline: Params = ()
+    allocator_inline: Params = ()
     _bound: dict[Any, Method] = field(default_factory=dict, repr=False, compare=False)
     _lock: Any = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @classmethod
     def of(cls, scorer_name: str, allocator_name: str, scorer_params: Mapping[str, Any],
-           allocator_params: Mapping[str, Any], scorer: Scorer, allocator: Allocator) -> Method:
-        """A method from built parts (what :func:`evictlab.methods.registry.build_method`
-        returns); the needs are read from the parts' declarations here, once."""
+           allocator_params: Mapping[str, Any], scorer: Scorer, allocator: Allocator, *,
+           scorer_inline: Params = (), allocator_inline: Params = ()) -> Method:
+        """A method from built parts (what :func:`build_method` returns); the needs are read
+        from the parts' declarations here, once."""
         needs = frozenset(type(scorer).needs) | frozenset(allocator.needs)
         return cls(scorer_name, allocator_name, dict(scorer_params), dict(allocator_params), scorer, allocator,
-                   needs, bool(type(scorer).uses_all_queries))
+                   needs, bool(type(scorer).uses_all_queries), scorer_inline=tuple(scorer_inline),
+                   allocator_inline=tuple(allocator_inline))
 
     # -- names ---------------------------------------------------------------------------
     @property
     def spec(self) -> str:
-        """The canonical method text: ``scorer`` for uniform sizes, else ``scorer+allocator``."""
-        return self.scorer_name if self.allocator_name == "uniform" else f"{self.scorer_name}+{self.allocator_name}"
+        """The canonical method text (:attr:`evictlab.methods.registry.MethodText.text`):
+        ``scorer`` for uniform sizes, else ``scorer+allocator``, each part with its bracket
+        parameters (``snapkv[window=32]+adakv``)."""
+        return MethodText(self.scorer_name, self.allocator_name, self.scorer_inline, self.allocator_inline).text
 
     @property
     def reconstruction(self) -> bool:
@@ -137,7 +150,8 @@ class Method:
         merged = {**self.scorer_params, **params}
         scorer = make_scorer(self.scorer_name, **merged)
         typed = {k: getattr(scorer, k) for k in merged}
-        return Method.of(self.scorer_name, self.allocator_name, typed, self.allocator_params, scorer, self.allocator)
+        return Method.of(self.scorer_name, self.allocator_name, typed, self.allocator_params, scorer, self.allocator,
+                         scorer_inline=self.scorer_inline, allocator_inline=self.allocator_inline)
 
     def record(self) -> dict[str, Any]:
         """The method as a run record shows it."""
@@ -175,7 +189,8 @@ class Method:
                     by_rope[r] = make_scorer(self.scorer_name, rope=r, **self.scorer_params)
             layers = tuple(by_rope[r] for r in geometry.rope)
         bound = Method(self.scorer_name, self.allocator_name, self.scorer_params, self.allocator_params,
-                       layers[0], self.allocator, self.needs, self.all_queries, layers, geometry)
+                       layers[0], self.allocator, self.needs, self.all_queries, layers, geometry,
+                       self.scorer_inline, self.allocator_inline)
         with self._lock:
             self._bound[geometry] = bound
         return bound
@@ -187,14 +202,33 @@ class Method:
 
 def build_method(spec: str, scorer_params: Mapping[str, Any] | None = None,
                  allocator_params: Mapping[str, Any] | None = None) -> Method:
-    """The :class:`~evictlab.methods.method.Method` of ``spec`` (``SCORER`` or
-    ``SCORER+ALLOCATOR``) with each part's parameters (strings from the command line or
-    typed values): both parts built once, every parameter validated and the files they
-    name read (:class:`InputError` with field ``method``, ``scorer_param`` or
-    ``allocator_param``)."""
-    scorer_name, allocator_name = parse_method(spec)
-    scorer = make_scorer(scorer_name, **dict(scorer_params or {}))
-    allocator = make_allocator(allocator_name, **dict(allocator_params or {}))
-    typed_s = {k: getattr(scorer, k) for k in (scorer_params or {})}
-    typed_a = {k: getattr(allocator, k) for k in (allocator_params or {})}
-    return Method.of(scorer_name, allocator_name, typed_s, typed_a, scorer, allocator)
+    """The :class:`~evictlab.methods.method.Method` of ``spec`` (a method text,
+    :func:`evictlab.methods.registry.parse_method_text`: ``SCORER[k=v,...]+ALLOCATOR[k=v,...]``)
+    with each part's parameters (strings from the command line or typed values): the bracket
+    parameters of ``spec`` are merged over ``scorer_params`` / ``allocator_params`` (a bracket
+    key overrides the same key given beside it, for this method only); both parts built once,
+    every parameter validated and the files they name read (:class:`InputError` with field
+    ``method`` for the method text and its bracket parameters, ``scorer_param`` or
+    ``allocator_param`` for the others)."""
+    text = parse_method_text(spec)
+    sp = {**dict(scorer_params or {}), **dict(text.scorer_params)}
+    ap = {**dict(allocator_params or {}), **dict(text.allocator_params)}
+    scorer = _built(make_scorer, text.scorer, sp, text.scorer_params, spec)
+    allocator = _built(make_allocator, text.allocator, ap, text.allocator_params, spec)
+    typed_s = {k: getattr(scorer, k) for k in sp}
+    typed_a = {k: getattr(allocator, k) for k in ap}
+    return Method.of(text.scorer, text.allocator, typed_s, typed_a, scorer, allocator,
+                     scorer_inline=text.scorer_params, allocator_inline=text.allocator_params)
+
+
+def _built(make: Any, name: str, params: Mapping[str, Any], inline: Params, spec: str) -> Any:
+    """``make(name, **params)``; a bad value of a bracket parameter (its type, the
+    dataclass's own check, a file it names) is re-raised under ``method``, where it was
+    written (the factories' messages start ``NAME parameter KEY=``)."""
+    try:
+        return make(name, **params)
+    except InputError as exc:
+        if exc.field in ("scorer_param", "allocator_param") and any(
+                exc.problem.startswith(f"{name} parameter {k}=") for k, _ in inline):
+            raise InputError("method", f"{exc.problem} (in {spec!r})", exc.fix) from None
+        raise

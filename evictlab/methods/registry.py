@@ -5,13 +5,25 @@ to allocator dataclasses. :func:`make_scorer` and :func:`make_allocator` build o
 name and parameters (strings from the command line or typed values), through the shared
 :func:`evictlab.methods.params.build`: unknown parameters are refused, values are coerced by
 the dataclass field types, and the dataclass validates them.
+
+A **method text** (:func:`parse_method_text`) is ``SCORER`` or ``SCORER+ALLOCATOR``, each part
+optionally with its own parameters in square brackets: ``snapkv[window=32]``,
+``trimkv[gates=runs/gates/smollm2-local]+global``, ``snapkv+adakv[alpha=0.3]``,
+``snapkv[window=64,pooling=max]+contourkv[ranking=query]``. Its canonical form
+(:attr:`MethodText.text`) sorts each part's parameters by key and strips the spaces around
+keys and values, so two spellings of one arm are one text; ``+uniform`` without parameters
+is dropped (``snapkv+uniform`` is ``snapkv``). A bracket parameter is the arm's own: it
+overrides a routed ``--scorer-param`` / ``--allocator-param`` of the same key for that arm
+only (:func:`evictlab.methods.method.build_method` merges them).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Callable
 
+from evictlab.cliutil import split_outside_brackets
 from evictlab.errors import InputError
 from evictlab.methods import allocators, contour, scorers, trimkv
 from evictlab.methods.oracle_labels import OracleLabels
@@ -19,7 +31,8 @@ from evictlab.methods.base import Allocator, Scorer
 from evictlab.methods.params import build, settable_params
 from evictlab.models.geometry import RopeSpec, rope_spec_of
 
-__all__ = ["ALLOCATORS", "REGISTRY", "make_allocator", "make_scorer", "parse_method", "route_params"]
+__all__ = ["ALLOCATORS", "REGISTRY", "MethodText", "base_name", "canonical_method", "make_allocator", "make_scorer",
+           "parse_method", "parse_method_text", "part_text", "route_params"]
 
 REGISTRY: dict[str, Callable[..., Scorer]] = {
     "streaming_llm": scorers.StreamingLLM,
@@ -94,20 +107,127 @@ def _loaded(obj: Any, kind: str, name: str) -> Any:
         raise
 
 
-def parse_method(spec: str) -> tuple[str, str]:
-    """``"snapkv"`` -> ``("snapkv", "uniform")``; ``"snapkv+adakv"`` -> ``("snapkv", "adakv")``.
+Params = tuple[tuple[str, str], ...]
+"""A part's bracket parameters: ``(key, value)`` pairs as typed (strings), sorted by key."""
 
-    Unknown names are an :class:`InputError` with field ``"method"``.
-    """
-    scorer, plus, alloc = spec.strip().partition("+")
-    scorer, alloc = scorer.strip(), (alloc.strip() or ("" if plus else "uniform"))
-    if scorer not in REGISTRY:
-        raise InputError("method", f"unknown scorer {scorer!r} in {spec!r}",
-                         f"write SCORER or SCORER+ALLOCATOR with a scorer from: {', '.join(sorted(REGISTRY))}")
-    if alloc not in ALLOCATORS:
-        raise InputError("method", f"unknown allocator {alloc!r} in {spec!r}",
+GRAMMAR_FIX = ("write SCORER or SCORER+ALLOCATOR, each optionally with its parameters in brackets: "
+               "SCORER[key=value,key2=value2]+ALLOCATOR[key=value], e.g. snapkv[window=32]+adakv[alpha=0.3]")
+
+
+def part_text(name: str, params: Params) -> str:
+    """One part of a method text: ``name`` or ``name[k=v,k2=v2]`` (``params`` as given)."""
+    return name if not params else f"{name}[{','.join(f'{k}={v}' for k, v in params)}]"
+
+
+def base_name(part: str) -> str:
+    """The registry name of a part text: ``trimkv[gates=x]`` -> ``trimkv`` (``snapkv`` as is).
+    What recognises a scorer or allocator family (e.g. the ContourKV claims)."""
+    return part.partition("[")[0].strip()
+
+
+@dataclass(frozen=True)
+class MethodText:
+    """A parsed method text (module docstring): registry names and each part's bracket
+    parameters (sorted by key, strings as typed). :attr:`text` is the canonical text."""
+
+    scorer: str
+    allocator: str
+    scorer_params: Params = ()
+    allocator_params: Params = ()
+
+    @property
+    def scorer_text(self) -> str:
+        """``snapkv[window=32]``: the scorer with its bracket parameters."""
+        return part_text(self.scorer, self.scorer_params)
+
+    @property
+    def allocator_text(self) -> str:
+        """``adakv[alpha=0.3]``: the allocator with its bracket parameters."""
+        return part_text(self.allocator, self.allocator_params)
+
+    @property
+    def text(self) -> str:
+        """The canonical method text: ``scorer[...]`` alone for a plain ``uniform``
+        allocator, else ``scorer[...]+allocator[...]``."""
+        if self.allocator == "uniform" and not self.allocator_params:
+            return self.scorer_text
+        return f"{self.scorer_text}+{self.allocator_text}"
+
+
+def _parse_part(part: str, spec: str, kind: str, table: Mapping[str, Any]) -> tuple[str, Params]:
+    """``"snapkv[window=32]"`` -> ``("snapkv", (("window", "32"),))``; every refusal is an
+    :class:`InputError` with field ``method`` naming ``spec``."""
+    name, bracket, rest = part.partition("[")
+    name = name.strip()
+    if "]" in name:
+        raise InputError("method", f"{spec!r} has a ']' without its '['", GRAMMAR_FIX)
+    if name not in table:
+        raise InputError("method", f"unknown {kind} {name!r} in {spec!r}",
+                         f"write SCORER or SCORER+ALLOCATOR with a {kind} from: {', '.join(sorted(table))}")
+    if not bracket:
+        return name, ()
+    rest = rest.rstrip()
+    if not rest.endswith("]"):
+        where = "is not closed" if "]" not in rest else "is followed by other text"
+        raise InputError("method", f"the '[' after {name} in {spec!r} {where}", GRAMMAR_FIX)
+    inner = rest[:-1]
+    if "[" in inner or "]" in inner:
+        raise InputError("method", f"{spec!r} has brackets inside {name}'s parameters", GRAMMAR_FIX)
+    if not inner.strip():
+        raise InputError("method", f"{name}[] in {spec!r} has no parameters", f"drop the brackets, or {GRAMMAR_FIX}")
+    allowed = settable_params(table[name])
+    out: dict[str, str] = {}
+    for item in inner.split(","):
+        key, eq, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not eq or not key or not value:
+            what = "an empty key" if eq and not key else ("an empty value" if eq else "no '='")
+            raise InputError("method", f"{name} parameter {item.strip()!r} in {spec!r} has {what}",
+                             f"write each as key=value, e.g. {name}[{next(iter(allowed), 'key')}=...]"
+                             if allowed else f"{name} takes no parameters: drop the brackets")
+        if key not in allowed:
+            valid = ", ".join(sorted(allowed))
+            raise InputError("method", f"{kind} {name} has no parameter {key!r} (in {spec!r})",
+                             f"use: {valid}" if valid else f"{name} takes no parameters: drop the brackets")
+        if key in out:
+            raise InputError("method", f"{name} parameter {key} is given twice in {spec!r} ({key}={out[key]} and "
+                             f"{key}={value})", "give each parameter once")
+        out[key] = value
+    return name, tuple(sorted(out.items()))
+
+
+def parse_method_text(spec: str) -> MethodText:
+    """Parse a method text (module docstring): ``"snapkv[window=32]+adakv"`` ->
+    ``MethodText("snapkv", "adakv", (("window", "32"),), ())``. A scorer alone means
+    ``+uniform``. Unknown names, bad brackets (unclosed, empty, nested), a parameter the
+    part does not have, an empty key or value and a key given twice are an
+    :class:`InputError` with field ``"method"`` (values are typed when the method is built,
+    :func:`evictlab.methods.method.build_method`)."""
+    parts = split_outside_brackets(spec.strip(), "+")
+    if len(parts) > 2:
+        raise InputError("method", f"{spec!r} has more than one '+'", GRAMMAR_FIX)
+    scorer, sp = _parse_part(parts[0], spec, "scorer", REGISTRY)
+    if len(parts) == 1:
+        return MethodText(scorer, "uniform", sp, ())
+    if not parts[1].strip():
+        raise InputError("method", f"unknown allocator '' in {spec!r}",
                          f"write SCORER+ALLOCATOR with an allocator from: {', '.join(sorted(ALLOCATORS))}")
-    return scorer, alloc
+    alloc, ap = _parse_part(parts[1], spec, "allocator", ALLOCATORS)
+    return MethodText(scorer, alloc, sp, ap)
+
+
+def parse_method(spec: str) -> tuple[str, str]:
+    """The registry names of a method text (:func:`parse_method_text`, which checks all of
+    it): ``"snapkv"`` -> ``("snapkv", "uniform")``; ``"snapkv[window=32]+adakv"`` ->
+    ``("snapkv", "adakv")``. Errors are :class:`InputError` with field ``"method"``."""
+    parsed = parse_method_text(spec)
+    return parsed.scorer, parsed.allocator
+
+
+def canonical_method(spec: str) -> str:
+    """The canonical text of a method (:attr:`MethodText.text`): what counts as the same
+    method in a list (``snapkv+uniform`` is ``snapkv``; parameters sorted by key)."""
+    return parse_method_text(spec).text
 
 
 def route_params(params: Mapping[str, Any], names: Sequence[str], kind: str) -> dict[str, dict[str, Any]]:
