@@ -50,7 +50,7 @@ from evictlab.decode.config import DecodeConfig, LoopSettings
 from evictlab.decode.loop import DecodeOutput, run_sequence
 from evictlab.errors import InputError, refuse_duplicates
 from evictlab.kv.budget import Budget, kv_bytes
-from evictlab.methods import build_method, parse_method
+from evictlab.methods import build_method, canonical_method, parse_method
 from evictlab.methods.registry import route_params
 from evictlab.models.geometry import model_geometry
 
@@ -91,7 +91,8 @@ def audit_configs(
     scorer_params: Mapping[str, Any] | None = None,
     allocator_params: Mapping[str, Any] | None = None,
 ) -> list[tuple[str, DecodeConfig]]:
-    """Every ``(method spec, config)`` of an audit, validated before anything runs; each
+    """Every ``(method spec, config)`` of an audit (the spec canonical: ``snapkv+uniform`` is
+    ``snapkv``, bracket parameters sorted), validated before anything runs; each
     method is built once (:func:`~evictlab.methods.build_method`) and shared by its
     budgets and modes.
 
@@ -111,10 +112,10 @@ def audit_configs(
     bad = [m for m in modes if m not in ("masked", "physical")]
     if bad:
         raise InputError("mode", f"unknown mode {bad[0]!r}", "use masked and/or physical")
-    refuse_duplicates([m.strip() for m in methods], "method", "method")
+    refuse_duplicates([canonical_method(m) for m in methods], "method", "method")
     refuse_duplicates([f"{b.value} {b.unit}" for b in budgets], "budget", "budget")
     refuse_duplicates(list(modes), "mode", "mode")
-    parsed = [(spec.strip(), *parse_method(spec)) for spec in methods]
+    parsed = [(canonical_method(spec), *parse_method(spec)) for spec in methods]
     sp = route_params(scorer_params or {}, [s for _, s, _ in parsed], "scorer")
     ap = route_params(allocator_params or {}, [a for _, _, a in parsed], "allocator")
     out = []

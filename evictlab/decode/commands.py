@@ -155,7 +155,9 @@ def audit(
     model: str = typer.Option("smollm2-135m", help="registry name, local HF folder or hub id"),
     budget: list[str] = typer.Option(["64"], help="kept budget; repeat for several: 64 (tokens per cell), "
                                      "4096total, 2MiB"),
-    methods: str = typer.Option(_DEFAULT_METHODS, help="comma-separated scorer or scorer+allocator"),
+    methods: str = typer.Option(_DEFAULT_METHODS, help="comma-separated scorer or scorer+allocator, each part "
+                                "optionally with its own parameters: snapkv[window=64]+adakv[alpha=0.3] (commas "
+                                "inside brackets do not split; they override --scorer-param/--allocator-param)"),
     scorer_param: list[str] = _SCORER_PARAM, allocator_param: list[str] = _ALLOCATOR_PARAM,
     task: str = typer.Option("needle", help="comma-separated tasks: needle, multi_needle, multi_key, variable_tracking"),
     n: int = typer.Option(2, help="examples per task"),
@@ -250,7 +252,9 @@ def _write_audit(df: Any, out: Path, model: str, record: Any, trace: Path | None
 def decode(
     ctx: typer.Context,
     model: str = typer.Option("smollm2-135m", help="registry name, local HF folder or hub id"),
-    method: str = typer.Option("snapkv", help="scorer or scorer+allocator"),
+    method: str = typer.Option("snapkv", help="scorer or scorer+allocator, each part optionally with its own "
+                               "parameters: snapkv[window=64,pooling=max]+adakv[alpha=0.3] (they override "
+                               "--scorer-param/--allocator-param)"),
     scorer_param: list[str] = _SCORER_PARAM, allocator_param: list[str] = _ALLOCATOR_PARAM,
     task: str = typer.Option("needle", help="needle, multi_needle, multi_key or variable_tracking"),
     budget: str = typer.Option("64", help="kept budget: 64 (tokens per cell), 4096total or 2MiB"),

@@ -97,7 +97,8 @@ def sweep(
     n: int = typer.Option(5, "--n", help="Examples per distractor count (the same asked needles for every k)."),
     methods: str = typer.Option(_SWEEP_METHODS,
                                 "--methods", help="full, oracle_labels (ORACLE: keeps the asked needle by its "
-                                "labels), and scorer or scorer+allocator names as in `evictlab decode`."),
+                                "labels), and scorer or scorer+allocator names as in `evictlab decode`, "
+                                "with their own parameters in brackets if wanted (snapkv[window=64])."),
     budget: str = typer.Option("128", "--budget", help="Kept entries for every method: 128 = per cell, "
                                "4096total, or bytes (2MiB); matched bytes across methods."),
     context: int = typer.Option(512, "--context", help="Filler tokens of the haystack besides the needles."),

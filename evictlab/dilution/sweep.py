@@ -98,7 +98,7 @@ class SweepConfig:
     def check(self) -> None:
         from evictlab.capture.config import parse_layers
         from evictlab.kv.budget import Budget
-        from evictlab.methods import parse_method
+        from evictlab.methods import canonical_method, parse_method
         from evictlab.models.loading import check_device
 
         check_device(self.device)
@@ -116,14 +116,14 @@ class SweepConfig:
             raise InputError("--context", f"{self.context} filler tokens is too short", "use at least 64")
         if not self.methods:
             raise InputError("--methods", "no method given", f"use e.g. {','.join(DEFAULT_METHODS)}")
-        if len(set(self.methods)) != len(self.methods):
-            raise InputError("--methods", f"{list(self.methods)} repeats a method", "list each method once")
+        canon = []
         for m in self.methods:
-            if m != FULL:
-                try:
-                    parse_method(m)
-                except InputError as exc:
-                    raise InputError("--methods", exc.problem, exc.fix) from None
+            try:
+                canon.append(m if m == FULL else canonical_method(m))
+            except InputError as exc:
+                raise InputError("--methods", exc.problem, exc.fix) from None
+        if len(set(canon)) != len(canon):
+            raise InputError("--methods", f"{list(self.methods)} repeats a method", "list each method once")
         routed = self.routed_params()
         for m in self.methods:  # every method built once now: bad parameters, a missing gates folder
             if m != FULL:

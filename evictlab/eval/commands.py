@@ -72,7 +72,11 @@ def run(
                                 help="KV budgets, comma-separated: 64 (kept tokens per cell), 4096total, 2MiB "
                                      "(default 64; none with --methods full) (formerly --budgets)"),
     methods: str = typer.Option("snapkv,snapkv+adakv", "--methods",
-                                help="comma-separated scorer or scorer+allocator; `full` alone: the full cache only"),
+                                help="comma-separated scorer or scorer+allocator, each part optionally with its "
+                                     "own parameters, an arm of its own: trimkv[gates=DIR]+global, snapkv[window=64] "
+                                     "(commas inside brackets do not split; a bracket parameter overrides "
+                                     "--scorer-param/--allocator-param for that arm); `full` alone: the full cache "
+                                     "only"),
     modes: str = typer.Option(None, "--store", show_default=False,
                               help="how the cache is held, comma-separated: physical, uniform (physical, equal sizes "
                                    "per cell), masked (default physical) (formerly --modes)"),

@@ -10,6 +10,11 @@ mean difference with a 95% percentile-bootstrap interval that resamples whole co
 context = one (task, context length, example index), with all its questions and budgets),
 and the range of the per-comparison means (each with its own whole-context interval). Our numbers are never adjusted to agree; small models sit at floors,
 so the full cache's accuracy is printed beside each (docs/evaluation.md).
+
+A claim recognises a scorer or allocator family by its registry name (:func:`family`): an arm
+with bracket parameters (``snapkv[window=64]``, ``snapkv+contourkv[ranking=query]``) belongs
+to its family and stays an arm of its own (its ``method``, ``scorer`` and ``allocator`` texts
+keep the brackets).
 """
 
 from __future__ import annotations
@@ -20,16 +25,24 @@ import numpy as np
 import polars as pl
 
 from evictlab.eval.compare import PAIR_ON, context_design, with_question_columns
+from evictlab.methods.registry import base_name
 from evictlab.report.markdown import ci
 from evictlab.stats.bootstrap import Design, bootstrap_mean
 from evictlab.stats.claims import versus, weights_for
 
-__all__ = ["INTERVAL", "PAIR_ON", "claim_fields", "contexts", "detail_table", "full_em", "full_note", "paired", "points_text", "pooled_mean",
+__all__ = ["INTERVAL", "PAIR_ON", "claim_fields", "contexts", "detail_table", "family", "full_em", "full_note", "paired", "points_text", "pooled_mean",
            "versus", "with_question_columns"]
 
 INTERVAL = ("95% percentile bootstrap, resampling whole contexts (one task, context length and example index, with "
             "all its questions and budgets); answers paired across the two arms by (example, question)")
 """How the claim rows' intervals were resampled (the ``interval`` column)."""
+
+
+def family(column: str) -> pl.Expr:
+    """The registry names of a ``scorer`` / ``allocator`` column
+    (:func:`evictlab.methods.registry.base_name`: ``trimkv[gates=x]`` -> ``trimkv``): what a
+    claim tests family membership on (``family("allocator").is_in(CONTOUR_ALLOCATORS)``)."""
+    return pl.col(column).map_elements(base_name, return_dtype=pl.Utf8)
 
 
 def paired(results: pl.DataFrame, on: list[str], a: pl.Expr, b: pl.Expr) -> pl.DataFrame:

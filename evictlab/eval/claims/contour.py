@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from evictlab.eval.claims.common import PAIR_ON, contexts, full_em, full_note, versus, with_question_columns
+from evictlab.eval.claims.common import PAIR_ON, contexts, family, full_em, full_note, versus, with_question_columns
 from evictlab.stats.bootstrap import Design, bootstrap_mean
 from evictlab.stats.claims import ClaimRow, weights_for
 
@@ -57,7 +57,7 @@ def contour_outcomes(results: pl.DataFrame, tolerance: float = 0.1) -> pl.DataFr
     on = ["model", "task", "context", "protocol", "prefill", "budget", "scorer", *PAIR_ON]
     results = with_question_columns(results)
     phys = results.filter((pl.col("method") != "full") & (pl.col("mode") == "physical"))
-    ours = pl.col("allocator").is_in(list(CONTOUR_ALLOCATORS))
+    ours = family("allocator").is_in(list(CONTOUR_ALLOCATORS))  # contourkv[ranking=query] too
     j = phys.filter(ours).join(phys.filter(~ours), on=on, suffix="_b", how="inner")
     if j.height == 0:
         return pl.DataFrame()

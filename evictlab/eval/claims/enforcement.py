@@ -42,7 +42,7 @@ def enforcement_cost(results: pl.DataFrame, *, seed: int = 0, n_boot: int = 2000
     answers paired by (example, question)."""
     on = ["model", "task", "context", "protocol", "prefill", "budget", "method"]
     results = C.with_question_columns(results)
-    ragged = pl.col("allocator") != "uniform"
+    ragged = C.family("allocator") != "uniform"
     j = C.paired(results.filter(pl.col("method") != "full"), on,
                 (pl.col("mode") == "masked") & ragged, pl.col("mode") == "uniform")
     if j.height == 0:

@@ -28,7 +28,7 @@ def query_aware_margin(results: pl.DataFrame, tasks: tuple[str, ...] | None = No
     tasks = tasks or RETRIEVAL_TASKS
     on = ["model", "task", "context", "prefill", "budget", "method", "mode"]
     results = C.with_question_columns(results)
-    base = results.filter(pl.col("scorer").is_in(list(MARGIN_SCORERS)) & pl.col("task").is_in(list(tasks))
+    base = results.filter(C.family("scorer").is_in(list(MARGIN_SCORERS)) & pl.col("task").is_in(list(tasks))
                           & (pl.col("mode") == "physical"))
     j = C.paired(base, on, pl.col("protocol") == "query-aware", pl.col("protocol") == "query-agnostic")
     if j.height == 0:
