@@ -389,7 +389,7 @@ def test_the_contourkv_follow_up_configs_expand_to_their_grids() -> None:
 
 
 DILUTION_METHODS = {"oracle_labels", "snapkv", "snapkv+adakv", "expected_attention", "streaming_llm"}
-#: the local gates of the gates ablation (gates_local.toml; relative to the working directory,
+#: the local gates of the gates ablation (gates_ablation.toml; relative to the working directory,
 #: as the scorer reads it), not trained yet when the file was written
 LOCAL_GATES = Path("runs/gates/smollm2-local")
 
@@ -423,12 +423,15 @@ def test_the_dilution_configs_expand_to_their_grids() -> None:
         assert p["out"] == Path("runs/experiments") / name.removesuffix(".toml")
 
 
-def test_the_gates_configs_expand_to_their_grids() -> None:
+def test_the_gates_configs_expand_to_their_grids(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """gates.toml (issue 25, item 3): SmolLM2, the task suite's kept cells at 1k and 2k, the
     budgets of contourkv.toml, trimkv+global and trimkv (the shipped gates) against SnapKV,
     SnapKV + AdaKV and SnapKV + contourkv_error, physical, query-agnostic, one-pass, n = 50;
-    gates_local.toml: the same cells with trimkv+global on the local gates (refused, naming
-    the folder, until they are trained; its grid read with the shipped gates instead)."""
+    gates_ablation.toml: the same cells in one grid with trimkv+global on the shipped and on the
+    local gates and trimkv on the local gates, each arm's gates in brackets (refused, naming
+    the folder, until the local gates are trained; its grid read with a stand-in folder)."""
+    import shutil
+
     from evictlab.tasks.suite import SUITE_TASKS
 
     spec, p, _ = _grid_of(["--config", str(ROOT / "experiments" / "gates.toml")])
@@ -443,29 +446,40 @@ def test_the_gates_configs_expand_to_their_grids() -> None:
     for c in spec.cells():
         assert c.scorer_params == ((("gates", "default"),) if c.scorer == "trimkv" else ())
     assert p["out"] == Path("runs/experiments/gates")
-    local = ["--config", str(ROOT / "experiments" / "gates_local.toml")]
+    ablation_file = ["--config", str(ROOT / "experiments" / "gates_ablation.toml")]
     if not LOCAL_GATES.is_dir():
         with pytest.raises(InputError, match="runs/gates/smollm2-local"):
-            _grid_of(local)
-    ablation, p, _ = _grid_of([*local, "--scorer-param", "gates=default"])
-    assert (ablation.models, ablation.tasks, ablation.contexts, ablation.budgets, ablation.n, ablation.floors) == (
-        spec.models, spec.tasks, spec.contexts, spec.budgets, spec.n, spec.floors)
-    assert ablation.evicting == ["trimkv+global"] and p["out"] == Path("runs/experiments/gates_local")
-    from evictlab.cliutil import read_config
-    from evictlab.eval.commands import CONFIG_KEYS
+            _grid_of(ablation_file)
+        # a stand-in for the local gates (a copy of the shipped ones) where the file looks for them
+        shutil.copytree(ROOT / "data" / "gates" / "smollm2-135m", tmp_path / LOCAL_GATES)
+        monkeypatch.chdir(tmp_path)
+    ablation, p, _ = _grid_of(ablation_file)
+    assert (ablation.models, ablation.tasks, ablation.contexts, ablation.budgets, ablation.n, ablation.floors,
+            ablation.modes, ablation.protocols, ablation.prefill) == (
+        spec.models, spec.tasks, spec.contexts, spec.budgets, spec.n, spec.floors, spec.modes, spec.protocols,
+        spec.prefill)
+    local = f"trimkv[gates={LOCAL_GATES}]"
+    assert ablation.evicting == ["trimkv[gates=default]+global", f"{local}+global", local]
+    arms = {(c.scorer, c.allocator, c.scorer_params) for c in ablation.cells() if not c.is_full}
+    assert arms == {("trimkv[gates=default]", "global", (("gates", "default"),)),
+                    (local, "global", (("gates", str(LOCAL_GATES)),)), (local, "uniform", (("gates", str(LOCAL_GATES)),))}
+    assert len(ablation.cells()) == groups * (1 + 3 * 3) and len(ablation.units()) == groups * 50
+    assert p["out"] == Path("runs/experiments/gates_ablation")
 
-    assert read_config(local[1], CONFIG_KEYS).values["scorer_param"] == ["gates=runs/gates/smollm2-local"]
 
+def test_every_experiment_file_parses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
 
-def test_every_experiment_file_parses() -> None:
     files = sorted((ROOT / "experiments").glob("*.toml"))
     assert {f.name for f in files} == {  # gpu_check: benchmarks/gpu_check.sh
         *CLAIMS, "smoke.toml", "gpu_check.toml", "contourkv.toml", "contourkv_scorers.toml", "contourkv_relerror.toml",
-        "contourkv_4k.toml", "dilution.toml", "dilution_trimkv.toml", "gates.toml", "gates_local.toml"}
+        "contourkv_4k.toml", "dilution.toml", "dilution_trimkv.toml", "gates.toml", "gates_ablation.toml"}
+    if not LOCAL_GATES.is_dir():
+        # gates_ablation.toml names gates not trained yet (refused: the test above): a stand-in
+        shutil.copytree(ROOT / "data" / "gates" / "smollm2-135m", tmp_path / LOCAL_GATES)
+        monkeypatch.chdir(tmp_path)
     for f in files:
-        # gates_local.toml names gates not trained yet: its grid is read with the shipped ones
-        extra = ["--scorer-param", "gates=default"] if f.name == "gates_local.toml" and not LOCAL_GATES.is_dir() else []
-        spec, _, _ = _grid_of(["--config", str(f), *extra])
+        spec, _, _ = _grid_of(["--config", str(f)])
         assert spec.cells()
 
 
