@@ -232,8 +232,15 @@ class RayExecutor:
                         yield todo[i], result
             report()
         finally:
-            for ref in out:
-                ray.cancel(ref, force=True)
+            # Cancel only what has not finished: force-cancelling a task as it completes can
+            # crash the driver inside Ray ("Check failed: it != submissible_tasks_.end() Tried to
+            # complete task that was not pending", seen once in this suite with Ray 2.60; the
+            # cancel/complete race of ray-project/ray#54846). This narrows the window; Ray owns
+            # the rest of the race.
+            if out:
+                finished, _ = ray.wait(list(out), num_returns=len(out), timeout=0, fetch_local=False)
+                for ref in set(out) - set(finished):
+                    ray.cancel(ref, force=True)
 
     def close(self) -> None:
         """Shut Ray down if this executor started or joined it."""
