@@ -7,6 +7,7 @@ per-example deadline because the first call of a Numba kernel includes its compi
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -77,3 +78,23 @@ def real_model_dir():
         return folder if (folder / MANIFEST).is_file() else pull(name)
 
     return get
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama folder (``evictlab.capture.testing.save_tiny_folder``), one per
+    test module: what the engine's grid tests run on in seconds."""
+    from evictlab.capture.testing import save_tiny_folder
+
+    folder = tmp_path_factory.mktemp("tiny") / "llama"
+    save_tiny_folder(folder, "llama")
+    return folder
+
+
+@pytest.fixture()
+def one_torch_thread() -> None:
+    """One torch thread for the test (``pytestmark = pytest.mark.usefixtures("one_torch_thread")``):
+    the engine's grids compare bits across runs, and two xdist workers share the 2 cores."""
+    import torch
+
+    torch.set_num_threads(1)

@@ -14,7 +14,6 @@ import polars as pl
 import pytest
 
 from cli_helpers import run_cli
-from evictlab.capture.testing import save_tiny_folder
 from evictlab.errors import InputError
 from evictlab.eval.grid import RESULTS, TRACE, run_grid
 from evictlab.eval.spec import GridSpec, LoopSettings
@@ -25,18 +24,7 @@ from evictlab.tasks.examples import dilution_example, eval_examples, useful_spec
 LOOP = LoopSettings(sinks=2, recent=8, compress_every=8, window=16, block_size=8)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny") / "llama"
-    save_tiny_folder(folder, "llama")
-    return folder
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    import torch
-
-    torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the tiny-model fixture `tiny`: tests/conftest.py
 
 
 def _tokenizer(model: Path):

@@ -16,7 +16,6 @@ import polars as pl
 import pytest
 
 from cli_helpers import run_cli
-from evictlab.capture.testing import save_tiny_folder
 from evictlab.errors import InputError
 from evictlab.eval.grid import RESULTS, run_grid
 from evictlab.eval.spec import GridSpec, LoopSettings
@@ -33,18 +32,7 @@ EXACT = ["scorer", "allocator", "budget_unit", "budget_value", "example_seed", "
 CLOSE = ["answer_logprob", "answer_nll", "kl", "top1_agreement"]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny") / "llama"
-    save_tiny_folder(folder, "llama")
-    return folder
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    import torch
-
-    torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the tiny-model fixture `tiny`: tests/conftest.py
 
 
 def _spec(model: Path | str, **kw) -> GridSpec:

@@ -26,6 +26,8 @@ from evictlab.methods import build_method, canonical_method, parse_method, parse
 
 ROOT = Path(__file__).resolve().parents[1]
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the tiny-model fixture `tiny`: tests/conftest.py
+
 
 # ---------------------------------------------------------------------------------- parsing
 
@@ -234,22 +236,6 @@ def test_claims_recognise_families_by_registry_name() -> None:
 
 
 # ---------------------------------------------------------------------------------- tiny model
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from evictlab.capture.testing import save_tiny_folder
-
-    folder = tmp_path_factory.mktemp("tiny") / "llama"
-    save_tiny_folder(folder, "llama")
-    return folder
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    import torch
-
-    torch.set_num_threads(1)
 
 
 def _tiny_spec(tiny: Path, **kw):
