@@ -171,6 +171,36 @@ def test_family_shapes() -> None:
     assert "The grass is green" not in prose.context and len(prose.facts) == QUESTIONS + 2
 
 
+@settings(max_examples=30)
+@given(seed=st.integers(0, 2**31 - 1), questions=st.integers(1, MULTI_TASKS["facts_word"]))
+def test_facts_word_answer_prefixes_continue_in_one_place(seed: int, questions: int) -> None:
+    """facts_word's point: each question's words before the answer occur once in the context,
+    inside its fact, and are followed there by the answer; every fact has a template of its own."""
+    from evictlab.tasks import synthetic
+
+    ex = make_task("facts_word", 900, None, seed, questions=questions)
+    assert len(ex.facts) == questions + 2
+    templates = [next(i for i, p in enumerate(synthetic._FACTS) if p.match(f.text)) for f in ex.facts]
+    assert len(set(templates)) == len(templates)
+    for q in ex.questions:
+        prefix = q.question.split("Answer: ", 1)[1]
+        (i,) = q.asked
+        assert ex.context.count(prefix) == 1 and ex.facts[i].text == f"{prefix} {q.answer}."
+        assert ex.context[slice(*ex.facts[i].key)] in prefix.split()
+
+
+def test_facts_word_patterns_claim_no_other_familys_needles() -> None:
+    """The template patterns added for facts_word leave every other task's facts as they were."""
+    from evictlab.tasks import synthetic
+
+    for task in TASKS:
+        if task == "facts_word":
+            continue
+        for seed in range(3):
+            for f in make_task(task, 600, None, seed).facts:
+                assert not any(p.match(f.text) for p in synthetic._FACTS), (task, f.text)
+
+
 def test_questions_are_checked() -> None:
     with pytest.raises(InputError, match="questions"):
         make_task("needle", 400, None, 0, questions=2)

@@ -60,6 +60,16 @@ Multi-question families (ours, in the style of RULER; :data:`MULTI_TASKS`)
     - ``keys_number_prose``: ``keys_number`` in such a window (two-digit numbers; the plays
       hold no digits in the windows we draw, and none of the asked numbers is in the window,
       tested).
+    - ``facts_word`` (associative recall): ``questions + 2`` facts in the noise filler, each
+      a sentence of its *own* template (:data:`_FACT_TEMPLATES`: "Last spring the KEY was
+      painted COLOR.", "After the storm the KEY turned COLOR.", ...) with distinct keys and
+      colours; a question repeats its fact's words up to the colour ("... Answer: Last
+      spring the apple was painted"), one token. Why: in ``keys_word`` every needle shares
+      one template, so the words before each answer differ in the key alone and the
+      135M-270M models confuse the keys (exact match 0.3-0.5 with the full cache at 1k); a
+      template per fact leaves one place in the context that continues the question's
+      words, the copying that small models do reliably, while the answer still has to be
+      kept through compression like any needle's.
 
 Fact labels (ours; used by :mod:`evictlab.dilution`)
     Every inserted needle or assignment is a :class:`Fact`: its character span in the
@@ -87,7 +97,7 @@ from evictlab.tasks.corpus import encode
 #: The multi-question families (module docstring) and the most questions one context can carry.
 MULTI_TASKS: dict[str, int] = {"keys_word": 10, "keys_number": 14, "keys_tagged": 8, "values_word": 6,
                                "query_word": 6, "vt_chains": 8, "lines": 20, "keys_word_prose": 10,
-                               "keys_number_prose": 14}
+                               "keys_number_prose": 14, "facts_word": 10}
 #: Questions per context of a multi-question family when none is asked for.
 QUESTIONS = 4
 TASKS = ("needle", "multi_needle", "multi_key", "variable_tracking", "needle_word", "multi_key_word", "multi_value",
@@ -108,6 +118,16 @@ _QUALIFIERS = ("old", "tiny", "north", "quiet", "wild", "broken", "hidden", "ear
                "bright", "secret", "royal", "plain", "dusty", "south")
 #: Variable names of ``vt_chains`` (three per chain, so 24 names for its 8 chains at most).
 _CHAIN_VARS = (*_VARS, "DQA", "FEX", "GWI", "JNU", "LPY", "RVC", "UBH", "XKM", "ZOT", "CIW", "EYN", "ASF")
+#: ``facts_word``'s sentences, one per fact of a context: each names its key as "the {k}" and
+#: ends with its colour, and no two share the words before the colour (so a question's
+#: answer prefix continues in one place of the context only). The question repeats the
+#: sentence up to the colour.
+_FACT_TEMPLATES = ("Last spring the {k} was painted {v}.", "After the storm the {k} turned {v}.",
+                   "In the old photograph the {k} looks {v}.", "Grandma always kept the {k} wrapped in {v}.",
+                   "On the top shelf the {k} glows {v}.", "The children agreed that the {k} should be {v}.",
+                   "At the village fair the ribbon on the {k} was {v}.", "Every morning the light on the {k} shines {v}.",
+                   "Nobody believed that the {k} had become {v}.", "The label under the {k} is printed in {v}.",
+                   "During the long winter the {k} stays {v}.", "The painter mixed a new shade for the {k} called {v}.")
 #: Words of ``lines``: one token after a space in both registry tokenizers (tested), none in the filler.
 _LINE_WORDS = ("table", "chair", "window", "door", "bottle", "pencil", "camera", "radio", "laptop", "pizza",
                "robot", "taxi", "coffee", "cookie", "guitar", "drum", "wallet", "ticket", "bridge", "tunnel",
@@ -326,6 +346,13 @@ def _key_needles(task: str, rng: np.random.Generator, q: int, colors: tuple[str,
         needles = [needle.format(k=k, v=v) for k, v in zip(keys, vals)]
         order = rng.choice(len(keys), size=q, replace=False)
         return needles, [Question(ask.format(k=keys[i]), vals[i], (vals[i],), (int(i),)) for i in order]
+    if task == "facts_word":
+        keys, vals = _pick(rng, _KEYS, q + 2), _pick(rng, colors, q + 2)
+        templates = _pick(rng, _FACT_TEMPLATES, q + 2)
+        needles = [t.format(k=k, v=v) for t, k, v in zip(templates, keys, vals)]
+        order = rng.choice(len(keys), size=q, replace=False)
+        return needles, [Question(f"What colour is mentioned for the {keys[i]}? Answer: "
+                                  + needles[i][:-len(f" {vals[i]}.")], vals[i], (vals[i],), (int(i),)) for i in order]
     if task == "keys_tagged":
         # key i: "QUALIFIER NOUN" (asked), and its near miss: the same noun, another qualifier
         nouns = _pick(rng, _KEYS, q)
@@ -498,6 +525,9 @@ FACT_KINDS = ("needle", "assignment", "fact")
 _ASSIGNMENT = re.compile(r"^VAR (?P<key>\S+) = (?P<value>.+?)\.$")
 _NEEDLE = re.compile(r"^.* for (?P<key>.+?) is:? (?P<value>\S+?)\.$")
 _LINE = re.compile(r"^line (?P<key>\d+): (?P<value>\S+)$")
+#: facts_word's sentences as patterns (fixed words, so no other family's needle matches one).
+_FACTS = tuple(re.compile("^" + re.escape(t).replace(re.escape("{k}"), r"(?P<key>\w+)")
+                          .replace(re.escape("{v}"), r"(?P<value>\w+)") + "$") for t in _FACT_TEMPLATES)
 
 
 @dataclass(frozen=True)
@@ -544,7 +574,8 @@ def locate_facts(context: str, needles: list[str], answers: tuple[str, ...], *,
             raise RuntimeError(f"needle {text!r} is not in the context after character {at}")
         end = start + len(text)
         kind, key, value = "fact", None, None
-        for name, pattern in (("assignment", _ASSIGNMENT), ("needle", _NEEDLE), ("needle", _LINE)):
+        for name, pattern in (("assignment", _ASSIGNMENT), ("needle", _NEEDLE), ("needle", _LINE),
+                              *(("needle", f) for f in _FACTS)):
             m = pattern.match(text)
             if m:
                 kind = name
