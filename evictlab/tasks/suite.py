@@ -32,10 +32,11 @@ __all__ = ["FLOOR_COLUMNS", "FLOOR_DIR", "KEEP_ACCURACY", "SUITE", "SUITE_CONTEX
 SUITE_MODELS: tuple[str, ...] = ("smollm2-135m", "gemma3-270m")
 #: Context lengths (tokens) the suite is chosen for.
 SUITE_CONTEXTS: tuple[int, ...] = (1024, 2048, 4096)
-#: The task families of the suite: the candidates the n = 4 probe at 1k left (docs/evaluation.md,
+#: The task families of the suite: the candidates the n = 4 probe at 1k left, and ``facts_word``
+#: (added 2026-12-06: the first several-questions family both models answer; docs/evaluation.md,
 #: "The task suite"); which of their cells are kept is measured in data/task_floor (suite_grid).
 SUITE_TASKS: tuple[str, ...] = ("needle", "needle_word", "multi_key", "keys_number", "keys_tagged",
-                                "keys_number_prose")
+                                "keys_number_prose", "facts_word")
 #: A cell is kept when the full cache's accuracy (exact match, the point estimate) is at least this.
 KEEP_ACCURACY = 0.8
 #: The ``tasks`` entry that stands for the suite (:func:`suite_grid`).
