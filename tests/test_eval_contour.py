@@ -325,9 +325,29 @@ def test_the_main_jobs_verdict_paragraph_reads_the_committed_grid() -> None:
 
     assert (VERDICT_DIR / "pairs_contour.parquet").is_file()
     text = "".join(_contour_verdict())
-    assert "What the verdict grid found" in text and "not committed" not in text
-    assert "No ContourKV variant beats both uniform and adakv" in text
+    assert "What the ContourKV grids found" in text and "not committed" not in text
+    first = text.split("**`data/grids/contourkv_scorers/`**")[0]
+    assert "**`data/grids/contourkv/`**" in first and "No ContourKV variant beats both uniform and adakv" in first
     assert "within each model" in text and "smollm2-135m: " in text and "gemma3-270m: " in text
+
+
+def test_the_main_jobs_verdict_quotes_every_committed_grid_in_order(tmp_path) -> None:
+    """One paragraph per committed grid of SHIPPED_GRIDS, in their order, each with its own
+    verdict; grids not committed are left out; none committed says so."""
+    import shutil
+
+    from evictlab.eval.claims.contour import GRIDS_DIR, SHIPPED_GRIDS
+    from evictlab.pipeline.report import _contour_verdict
+
+    assert "not committed" in "".join(_contour_verdict(tmp_path))
+    src = GRIDS_DIR / "contourkv" / "pairs_contour.parquet"
+    names = [n for n, _ in SHIPPED_GRIDS]
+    for name in (names[-1], names[0]):
+        (tmp_path / name).mkdir()
+        shutil.copy(src, tmp_path / name / "pairs_contour.parquet")
+    text = "".join(_contour_verdict(tmp_path))
+    assert text.index(f"`data/grids/{names[0]}/`") < text.index(f"`data/grids/{names[-1]}/`")
+    assert f"`data/grids/{names[1]}/`" not in text and text.count("No ContourKV variant beats both") == 2
 
 
 def test_the_verdict_forest_draws_pooled_model_and_model_scorer_panels(tmp_path) -> None:

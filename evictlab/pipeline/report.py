@@ -199,20 +199,24 @@ def _contour_section(a: Any) -> list[str]:
     ]
 
 
-def _contour_verdict() -> list[str]:
-    """The verdict at scale, from the committed grid (``data/grids/contourkv/``): this job's
-    few examples decide nothing, so the report says what the n = 50 grid found."""
-    from evictlab.eval.claims.contour import shipped_summary, verdict_lines
+def _contour_verdict(folder: Path | None = None) -> list[str]:
+    """The verdict at scale, from the committed ContourKV grids (``data/grids/``, or
+    ``folder``; :data:`~evictlab.eval.claims.contour.SHIPPED_GRIDS`): this job's few examples
+    decide nothing, so the report says what each n = 50 grid found, one after the other."""
+    from evictlab.eval.claims.contour import GRIDS_DIR, SHIPPED_GRIDS, shipped_summary, verdict_lines
 
-    summary = shipped_summary()
-    if summary is None:
+    root = GRIDS_DIR if folder is None else folder
+    found = [(name, what, s) for name, what in SHIPPED_GRIDS if (s := shipped_summary(root / name)) is not None]
+    if not found:
         return ["The verdict grid (`experiments/contourkv.toml`) is not committed in this checkout: the examples "
                 "above decide nothing on their own.\n"]
-    return ["### What the verdict grid found (`data/grids/contourkv/`, n = 50 per cell, both models)\n",
-            "The comparisons above are a handful of examples and decide nothing. The verdict grid "
-            "(`experiments/contourkv.toml`: SnapKV and KVzip-style scores, the task suite's kept cells at 1k and 2k "
-            "tokens, budgets 64, 128 and 256 per cell, physical, query-agnostic; docs/evaluation.md) says:\n",
-            "".join(f"- {line}\n" for line in verdict_lines(summary))]
+    out = ["### What the ContourKV grids found (`data/grids/`, n = 50 per cell, both models)\n",
+           "The comparisons above are a handful of examples and decide nothing. Each grid below ran on the task "
+           "suite's kept cells at 1k and 2k tokens, both models, physical store, query-agnostic one-pass "
+           "(docs/evaluation.md, where the choice of the default is argued):\n"]
+    for name, what, summary in found:
+        out += [f"**`data/grids/{name}/`**: {what}.\n", "".join(f"- {line}\n" for line in verdict_lines(summary))]
+    return out
 
 
 def sections(a: Any, provenance: dict[str, Any]) -> list[str]:

@@ -342,6 +342,20 @@ def contour_summary(results: pl.DataFrame, *, by: tuple[str | tuple[str, ...], .
 VERDICT_DIR = Path(__file__).resolve().parents[3] / "data" / "grids" / "contourkv"
 """The finished verdict grid (``experiments/contourkv.toml``) as committed: its ``grid.json``,
 ``results.parquet`` and ``eval compare``'s outputs, ``pairs_contour.parquet`` among them."""
+GRIDS_DIR = VERDICT_DIR.parent
+"""Where the finished ContourKV grids are committed (``data/grids/``)."""
+SHIPPED_GRIDS: tuple[tuple[str, str], ...] = (
+    ("contourkv", "the verdict grid (`experiments/contourkv.toml`: SnapKV and KVzip-style scores, every variant "
+                  "but the relative forced error, budgets 64, 128 and 256 per cell)"),
+    ("contourkv_scorers", "the held-out check (`experiments/contourkv_scorers.toml`: ExpectedAttention and "
+                          "Compactor-style scores, every variant, 128 per cell)"),
+    ("contourkv_relerror", "the relative forced-error check (`experiments/contourkv_relerror.toml`: SnapKV and "
+                           "KVzip-style scores, `contourkv_relerror` against uniform sizes and AdaKV, budgets 64, 128 "
+                           "and 256 per cell)"),
+)
+"""The committed ContourKV grids the main job's report quotes (folder under :data:`GRIDS_DIR`,
+what it holds), in the order they ran; each on the task suite's kept cells at 1k and 2k tokens,
+both models, n = 50, physical, query-agnostic one-pass."""
 BEATS_RULE = ("a variant beats an allocator when, pooled over models, tasks, contexts, budgets and scorers, "
               "its clear wins outnumber its clear losses and its exact-match difference's interval does not lie "
               "entirely below 0")
@@ -349,14 +363,14 @@ BEATS_RULE = ("a variant beats an allocator when, pooled over models, tasks, con
 
 
 def shipped_summary(folder: Path = VERDICT_DIR) -> pl.DataFrame | None:
-    """The committed verdict grid's :func:`contour_summary` table (``pairs_contour.parquet``,
-    checksum-verified), or None where it is not committed."""
+    """A committed grid's :func:`contour_summary` table (``pairs_contour.parquet``,
+    checksum-verified; default the verdict grid's), or None where it is not committed."""
     from evictlab.io import read_checked_parquet
 
     path = folder / "pairs_contour.parquet"
     if not path.is_file():
         return None
-    return read_checked_parquet(path, "recompute it: evictlab eval compare data/grids/contourkv --overwrite")
+    return read_checked_parquet(path, f"recompute it: evictlab eval compare data/grids/{folder.name} --overwrite")
 
 
 def beats(summary: pl.DataFrame, split: str = "all") -> pl.DataFrame:
