@@ -374,6 +374,13 @@ def test_the_contourkv_follow_up_configs_expand_to_their_grids() -> None:
              "contourkv_offline"}
     assert arms == {(s_, a) for s_ in ("snapkv", "kvzip") for a in picks}
     assert len(k4.units()) == 20 * (len(k4.models) * len(k4.tasks) - len(k4.floors))
+    facts, pf, _ = _grid_of(["--config", str(ROOT / "experiments" / "contourkv_facts.toml")])
+    assert (facts.models, facts.contexts, facts.n, facts.budgets) == (main.models, main.contexts, main.n, main.budgets)
+    assert facts.tasks == ("facts_word",) and not facts.floors and facts.questions is None
+    arms = {(c.scorer, c.allocator) for c in facts.cells() if not c.is_full}
+    main_arms = {(c.scorer, c.allocator) for c in main.cells() if not c.is_full}
+    assert arms == main_arms | {("snapkv", "contourkv_relerror"), ("kvzip", "contourkv_relerror")}
+    assert len(facts.units()) == 2 * 2 * 50 and pf["out"] == Path("runs/experiments/contourkv_facts")
 
 
 DILUTION_METHODS = {"oracle_labels", "snapkv", "snapkv+adakv", "expected_attention", "streaming_llm"}
@@ -462,7 +469,7 @@ def test_every_experiment_file_parses(tmp_path: Path, monkeypatch: pytest.Monkey
     files = sorted((ROOT / "experiments").glob("*.toml"))
     assert {f.name for f in files} == {  # gpu_check: benchmarks/gpu_check.sh
         *CLAIMS, "smoke.toml", "gpu_check.toml", "contourkv.toml", "contourkv_scorers.toml", "contourkv_relerror.toml",
-        "contourkv_4k.toml", "dilution.toml", "dilution_trimkv.toml", "gates.toml", "gates_ablation.toml"}
+        "contourkv_4k.toml", "contourkv_facts.toml", "dilution.toml", "dilution_trimkv.toml", "gates.toml", "gates_ablation.toml"}
     if not LOCAL_GATES.is_dir():
         # gates_ablation.toml names gates not trained yet (refused: the test above): a stand-in
         shutil.copytree(ROOT / "data" / "gates" / "smollm2-135m", tmp_path / LOCAL_GATES)

@@ -166,6 +166,8 @@ def test_uniform_mode_of_a_bracketed_arm_keeps_the_scorer_parameters() -> None:
 
 #: cell and unit keys of experiments/contourkv_scorers.toml computed at main's code before
 #: bracket parameters existed (commit b7eb165): the grid running from main resumes unchanged
+#: (the cells of the suite's tasks of then: facts_word joined the suite later, and its cells
+#: are left out of the comparison)
 SCORERS_KEYS = ("3b23f3ebb55cff59", "11313467755e03eb", 231,
                 "smollm2-135m_needle_1024_expected_attention_physical_query-agnostic_128percell__0c41a79faf78",
                 "gemma3-270m_keys_tagged_1024_compactor+contourkv_relerror_physical_query-agnostic_128percell__"
@@ -179,8 +181,8 @@ GATES_KEYS = ("ac2b316bcec8e672", "9230125671b52e67", 80,
 @pytest.mark.parametrize("name, want", [("contourkv_scorers.toml", SCORERS_KEYS), ("gates.toml", GATES_KEYS)])
 def test_cell_keys_of_a_grid_without_brackets_are_unchanged(name: str, want: tuple) -> None:
     spec, _, _ = _grid_of(["--config", str(ROOT / "experiments" / name)])
-    keys = [c.key for c in spec.cells()]
-    units = [u.key for u in spec.units()]
+    keys = [c.key for c in spec.cells() if c.task != "facts_word"]
+    units = [u.key for u in spec.units() if u.cells[0].task != "facts_word"]
     digest = lambda xs: hashlib.sha256("\n".join(xs).encode()).hexdigest()[:16]  # noqa: E731
     assert (digest(keys), digest(units), len(keys), keys[1], keys[-1], units[0]) == want
 
