@@ -379,7 +379,8 @@ def test_the_contourkv_follow_up_configs_expand_to_their_grids() -> None:
     assert facts.tasks == ("facts_word",) and not facts.floors and facts.questions is None
     arms = {(c.scorer, c.allocator) for c in facts.cells() if not c.is_full}
     main_arms = {(c.scorer, c.allocator) for c in main.cells() if not c.is_full}
-    assert arms == main_arms | {("snapkv", "contourkv_relerror"), ("kvzip", "contourkv_relerror")}
+    assert arms == main_arms  # the relative forced error on these cells: contourkv_relerror.toml (the suite)
+    assert set(rel.tasks) >= {"facts_word"}
     assert len(facts.units()) == 2 * 2 * 50 and pf["out"] == Path("runs/experiments/contourkv_facts")
 
 
@@ -443,7 +444,7 @@ def test_the_gates_configs_expand_to_their_grids(tmp_path: Path, monkeypatch: py
         assert c.scorer_params == ((("gates", "default"),) if c.scorer == "trimkv" else ())
     assert p["out"] == Path("runs/experiments/gates")
     ablation_file = ["--config", str(ROOT / "experiments" / "gates_ablation.toml")]
-    if not LOCAL_GATES.is_dir():
+    if not (LOCAL_GATES / "gates.json").is_file():  # not trained (or still training) here
         with pytest.raises(InputError, match="runs/gates/smollm2-local"):
             _grid_of(ablation_file)
         # a stand-in for the local gates (a copy of the shipped ones) where the file looks for them
@@ -470,7 +471,7 @@ def test_every_experiment_file_parses(tmp_path: Path, monkeypatch: pytest.Monkey
     assert {f.name for f in files} == {  # gpu_check: benchmarks/gpu_check.sh
         *CLAIMS, "smoke.toml", "gpu_check.toml", "contourkv.toml", "contourkv_scorers.toml", "contourkv_relerror.toml",
         "contourkv_4k.toml", "contourkv_facts.toml", "dilution.toml", "dilution_trimkv.toml", "gates.toml", "gates_ablation.toml"}
-    if not LOCAL_GATES.is_dir():
+    if not (LOCAL_GATES / "gates.json").is_file():  # not trained (or still training) here
         # gates_ablation.toml names gates not trained yet (refused: the test above): a stand-in
         shutil.copytree(ROOT / "data" / "gates" / "smollm2-135m", tmp_path / LOCAL_GATES)
         monkeypatch.chdir(tmp_path)
