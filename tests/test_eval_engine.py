@@ -386,8 +386,8 @@ def test_the_contourkv_follow_up_configs_expand_to_their_grids() -> None:
 
 DILUTION_METHODS = {"oracle_labels", "snapkv", "snapkv+adakv", "expected_attention", "streaming_llm"}
 #: the local gates of the gates ablation (gates_ablation.toml; relative to the working directory,
-#: as the scorer reads it), not trained yet when the file was written
-LOCAL_GATES = Path("runs/gates/smollm2-local")
+#: the repository root, as the scorer reads it): committed since 2026-12-06
+LOCAL_GATES = Path("data/ablation/gates-smollm2-135m-local")
 
 
 def test_the_dilution_configs_expand_to_their_grids() -> None:
@@ -419,15 +419,13 @@ def test_the_dilution_configs_expand_to_their_grids() -> None:
         assert p["out"] == Path("runs/experiments") / name.removesuffix(".toml")
 
 
-def test_the_gates_configs_expand_to_their_grids(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_gates_configs_expand_to_their_grids(monkeypatch: pytest.MonkeyPatch) -> None:
     """gates.toml (issue 25, item 3): SmolLM2, the task suite's kept cells at 1k and 2k, the
     budgets of contourkv.toml, trimkv+global and trimkv (the shipped gates) against SnapKV,
     SnapKV + AdaKV and SnapKV + contourkv_error, physical, query-agnostic, one-pass, n = 50;
     gates_ablation.toml: the same cells in one grid with trimkv+global on the shipped and on the
-    local gates and trimkv on the local gates, each arm's gates in brackets (refused, naming
-    the folder, until the local gates are trained; its grid read with a stand-in folder)."""
-    import shutil
-
+    local gates and trimkv on the local gates, each arm's gates in brackets (the local gates
+    committed under data/ablation/, named relative to the repository root)."""
     from evictlab.tasks.suite import SUITE_TASKS
 
     spec, p, _ = _grid_of(["--config", str(ROOT / "experiments" / "gates.toml")])
@@ -444,12 +442,8 @@ def test_the_gates_configs_expand_to_their_grids(tmp_path: Path, monkeypatch: py
         assert c.scorer_params == ((("gates", "default"),) if c.scorer == "trimkv" else ())
     assert p["out"] == Path("runs/experiments/gates")
     ablation_file = ["--config", str(ROOT / "experiments" / "gates_ablation.toml")]
-    if not (LOCAL_GATES / "gates.json").is_file():  # not trained (or still training) here
-        with pytest.raises(InputError, match="runs/gates/smollm2-local"):
-            _grid_of(ablation_file)
-        # a stand-in for the local gates (a copy of the shipped ones) where the file looks for them
-        shutil.copytree(ROOT / "data" / "gates" / "smollm2-135m", tmp_path / LOCAL_GATES)
-        monkeypatch.chdir(tmp_path)
+    assert (ROOT / LOCAL_GATES / "gates.json").is_file()  # committed: the file runs as it is
+    monkeypatch.chdir(ROOT)
     ablation, p, _ = _grid_of(ablation_file)
     assert (ablation.models, ablation.tasks, ablation.contexts, ablation.budgets, ablation.n, ablation.floors,
             ablation.modes, ablation.protocols, ablation.prefill) == (
@@ -464,17 +458,12 @@ def test_the_gates_configs_expand_to_their_grids(tmp_path: Path, monkeypatch: py
     assert p["out"] == Path("runs/experiments/gates_ablation")
 
 
-def test_every_experiment_file_parses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import shutil
-
+def test_every_experiment_file_parses(monkeypatch: pytest.MonkeyPatch) -> None:
     files = sorted((ROOT / "experiments").glob("*.toml"))
     assert {f.name for f in files} == {  # gpu_check: benchmarks/gpu_check.sh
         *CLAIMS, "smoke.toml", "gpu_check.toml", "contourkv.toml", "contourkv_scorers.toml", "contourkv_relerror.toml",
         "contourkv_4k.toml", "contourkv_facts.toml", "dilution.toml", "dilution_trimkv.toml", "gates.toml", "gates_ablation.toml"}
-    if not (LOCAL_GATES / "gates.json").is_file():  # not trained (or still training) here
-        # gates_ablation.toml names gates not trained yet (refused: the test above): a stand-in
-        shutil.copytree(ROOT / "data" / "gates" / "smollm2-135m", tmp_path / LOCAL_GATES)
-        monkeypatch.chdir(tmp_path)
+    monkeypatch.chdir(ROOT)  # gates_ablation.toml names its local gates relative to the repository root
     for f in files:
         spec, _, _ = _grid_of(["--config", str(f)])
         assert spec.cells()
