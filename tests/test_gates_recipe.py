@@ -252,22 +252,34 @@ def test_gates_default_through_the_decode_loop(shipped: Path, monkeypatch) -> No
 # ------------------------------------------------------------------ the shipped SmolLM2 gates
 
 
-def test_shipped_smollm2_gates_load_and_reproduce_their_validation(real_model, tmp_path: Path) -> None:
-    """The gates in data/gates/smollm2-135m: picked by gates=default for the registry model,
-    and on their recorded validation sequences (regenerated, the teacher recomputed) they
-    give the recorded validation loss terms and retained mass."""
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("name, folder", [
+    ("smollm2-135m", files.SHIPPED_DIR / "smollm2-135m"),
+    ("gemma3-270m", files.SHIPPED_DIR / "gemma3-270m"),
+    ("smollm2-135m", ROOT / "data" / "ablation" / "gates-smollm2-135m-local"),  # the ablation's, not a default
+], ids=["smollm2", "gemma3", "smollm2-local"])
+def test_shipped_gates_load_and_reproduce_their_validation(name: str, folder: Path, real_model,
+                                                           tmp_path: Path) -> None:
+    """The committed gates (data/gates/<model>, and the ablation's local gates): those under
+    data/gates are picked by gates=default for their registry model, and on their recorded
+    validation sequences (regenerated, the teacher recomputed) every set gives the recorded
+    validation loss terms and retained mass."""
     from evictlab.gates.train import validate
     from evictlab.models.loading import load_model
 
-    folder = files.SHIPPED_DIR / "smollm2-135m"
     if not files.is_finished(folder):
-        pytest.skip("no shipped gates for smollm2-135m in this checkout")
-    model, tok = real_model("smollm2-135m")
-    assert files.default_gates_for(model) == folder
+        pytest.skip(f"no gates in {folder} in this checkout")
+    model, tok = real_model(name)
+    if folder.parent == files.SHIPPED_DIR:
+        assert files.default_gates_for(model) == folder
+    else:
+        assert files.default_gates_for(model) != folder
     gates, cfg = files.load_gates(folder)
     recipe = Recipe.from_dict(cfg["recipe"])
     if recipe.dtype != "float32":  # validated as trained: the frozen model in the recipe's dtype (a copy)
-        model, _ = load_model("smollm2-135m", dtype=getattr(torch, recipe.dtype))
+        model, _ = load_model(name, dtype=getattr(torch, recipe.dtype))
     ids, lengths = TrainingData(tok, recipe.data, recipe.seed).pool(recipe.pool, recipe.val)
     val = slice(recipe.pool, recipe.pool + recipe.val)
     targets, _ = teacher_targets(model, ids[val], lengths[val], recipe.topk, tmp_path, {"test": True},
