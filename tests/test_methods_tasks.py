@@ -48,6 +48,10 @@ def test_normalize_answer() -> None:
         (" 7312346.", "7312345", 0.0),
         (" 7312345 or 42", "7312345", 0.0),
         (" QXR BLM, tzk WFP ndv.", "QXR BLM TZK WFP NDV", 1.0),
+        (" gold. The grass is green. The sky is blue.", "gold", 1.0),  # facts_word: the next sentence
+        (" gold and red. The grass is green.", "gold", 0.0),
+        (" 1234567, 7654321. The grass", "1234567, 7654321", 1.0),
+        (" gold.The grass", "gold", 0.0),  # no space: not a sentence end
         ("", "7312345", 0.0),
         ("", "", 0.0),
     ],

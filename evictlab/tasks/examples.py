@@ -153,15 +153,19 @@ def normalize_answer(text: str) -> str:
 
 
 def score_exact_match(prediction: str, answer: str) -> float:
-    """1.0 if the prediction's first non-empty line equals the answer after normalisation.
+    """1.0 if the prediction's first sentence of its first non-empty line equals the answer
+    after normalisation.
 
-    Only the first non-empty line counts, because a greedy continuation runs on past the
-    answer (``" 7312345.\\nWhat is ..."``); both sides go through :func:`normalize_answer`,
-    so case, punctuation, articles and spacing do not matter but every word and digit does.
-    (For RULER's lenient "all parts found anywhere" score use ``TaskExample.score``.)
+    Only that much counts, because a greedy continuation runs on past the answer, onto the
+    next line (``" 7312345.\\nWhat is ..."``) or, after a sentence that completes a fact,
+    into the next sentence on the same line (``" gold. The grass is green."``: ``facts_word``,
+    whose answer ends a sentence of the haystack's kind); a sentence ends at ``.``, ``!`` or
+    ``?`` followed by a space. Both sides go through :func:`normalize_answer`, so case,
+    punctuation, articles and spacing do not matter but every word and digit does. (For
+    RULER's lenient "all parts found anywhere" score use ``TaskExample.score``.)
     """
     lines = [ln for ln in prediction.strip().splitlines() if ln.strip()]
-    first = lines[0] if lines else ""
+    first = re.split(r"(?<=[.!?])\s", lines[0].strip(), maxsplit=1)[0] if lines else ""
     return float(normalize_answer(first) == normalize_answer(answer) and normalize_answer(answer) != "")
 
 
