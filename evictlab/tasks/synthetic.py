@@ -350,9 +350,10 @@ def _key_needles(task: str, rng: np.random.Generator, q: int, colors: tuple[str,
         keys, vals = _pick(rng, _KEYS, q + 2), _pick(rng, colors, q + 2)
         templates = _pick(rng, _FACT_TEMPLATES, q + 2)
         needles = [t.format(k=k, v=v) for t, k, v in zip(templates, keys, vals)]
+        prefixes = [t.removesuffix(" {v}.").format(k=k) for t, k in zip(templates, keys)]  # the words before v
         order = rng.choice(len(keys), size=q, replace=False)
-        return needles, [Question(f"What colour is mentioned for the {keys[i]}? Answer: "
-                                  + needles[i][:-len(f" {vals[i]}.")], vals[i], (vals[i],), (int(i),)) for i in order]
+        return needles, [Question(f"What colour is mentioned for the {keys[i]}? Answer: {prefixes[i]}", vals[i],
+                                  (vals[i],), (int(i),)) for i in order]
     if task == "keys_tagged":
         # key i: "QUALIFIER NOUN" (asked), and its near miss: the same noun, another qualifier
         nouns = _pick(rng, _KEYS, q)
