@@ -290,6 +290,14 @@ def test_cli_usage_errors_and_paths(tmp_path: Path, tiny: Path, capsys: pytest.C
     (tmp_path / "afile").write_text("x")
     code, err = _main(["eval", "run", "--out", str(tmp_path / "afile")], capsys, monkeypatch)
     assert code == 2 and "is a file" in err
+    # a folder holding parts/ and a note (data/unfinished/'s progress.txt copied with it): refused,
+    # naming what is in the way; parts/ alone would be adopted
+    (tmp_path / "noted" / PARTS).mkdir(parents=True)
+    (tmp_path / "noted" / "progress.txt").write_text("422 of 750 units\n")
+    code, err = _main(["eval", "run", "--models", str(tiny), "--context", "160", "--budget", "24", "--n", "1",
+                       "--out", str(tmp_path / "noted"), "--quiet"], capsys, monkeypatch)
+    assert code == 2 and "progress.txt" in err and "parts/" in err, err
+    _one_line(err, "--out", ["eval", "run"])
     # budget above the full cache of the model, in total tokens: found once the model is known
     code, err = _main(["eval", "run", "--models", str(tiny), "--context", "160", "--budget", "100000total", "--n",
                        "1", "--out", str(tmp_path / "big"), "--quiet"], capsys, monkeypatch)

@@ -312,8 +312,13 @@ def _check_folder(out: Path) -> None:
     """Refuse (field ``out``) a folder that is neither new nor empty nor a grid's."""
     if (out / MANIFEST).exists():
         return
-    if out.exists() and any(p.name != PARTS for p in out.iterdir() if not p.name.startswith(".")):
-        raise InputError("out", f"{out} exists and is not a grid folder", "choose a new or empty folder")
+    other = sorted(p.name for p in out.iterdir() if p.name != PARTS and not p.name.startswith(".")) if out.exists() else []
+    if other:
+        # Parts alone are adopted (a grid committed part-way is resumed from its parts/);
+        # anything else beside them, a note included, could pass for another grid's output.
+        shown = ", ".join(other[:3]) + (", ..." if len(other) > 3 else "")
+        raise InputError("out", f"{out} exists and is not a grid folder (no {MANIFEST}; it holds {shown})",
+                         f"choose a new or empty folder, or one holding only the {PARTS}/ of this grid")
 
 
 def write_manifest(spec: GridSpec, out: Path) -> None:
