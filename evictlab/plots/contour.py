@@ -103,7 +103,10 @@ def verdict_forest(summary: pl.DataFrame, out: str | os.PathLike[str], *, baseli
     plt = setup()
     cols = min(len(splits), 3)
     rows = -(-len(splits) // cols)
-    fig, axes = plt.subplots(rows, cols, squeeze=False, sharey=True, figsize=(3.4 * cols, 0.9 + 0.32 * len(variants) * rows))
+    # Each row of panels needs room for its title, ticks and x label beside its variants: with
+    # one variant a shared 0.9 inches let every row's title cover the x axis of the row above.
+    fig, axes = plt.subplots(rows, cols, squeeze=False, sharey=True,
+                             figsize=(3.4 * cols, rows * (0.95 + 0.32 * len(variants))))
     ypos = {v: i for i, v in enumerate(variants)}
     for k, sp in enumerate(splits):
         ax = axes[k // cols][k % cols]
