@@ -378,3 +378,23 @@ def test_compare_writes_the_glance_and_its_forest(tmp_path) -> None:
     names = {p.name for p in written}
     assert {"pairs_contour.parquet", "pairs_contour.png", "pairs_contour.pdf"} <= names
     assert "pairs_contour.png" in (tmp_path / "pairs.md").read_text()
+
+
+def test_across_grids_names_only_variants_that_win_every_grid_that_ran_them() -> None:
+    """A variant that wins one grid and loses another is no winner across grids; one grid alone
+    names its winners; the main job's verdict ends with the sentence over every committed grid."""
+    from evictlab.eval.claims.contour import GRIDS_DIR, across_grids_line, shipped_summary
+    from evictlab.pipeline.report import _contour_verdict
+
+    grids = {n: shipped_summary(GRIDS_DIR / n) for n in ("contourkv", "contourkv_scorers", "contourkv_relerror")}
+    assert all(s is not None for s in grids.values())
+    one = across_grids_line([("contourkv_scorers", grids["contourkv_scorers"])])
+    assert "`contourkv` (1 of 1 grids that ran it)" in one and "`contourkv_relerror` (1 of 1" in one
+    both = across_grids_line([("contourkv_scorers", grids["contourkv_scorers"]),
+                              ("contourkv_relerror", grids["contourkv_relerror"])])
+    # contourkv ran only in the held-out grid (and won it); contourkv_relerror won one of two
+    assert "`contourkv` (1 of 1" in both and "`contourkv_relerror` (1 of 2)" in both
+    every = across_grids_line(list(grids.items()))
+    assert every.startswith("Across the 3 grids: no ContourKV variant beats uniform and adakv")
+    assert "`contourkv` (1 of 2)" in every and "scorer-ranked level" in every
+    assert f"**All together.** {every}" in "".join(_contour_verdict())

@@ -203,7 +203,7 @@ def _contour_verdict(folder: Path | None = None) -> list[str]:
     """The verdict at scale, from the committed ContourKV grids (``data/grids/``, or
     ``folder``; :data:`~evictlab.eval.claims.contour.SHIPPED_GRIDS`): this job's few examples
     decide nothing, so the report says what each n = 50 grid found, one after the other."""
-    from evictlab.eval.claims.contour import GRIDS_DIR, SHIPPED_GRIDS, shipped_summary, verdict_lines
+    from evictlab.eval.claims.contour import GRIDS_DIR, SHIPPED_GRIDS, across_grids_line, shipped_summary, verdict_lines
 
     root = GRIDS_DIR if folder is None else folder
     found = [(name, what, s) for name, what in SHIPPED_GRIDS if (s := shipped_summary(root / name)) is not None]
@@ -216,6 +216,8 @@ def _contour_verdict(folder: Path | None = None) -> list[str]:
            "(docs/evaluation.md, where the choice of the default is argued):\n"]
     for name, what, summary in found:
         out += [f"**`data/grids/{name}/`**: {what}.\n", "".join(f"- {line}\n" for line in verdict_lines(summary))]
+    if len(found) > 1:
+        out.append(f"**All together.** {across_grids_line([(name, summary) for name, _, summary in found])}\n")
     return out
 
 

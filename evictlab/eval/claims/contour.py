@@ -388,6 +388,31 @@ def _winners(b: pl.DataFrame, against: tuple[str, ...]) -> list[str]:
             and b.filter(pl.col("variant") == v).height == len(against)]
 
 
+def across_grids_line(summaries: list[tuple[str, pl.DataFrame]], against: tuple[str, ...] = ("uniform", "adakv"),
+                      default: str = "contourkv") -> str:
+    """One plain sentence over several grids' :func:`contour_summary` tables (``(name,
+    summary)``, e.g. the committed :data:`SHIPPED_GRIDS`): the variants that beat every
+    allocator of ``against`` (:data:`BEATS_RULE`, pooled) in **every** grid that ran them, each
+    with the number of grids, or none; and what ``default`` is. A variant that wins one grid and
+    loses another is not a winner: the default changes only on a variant that holds up wherever
+    it was measured."""
+    names = " and ".join(against)
+    ran: dict[str, list[bool]] = {}
+    for _name, summary in summaries:
+        b = beats(summary).filter(pl.col("baseline").is_in(list(against)))
+        won = set(_winners(b, against))
+        for v in b["variant"].unique(maintain_order=True).to_list():
+            ran.setdefault(v, []).append(v in won)
+    held = [f"`{v}` ({len(r)} of {len(r)} grids that ran it)" for v, r in ran.items() if r and all(r)]
+    lost = [f"`{v}` ({sum(r)} of {len(r)})" for v, r in ran.items() if any(r) and not all(r)]
+    head = (f"Across the {len(summaries)} grids: variants that beat {names} in every grid that ran them: "
+            f"{', '.join(held)}." if held else
+            f"Across the {len(summaries)} grids: no ContourKV variant beats {names} in every grid that ran it.")
+    if lost:
+        head += f" Won some grids and lost others: {', '.join(lost)}."
+    return head + f" The registry's `{default}` is the scorer-ranked level (the paper's construction)."
+
+
 def verdict_lines(summary: pl.DataFrame, against: tuple[str, ...] = ("uniform", "adakv")) -> list[str]:
     """Plain sentences: which variants beat every allocator of ``against`` (:data:`BEATS_RULE`),
     pooled, then the same rule within each model (the ``model=...`` splits, where present: a
