@@ -337,6 +337,7 @@ def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any
     from evictlab.errors import InputError
     from evictlab.eval.claims.contour import contour_summary, contourkv_versus
     from evictlab.eval.claims.enforcement import enforcement_cost
+    from evictlab.eval.claims.gates import retention_gates
     from evictlab.eval.claims.margin import query_aware_margin
     from evictlab.eval.compare import compare as compare_pairs
     from evictlab.eval.compare import configurations
@@ -348,6 +349,7 @@ def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any
     claims_e, detail_e = enforcement_cost(results, seed=rule.seed, n_boot=rule.n_boot)
     claims_m, detail_m = query_aware_margin(results, seed=rule.seed, n_boot=rule.n_boot)
     claims_c, detail_c = contourkv_versus(results, tolerance=rule.tolerance, seed=rule.seed, n_boot=rule.n_boot)
+    claims_g, detail_g = retention_gates(results, seed=rule.seed, n_boot=rule.n_boot)
     glance = (contour_summary(results, tolerance=rule.tolerance, seed=rule.seed, n_boot=rule.n_boot)
               if detail_c.height else pl.DataFrame())
     stem = out.with_suffix("")
@@ -365,8 +367,9 @@ def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any
     config = {k: spec[k] for k in ("models", "tasks", "contexts", "budgets", "methods", "modes", "protocols", "n",
                                    "seed", "loop", "scorer_params", "allocator_params", "device", "prefill",
                                    "questions") if k in spec}
-    md = evaluation_markdown(results, pairs, rule=rule.describe(), claims=[*claims_e, *claims_m, *claims_c],
+    md = evaluation_markdown(results, pairs, rule=rule.describe(), claims=[*claims_e, *claims_m, *claims_c, *claims_g],
                              enforcement=detail_e, margin=detail_m, contour=detail_c, contour_glance=glance,
+                             gates=detail_g,
                              figures=[(f.png.name, f.caption) for f in figs], config=config,
                              skipped=manifest.get("skipped", []), floors=spec.get("floors", []), seed=rule.seed,
                              n_boot=rule.n_boot, note=note)
@@ -374,7 +377,7 @@ def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any
     atomic_write_text(report, md)
     write_checked_parquet(pairs, out)
     claims_path = stem.parent / (stem.name + "_claims.parquet")
-    rows = [c.to_dict() for c in (*claims_e, *claims_m, *claims_c)]
+    rows = [c.to_dict() for c in (*claims_e, *claims_m, *claims_c, *claims_g)]
     write_checked_parquet(pl.DataFrame(rows, schema={k: pl.Utf8 for k in (
         "claim_id", "claim", "paper_value", "our_value", "interval", "verdict", "model", "rows", "budgets",
         "definitions")}), claims_path)
@@ -384,5 +387,8 @@ def write_comparison(results: Any, out: Path, rule: Any, manifest: dict[str, Any
     extra = []
     if glance.height:
         extra.append(stem.parent / (stem.name + "_contour.parquet"))
-        write_checked_parquet(glance, extra[0])
+        write_checked_parquet(glance, extra[-1])
+    if detail_g.height:
+        extra.append(stem.parent / (stem.name + "_gates.parquet"))
+        write_checked_parquet(detail_g, extra[-1])
     return [out, report, claims_path, configs_path, *extra, *[f.png for f in figs], *[f.pdf for f in figs]], configs

@@ -126,13 +126,15 @@ def glance_table(summary: pl.DataFrame) -> pl.DataFrame:
 def evaluation_markdown(results: pl.DataFrame, pairs: pl.DataFrame, *, rule: str, claims: Sequence[Any] = (),
                         enforcement: pl.DataFrame | None = None, margin: pl.DataFrame | None = None,
                         contour: pl.DataFrame | None = None, contour_glance: pl.DataFrame | None = None,
+                        gates: pl.DataFrame | None = None,
                         figures: Sequence[tuple[str, str]] = (), config: dict[str, Any] | None = None,
                         skipped: Sequence[dict[str, str]] = (), floors: Sequence[Sequence[Any]] = (),
                         seed: int = 0, n_boot: int = 2000, note: str | None = None) -> str:
     """The grid's report (Markdown). ``figures``: ``(relative path, caption)``; ``floors``:
     the ``(model, task, context, reason)`` cells a ``suite`` grid left out; ``note``: a line
     set in bold under the title (a partial grid's, :class:`evictlab.eval.grid.PartialResults`);
-    ``contour_glance``: :func:`evictlab.eval.claims.contour.contour_summary`."""
+    ``contour_glance``: :func:`evictlab.eval.claims.contour.contour_summary`; ``gates``: the
+    detail of :func:`evictlab.eval.claims.gates.retention_gates`."""
     models = list(dict.fromkeys(results["model"].to_list()))
     ev = results.filter(pl.col("method") != "full")
     lines = [
@@ -210,6 +212,11 @@ def evaluation_markdown(results: pl.DataFrame, pairs: pl.DataFrame, *, rule: str
                   "the share of prompt resamples in which the comparison is won / lost, and `clear` the verdict "
                   "where that share reaches 97.5% (else undecided).", "",
                   table(contour, digits=3), ""]
+    if gates is not None and gates.height:
+        lines += ["### Learned retention gates (`trimkv ... +global`) against each other arm, per comparison", "",
+                  "Points = 100 x exact-match difference per answer (the gates' arm minus `method_b`), 95% percentile "
+                  "bootstrap over whole contexts; `d_logprob` in nats; MiB held by each arm (physical: equal).", "",
+                  table(gates, digits=3), ""]
     lines += configurations_section(pairs)
     if ev.height:
         lines += ["## Methods (means over answers)", "", table(_method_means(results), digits=3), ""]
