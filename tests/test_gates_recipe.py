@@ -287,9 +287,11 @@ def test_shipped_gates_load_and_reproduce_their_validation(name: str, folder: Pa
     recorded = cfg["validation"][-1]
     m_global = float(cfg["m_global"])
     got = validate(model, gates, targets, m_global, recorded["capacity_weight"], chunk=recipe.batch)
-    # bfloat16 matrix products differ between CPU kernels (matrix units or not): 1% there
-    rel = 2e-3 if recipe.dtype == "float32" else 1e-2
+    # bfloat16 matrix products differ between CPU kernels (matrix units or not): 1% there, and
+    # 3% for the KL, a small difference of two close distributions that magnifies rounding
+    # (Gemma 3's gates, recorded on an Intel Xeon with AMX: 0.04674; on an AMD EPYC: 0.04615, 1.3%)
     for key in ("ce", "kl", "retained_mean", "retained_max"):
+        rel = 2e-3 if recipe.dtype == "float32" else (3e-2 if key == "kl" else 1e-2)
         assert got[key] == pytest.approx(recorded[key], rel=rel, abs=1e-4), key
     record = json.loads((folder / "training.json").read_text())
     assert record["steps"] == cfg["training"]["steps"] and record["command"].startswith("evictlab gates train")
