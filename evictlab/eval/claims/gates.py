@@ -33,6 +33,19 @@ GATES_DEFS = ("physical store (bytes held = the budget on both sides), query-agn
               "(model, task, context, budget) is tied when the two arms' correct answers differ by at most one (ours)")
 
 
+_TEXTS = {
+    # kind of the other arm -> (the claim, with {a} / {b} the two methods; paper B's value)
+    "global": ("{a}: one global budget beats equal per-cell sizes with the same gates ({b})",
+               "the global budget is what makes the learned scores pay (a direction; no comparable number)"),
+    "gates": ("{a} against {b}: two gate sets under the same global budget",
+              "the shared projection beats per-layer ('local') ones (paper B's ablation; a direction): "
+              "each arm names its gates in its method text"),
+    "other": ("{a} beats {b} at the same physical bytes",
+              "learned retention beats training-free eviction (a direction; no comparable number)"),
+    "full": ("{a} matches or beats the full cache", "0 points (matches the full cache; above 0: beats it)"),
+}
+
+
 def _direction(lo: float, hi: float) -> str:
     if lo > 0:
         return "the paper's direction (interval above 0)"
@@ -91,28 +104,15 @@ def retention_gates(results: pl.DataFrame, *, seed: int = 0, n_boot: int = 2000)
                                method_b=pl.lit(b), bytes_live_b=pl.col("bytes_live_b").cast(pl.Float64))
             detail = C.detail_table(j, [*on, "method", "method_b"], "d_em", _stats, results, seed, n_boot)
             details.append(detail)
-            for model, g in j.group_by("model", maintain_order=True):
-                (model,) = model if isinstance(model, tuple) else (model,)
+            for (model,), g in j.group_by(["model"], maintain_order=True):
                 v, lo, hi = C.pooled_mean(g, "d", f"gates|{model}|{a}|{b}", seed, n_boot)
                 d = detail.filter(pl.col("model") == model)
                 ours = (f"{C.points_text(v, lo, hi)}; exact match {g['exact_match'].mean():.3f} vs "
                         f"{g['exact_match_b'].mean():.3f}; {_configurations(d)}; per comparison "
                         f"{d['d_em'].min():+.1f} to {d['d_em'].max():+.1f}; {C.full_note(d)}")
-                if kind == "global":
-                    claim = f"{a}: one global budget beats equal per-cell sizes with the same gates ({b})"
-                    paper = "the global budget is what makes the learned scores pay (a direction; no comparable number)"
-                elif kind == "gates":
-                    claim = f"{a} against {b}: two gate sets under the same global budget"
-                    paper = ("the shared projection beats per-layer ('local') ones (paper B's ablation; a direction): "
-                             "each arm names its gates in its method text")
-                elif kind == "other":
-                    claim = f"{a} beats {b} at the same physical bytes"
-                    paper = "learned retention beats training-free eviction (a direction; no comparable number)"
-                else:
-                    claim = f"{a} matches or beats the full cache"
-                    paper = "0 points (matches the full cache; above 0: beats it)"
+                claim, paper = _TEXTS[kind]
                 claims.append(ClaimRow(
-                    claim_id=f"gates:{a}_vs_{b}", claim=claim, paper_value=paper,
+                    claim_id=f"gates:{a}_vs_{b}", claim=claim.format(a=a, b=b), paper_value=paper,
                     our_value=ours if kind == "full" else f"{ours}; {_direction(lo, hi)}",
                     verdict=C.versus(lo, hi, 0.0, 0.0) if kind == "full" else "no paper value",
                     **C.claim_fields(model, g, d), interval=C.INTERVAL, definitions=GATES_DEFS))

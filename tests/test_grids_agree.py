@@ -1,0 +1,65 @@
+"""paper_repro/grids_agree.py on hand-made grids: shared answers joined on every key, differences
+counted per (model, method), bad input refused with exit code 2."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+
+@pytest.fixture()
+def script(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "paper_repro"))
+    sys.modules.pop("grids_agree", None)
+    import grids_agree
+
+    return grids_agree
+
+
+def _grid(methods: list[str], examples: range, logprob_shift: float = 0.0, em_flip: int | None = None) -> pl.DataFrame:
+    rows = []
+    for method in methods:
+        for ex in examples:
+            rows.append({"model": "m", "task": "needle", "context": 1024, "method": method, "mode": "physical",
+                         "protocol": "query_agnostic", "prefill": "one_pass", "budget": 64, "budget_unit": "per_cell",
+                         "seed": 0, "example": ex, "example_seed": 100 + ex, "question": 0,
+                         "exact_match": float(ex != em_flip), "bytes_live": 1000 + ex,
+                         "answer_logprob": -1.0 - ex / 8 + (logprob_shift if ex % 2 else 0.0),
+                         "wall_s": 1.0 + ex})   # timings differ between runs; not a key
+    return pl.DataFrame(rows)
+
+
+def test_counts_only_shared_answers_and_their_differences(script) -> None:
+    a = _grid(["full", "snapkv"], range(4))
+    b = _grid(["snapkv", "snapkv+adakv"], range(2, 6), logprob_shift=1e-3, em_flip=3)
+    t = script.agreement(a, b)
+    assert t["method"].to_list() == ["snapkv"]            # full and adakv are in one grid only
+    r = t.row(0, named=True)
+    assert r["rows"] == 2                                  # examples 2 and 3
+    assert r["em_equal"] == 1                              # example 3 flipped in b
+    assert r["bytes_equal"] == 2
+    assert r["logprob_bitequal"] == 1                      # the odd example is shifted
+    assert r["max_abs_dlogprob"] == pytest.approx(1e-3)
+
+
+def test_identical_grids_agree_bit_for_bit(script) -> None:
+    a = _grid(["full", "snapkv"], range(3))
+    t = script.agreement(a, a.with_columns(wall_s=pl.col("wall_s") * 2))
+    assert t["rows"].to_list() == t["logprob_bitequal"].to_list() == [3, 3]
+    assert t["max_abs_dlogprob"].to_list() == [0.0, 0.0]
+
+
+def test_cli_refuses_missing_folder_and_bad_range(script, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        _grid(["snapkv"], range(3)).write_parquet(tmp_path / name / "results.parquet")
+    assert script.main([str(tmp_path / "a"), str(tmp_path / "nothere")]) == 2
+    assert "no results.parquet" in capsys.readouterr().err
+    assert script.main([str(tmp_path / "a"), str(tmp_path / "b"), "--examples", "5"]) == 2
+    assert "--examples" in capsys.readouterr().err
+    out = tmp_path / "agree.md"
+    assert script.main([str(tmp_path / "a"), str(tmp_path / "b"), "--examples", "1:3", "--out", str(out)]) == 0
+    assert "| m | snapkv | 2 | 2 | 2 | 2 | 0 |" in out.read_text()
