@@ -394,9 +394,9 @@ def test_the_dilution_configs_expand_to_their_grids() -> None:
     """dilution.toml: the distractor sweep on the engine: both models, both kinds x K = 0, 4,
     16, 64 (the families expanded by `distractors`), the sweep's default filler (512) and
     budget (128 per cell), the full cache, the label ORACLE and four query-agnostic methods,
-    physical, query-agnostic, one-pass, n = 50; dilution_trimkv.toml: SmolLM2 only, the same
-    plus trimkv+global and trimkv with the shipped gates (gates=default, the trimkv scorer's
-    only)."""
+    physical, query-agnostic, one-pass, n = 50; dilution_trimkv.toml: the same (both models,
+    each with its shipped gates) plus trimkv+global and trimkv with the shipped gates
+    (gates=default, the trimkv scorer's only)."""
     from evictlab.dilution.sweep import SweepConfig
     from evictlab.eval.spec import budget_text
     from evictlab.kv.budget import Budget
@@ -405,7 +405,7 @@ def test_the_dilution_configs_expand_to_their_grids() -> None:
     sweep = SweepConfig()
     for name, models, methods in (
         ("dilution.toml", ("smollm2-135m", "gemma3-270m"), DILUTION_METHODS),
-        ("dilution_trimkv.toml", ("smollm2-135m",), DILUTION_METHODS | {"trimkv+global", "trimkv"}),
+        ("dilution_trimkv.toml", ("smollm2-135m", "gemma3-270m"), DILUTION_METHODS | {"trimkv+global", "trimkv"}),
     ):
         spec, p, _ = _grid_of(["--config", str(ROOT / "experiments" / name)])
         assert spec.models == models and spec.tasks == tasks and spec.n == 50 and not spec.floors
