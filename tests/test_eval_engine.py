@@ -441,6 +441,16 @@ def test_the_gates_configs_expand_to_their_grids(monkeypatch: pytest.MonkeyPatch
     for c in spec.cells():
         assert c.scorer_params == ((("gates", "default"),) if c.scorer == "trimkv" else ())
     assert p["out"] == Path("runs/experiments/gates")
+    gemma, p, _ = _grid_of(["--config", str(ROOT / "experiments" / "gates_gemma.toml")])
+    assert gemma.models == ("gemma3-270m",) and (gemma.tasks, gemma.contexts, gemma.budgets, gemma.n) == (
+        spec.tasks, spec.contexts, spec.budgets, spec.n)
+    assert (gemma.modes, gemma.protocols, gemma.prefill) == (spec.modes, spec.protocols, spec.prefill)
+    assert set(gemma.evicting) == {"trimkv+global", "trimkv", "snapkv", "snapkv+adakv", "snapkv+contourkv_offline",
+                                   "kvzip+contourkv_offline"}
+    # Gemma 3's kept cells: needle at 1k, needle_word, facts_word and keys_number at 1k and 2k, keys_tagged at 1k
+    g_groups = len(SUITE_TASKS) * 2 - len(gemma.floors)
+    assert g_groups == 8 and len(gemma.cells()) == g_groups * (1 + 3 * 6) and len(gemma.units()) == g_groups * 50
+    assert p["out"] == Path("runs/experiments/gates_gemma")
     ablation_file = ["--config", str(ROOT / "experiments" / "gates_ablation.toml")]
     assert (ROOT / LOCAL_GATES / "gates.json").is_file()  # committed: the file runs as it is
     monkeypatch.chdir(ROOT)
@@ -462,7 +472,8 @@ def test_every_experiment_file_parses(monkeypatch: pytest.MonkeyPatch) -> None:
     files = sorted((ROOT / "experiments").glob("*.toml"))
     assert {f.name for f in files} == {  # gpu_check: benchmarks/gpu_check.sh
         *CLAIMS, "smoke.toml", "gpu_check.toml", "contourkv.toml", "contourkv_scorers.toml", "contourkv_relerror.toml",
-        "contourkv_4k.toml", "contourkv_facts.toml", "dilution.toml", "dilution_trimkv.toml", "gates.toml", "gates_ablation.toml"}
+        "contourkv_4k.toml", "contourkv_facts.toml", "dilution.toml", "dilution_trimkv.toml", "gates.toml", "gates_ablation.toml",
+        "gates_gemma.toml"}
     monkeypatch.chdir(ROOT)  # gates_ablation.toml names its local gates relative to the repository root
     for f in files:
         spec, _, _ = _grid_of(["--config", str(f)])
