@@ -9,6 +9,8 @@ bit-identical and the largest difference (nats). docs/gates.md and docs/evaluati
 its numbers.
 
     python paper_repro/grids_agree.py data/grids/contourkv data/grids/gates
+    python paper_repro/grids_agree.py data/grids/gates data/grids/gates_ablation \
+        --same 'trimkv+global=trimkv[gates=default]+global'    # one arm under two names
     python paper_repro/grids_agree.py A B --examples 28:50 --out runs/agree.md   # examples 28-49 only;
                                                                                  # also writes the table
 
@@ -58,6 +60,16 @@ def agreement(a: pl.DataFrame, b: pl.DataFrame) -> pl.DataFrame:
             .sort("model", "method"))
 
 
+def _split_same(text: str) -> tuple[str, str]:
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if ch == "=" and depth == 0 and 0 < i < len(text) - 1:
+            return text[:i], text[i + 1:]
+    raise InputError("--same", f"{text!r} is not A=B (two method texts joined by '=' outside brackets)",
+                     "write e.g. --same 'trimkv+global=trimkv[gates=default]+global'")
+
+
 def _range(text: str) -> tuple[int, int]:
     lo, sep, hi = text.partition(":")
     if not (sep and lo.isdigit() and hi.isdigit() and int(lo) < int(hi)):
@@ -86,10 +98,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("grid_b", type=Path, help="another finished grid folder")
     p.add_argument("--examples", default=None, metavar="LO:HI",
                    help="only examples LO..HI-1 (e.g. 28:50: the part computed on one machine)")
+    p.add_argument("--same", nargs="*", default=[], metavar="A=B",
+                   help="grid A's method A is grid B's method B under another name "
+                        "(e.g. 'trimkv+global=trimkv[gates=default]+global')")
     p.add_argument("--out", type=Path, default=None, help="also write the table (Markdown) here")
     args = p.parse_args(argv)
     try:
         a, b = read_grid(args.grid_a), read_grid(args.grid_b)
+        for pair in args.same:
+            # a method text may hold '=' inside brackets: split at the '=' outside them
+            old, new = _split_same(pair)
+            a = a.with_columns(method=pl.col("method").replace(old, new))
         if args.examples is not None:
             lo, hi = _range(args.examples)
             a, b = (t.filter(pl.col("example").is_between(lo, hi - 1)) for t in (a, b))

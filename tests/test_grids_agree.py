@@ -63,3 +63,17 @@ def test_cli_refuses_missing_folder_and_bad_range(script, tmp_path: Path, capsys
     out = tmp_path / "agree.md"
     assert script.main([str(tmp_path / "a"), str(tmp_path / "b"), "--examples", "1:3", "--out", str(out)]) == 0
     assert "| m | snapkv | 2 | 2 | 2 | 2 | 0 |" in out.read_text()
+
+
+def test_same_pairs_one_arm_under_two_names(script, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A method text may hold '=' inside its brackets (trimkv[gates=DIR]): --same splits outside them."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    _grid(["trimkv+global"], range(2)).write_parquet(tmp_path / "a" / "results.parquet")
+    _grid(["trimkv[gates=default]+global"], range(2)).write_parquet(tmp_path / "b" / "results.parquet")
+    assert script.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 2          # nothing shared by name
+    assert "share no answers" in capsys.readouterr().err
+    assert script.main([str(tmp_path / "a"), str(tmp_path / "b"),
+                        "--same", "trimkv+global=trimkv[gates=default]+global"]) == 0
+    assert "| m | trimkv[gates=default]+global | 2 | 2 | 2 | 2 | 0 |" in capsys.readouterr().out
+    assert script._split_same("a[x=1]=b[y=2]") == ("a[x=1]", "b[y=2]")
