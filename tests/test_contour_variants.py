@@ -19,7 +19,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from evictlab.contour.level import min_sum_increments, min_sum_reference
@@ -282,6 +282,59 @@ def test_each_variant_optimises_its_objective(name: str, problem) -> None:
     f = _objective(name, inp, alloc)
     best = min(f(b) for b in _splits(inp))
     assert f(flat) == pytest.approx(best, abs=1e-9)
+
+
+def _safeguard_floors(inp: AllocInputs, safeguard: float) -> np.ndarray:
+    """The raised floors, written independently of ContourKV.safeguarded: s = floor(safeguard x
+    target / cells), lowered one entry at a time until max(floor, min(cap, s)) fits the target."""
+    lo, caps = inp.floors.reshape(-1), _caps(inp)
+    s = int(safeguard * inp.target / lo.size)
+    while s > 0 and np.maximum(lo, np.minimum(caps, s)).sum() > inp.target:
+        s -= 1
+    return np.maximum(lo, np.minimum(caps, s))
+
+
+@pytest.mark.parametrize("name", ["contourkv", "contourkv_mass", "contourkv_error", "contourkv_relerror"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@given(problem=small_problems(), safeguard=st.sampled_from([0.25, 0.5, 1.0]))
+def test_the_safeguard_keeps_each_cell_its_share_and_optimises_the_rest(name: str, problem, safeguard: float) -> None:
+    """With ``safeguard``, every cell keeps at least its share of a uniform split (capped, and
+    never below its floor), and the split is the objective's optimum among those that do.
+    Only problems where the safeguard raises some floor (else it is the test above)."""
+    inp, seed = problem
+    raised = _safeguard_floors(inp, safeguard)
+    assume((raised > inp.floors.reshape(-1)).any())
+    alloc = make_allocator(name, safeguard=safeguard)
+    inp = with_needs(alloc, inp, seed)
+    flat = check_sizes(inp, alloc.allocate(inp), name).reshape(-1)
+    assert (flat >= raised).all() and (flat <= _caps(inp)).all()
+    f = _objective(name, inp, alloc)
+    best = min(f(b) for b in _splits(inp) if (b >= raised).all())
+    assert f(flat) == pytest.approx(best, abs=1e-9)
+
+
+def test_the_safeguard_bounds_how_far_a_cell_falls() -> None:
+    """The relative-error case below gives cell 0 the floor alone (1 of 4 extra); with
+    safeguard = 1 each cell keeps its uniform share (2 each of 4), nothing is left to move."""
+    inp = AllocInputs.build([torch.zeros(1, 2, 4)], 4, floor=1, lengths=np.array([[4, 4]]), sinks=1, recent=0)
+    error = np.array([[[20.0, 0.2, 0.15, 0.1, 0.0], [0.2, 0.1, 0.1, 0.01, 0.0]]])
+    inp = dataclasses.replace(inp, window=dataclasses.replace(example_ranked_window(inp), error=(error,)))
+    assert make_allocator("contourkv_relerror").allocate(inp).tolist() == [[1, 3]]
+    assert make_allocator("contourkv_relerror", safeguard=1.0).allocate(inp).tolist() == [[2, 2]]
+    assert make_allocator("contourkv_relerror", safeguard=0.0).allocate(inp).tolist() == [[1, 3]]
+    # hand-made unequal floors: the share is lowered until the raised floors fit the target
+    odd = AllocInputs.build([torch.zeros(1, 2, 6)], 6, floor=0, lengths=np.array([[6, 6]]))
+    odd = dataclasses.replace(odd, floors=np.array([[5, 0]]), window=example_ranked_window(odd))
+    assert make_allocator("contourkv", safeguard=1.0).safeguarded(odd, np.array([[6, 6]])).floors.tolist() == [[5, 1]]
+
+
+def test_the_safeguard_is_validated() -> None:
+    for bad in (-0.1, 1.5):
+        with pytest.raises(InputError, match="safeguard.*not a fraction in"):
+            make_allocator("contourkv", safeguard=bad)
+    for name, params in (("contourkv_query", {}), ("contourkv_offline", {}), ("contourkv", {"profile": "default"})):
+        with pytest.raises(InputError, match="safeguard.*reads its curves above the floor"):
+            make_allocator(name, safeguard=0.5, **params)
 
 
 def test_objectives_pick_different_splits() -> None:

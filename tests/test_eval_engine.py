@@ -473,7 +473,7 @@ def test_every_experiment_file_parses(monkeypatch: pytest.MonkeyPatch) -> None:
     assert {f.name for f in files} == {  # gpu_check: benchmarks/gpu_check.sh
         *CLAIMS, "smoke.toml", "gpu_check.toml", "contourkv.toml", "contourkv_scorers.toml", "contourkv_relerror.toml",
         "contourkv_4k.toml", "contourkv_facts.toml", "dilution.toml", "dilution_trimkv.toml", "gates.toml", "gates_ablation.toml",
-        "gates_gemma.toml"}
+        "gates_gemma.toml", "contourkv_safeguard.toml"}
     monkeypatch.chdir(ROOT)  # gates_ablation.toml names its local gates relative to the repository root
     for f in files:
         spec, _, _ = _grid_of(["--config", str(f)])

@@ -30,7 +30,7 @@ predicted probability that a row of cell ``c`` has a significant selection gap a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -104,6 +104,15 @@ class ContourKV(Allocator):
       profile before issue 24), read at ``b = k`` above the floor (the floor counted on top).
       None: ``scorer`` online, ``query`` with a profile file (the only one it holds).
 
+    * ``safeguard`` (scorer ranking only; default 0, off): before the objective splits the
+      budget, every cell keeps ``min(cap_c, max(floor_c, floor(safeguard * target / cells)))``
+      entries, its share of a uniform split (AdaKV's ``alpha``); the objective moves only the
+      rest. Why: under the query-agnostic protocol the window sees the end of the context, so
+      the objectives can starve a cell the later question reads (Gemma 3's global layers,
+      docs/contour.md); the safeguard bounds how far any cell falls below uniform. Exact for
+      the scorer ranking, whose curves are read at the cell's whole size; refused with a
+      fitted profile or the query ranking, whose curves count the floor on top.
+
     The objective (a class attribute; each objective is its own registered name): ``level``
     (``contourkv``): minimise ``max_c D_c`` (every cell reaches one level, the E largest
     priorities, :func:`evictlab.contour.level.top_increments`); ``mass``
@@ -114,6 +123,7 @@ class ContourKV(Allocator):
 
     profile: Path | None = None
     ranking: Ranking | None = None
+    safeguard: float = 0.0
     name: ClassVar[str] = "contourkv"
     objective: ClassVar[Objective] = "level"
     _profile: Any = field(default=None, init=False, repr=False, compare=False)
@@ -126,6 +136,14 @@ class ContourKV(Allocator):
             raise InputError("ranking", "a fitted profile holds each row's own top-b dropped mass, not a scorer's "
                              "(the scorer ranks the run's own keys)", "drop ranking= (or ranking=query) with profile=, "
                              "or drop profile= to measure the scorer's ranking online")
+        if isinstance(self.safeguard, bool) or not isinstance(self.safeguard, (int, float)) \
+                or not 0.0 <= self.safeguard <= 1.0:
+            raise InputError("safeguard", f"{self.safeguard!r} is not a fraction in [0, 1]",
+                             "use e.g. safeguard=0.5 (each cell keeps half its uniform share), or 0 for none")
+        if self.safeguard and (self.profile is not None or self.ranked == "query"):
+            raise InputError("safeguard", f"{self.name} reads its curves above the floor (a fitted profile or the "
+                             "query ranking), where a raised floor is not exact",
+                             "use safeguard with the scorer ranking (contourkv, _mass, _error, _relerror online)")
         if self.objective == "error" and self.profile is not None:
             raise InputError("profile", f"{self.name} measures the forced error of the scorer's kept sets online; a "
                              "fitted profile holds no forced error", f"drop profile= for {self.name}")
@@ -270,6 +288,25 @@ class ContourKV(Allocator):
         return _dense(x, w, nk, K)
 
     # -- allocation ----------------------------------------------------------------------
+    def safeguarded(self, inputs: AllocInputs, caps: np.ndarray) -> AllocInputs:
+        """``inputs`` with every cell's floor raised to ``max(floor_c, min(cap_c, s))``, ``s =
+        floor(safeguard * target / cells)`` (class docstring). With the decode loop's floors
+        (one value, or a cell's whole cap where it holds less) these sum to at most the target;
+        for other hand-made floors ``s`` is lowered to the largest value whose floors fit."""
+        lo_f = inputs.floors
+
+        def raised(share: int) -> np.ndarray:
+            return np.maximum(lo_f, np.minimum(caps, share)).astype(np.int64)
+
+        share = int(self.safeguard * inputs.target / lo_f.size)
+        if int(raised(share).sum()) > inputs.target:  # monotone in share; share = 0 fits
+            lo, hi = 0, share
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if int(raised(mid).sum()) <= inputs.target else (lo, mid - 1)
+            share = lo
+        return replace(inputs, floors=raised(share))
+
     def caps(self, inputs: AllocInputs) -> np.ndarray:
         """Most entries per cell: its length, at most ``window - 1`` on sliding layers
         (:class:`InputError` when the budget cannot fit under them)."""
@@ -285,8 +322,10 @@ class ContourKV(Allocator):
         return caps
 
     def allocate(self, inputs: AllocInputs) -> np.ndarray:
-        floors = inputs.floors
         caps = self.caps(inputs)
+        if self.safeguard:
+            inputs = self.safeguarded(inputs, caps)
+        floors = inputs.floors
         extra = inputs.target - int(floors.sum())
         room = (caps - floors).reshape(-1)
         if self.objective == "level" and not (self.profile is None and self.ranked == "scorer"):
