@@ -103,19 +103,15 @@ def main(argv: list[str] | None = None) -> int:
                         "(e.g. 'trimkv+global=trimkv[gates=default]+global')")
     p.add_argument("--out", type=Path, default=None, help="also write the table (Markdown) here")
     args = p.parse_args(argv)
-    try:
-        a, b = read_grid(args.grid_a), read_grid(args.grid_b)
-        for pair in args.same:
-            # a method text may hold '=' inside brackets: split at the '=' outside them
-            old, new = _split_same(pair)
-            a = a.with_columns(method=pl.col("method").replace(old, new))
-        if args.examples is not None:
-            lo, hi = _range(args.examples)
-            a, b = (t.filter(pl.col("example").is_between(lo, hi - 1)) for t in (a, b))
-        table = agreement(a, b)
-    except InputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    a, b = read_grid(args.grid_a), read_grid(args.grid_b)
+    for pair in args.same:
+        # a method text may hold '=' inside brackets: split at the '=' outside them
+        old, new = _split_same(pair)
+        a = a.with_columns(method=pl.col("method").replace(old, new))
+    if args.examples is not None:
+        lo, hi = _range(args.examples)
+        a, b = (t.filter(pl.col("example").is_between(lo, hi - 1)) for t in (a, b))
+    table = agreement(a, b)
     if table.height == 0:
         print(f"error: {args.grid_a} and {args.grid_b} share no answers (no arm with the same keys); "
               "pass two grids that ran a common arm", file=sys.stderr)
@@ -128,4 +124,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from _common import entry
+
+    entry(main)

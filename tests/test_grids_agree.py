@@ -3,16 +3,21 @@ counted per (model, method), bad input refused with exit code 2."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
 import polars as pl
 import pytest
 
+from evictlab.errors import InputError
+
+SCRIPT = Path(__file__).resolve().parents[1] / "paper_repro" / "grids_agree.py"
+
 
 @pytest.fixture()
 def script(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "paper_repro"))
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
     sys.modules.pop("grids_agree", None)
     import grids_agree
 
@@ -56,10 +61,15 @@ def test_cli_refuses_missing_folder_and_bad_range(script, tmp_path: Path, capsys
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
         _grid(["snapkv"], range(3)).write_parquet(tmp_path / name / "results.parquet")
-    assert script.main([str(tmp_path / "a"), str(tmp_path / "nothere")]) == 2
-    assert "no results.parquet" in capsys.readouterr().err
-    assert script.main([str(tmp_path / "a"), str(tmp_path / "b"), "--examples", "5"]) == 2
-    assert "--examples" in capsys.readouterr().err
+    with pytest.raises(InputError, match="no results.parquet"):
+        script.main([str(tmp_path / "a"), str(tmp_path / "nothere")])
+    with pytest.raises(InputError, match="--examples"):
+        script.main([str(tmp_path / "a"), str(tmp_path / "b"), "--examples", "5"])
+    # as a command: one line on stderr, exit 2, no traceback (the scripts' shared entry)
+    done = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "a"), str(tmp_path / "nothere")],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().startswith("error:") and len(done.stderr.strip().splitlines()) == 1
     out = tmp_path / "agree.md"
     assert script.main([str(tmp_path / "a"), str(tmp_path / "b"), "--examples", "1:3", "--out", str(out)]) == 0
     assert "| m | snapkv | 2 | 2 | 2 | 2 | 0 |" in out.read_text()
