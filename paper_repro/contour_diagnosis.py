@@ -86,6 +86,22 @@ def diagnose(trace: pl.DataFrame, phase: str = "prefill") -> pl.DataFrame:
     return out
 
 
+def per_layer(trace: pl.DataFrame, phase: str = "prefill") -> pl.DataFrame:
+    """One row per layer, columns per method: the entries its cells held and kept (mean
+    over examples, compressions and KV heads), and, where the trace has fact labels, the asked
+    facts' entries held and kept (summed): where an allocation moves the budget, and whether
+    the answer went with it."""
+    t = trace.filter(pl.col("phase") == phase)
+    facts = "fact_held" in t.columns and t["fact_held"].drop_nulls().sum() > 0
+    aggs = [pl.col("held").mean().alias("held"), pl.col("kept").mean().alias("kept")]
+    if facts:
+        aggs += [pl.col("fact_held").sum().alias("fact held"), pl.col("fact_kept").sum().alias("fact kept")]
+    g = t.group_by("method", "layer", maintain_order=True).agg(aggs)
+    # per method even what was held: after the first compression (decode, question) it differs
+    return g.pivot(on="method", index="layer", values=[a.meta.output_name() for a in aggs],
+                   sort_columns=False).sort("layer")
+
+
 def _reading_cells(t: pl.DataFrame, hold: float = 0.8) -> pl.DataFrame:
     """Per method, over the (layer, KV head) cells where its scorer's uniform arm keeps at
     least ``hold`` of the fact (pooled over examples: the cells that hold the answer): the
@@ -175,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         write_checked_parquet(audit, args.out / "audit.parquet")
     label, provenance = _labels(args, trace)
     text = markdown(diagnose(trace, args.phase), audit)
+    text += f"\nPer layer ({args.phase} compressions; held and kept: mean entries per cell; facts: summed):\n\n"
+    text += markdown(per_layer(trace, args.phase), None)
     outputs = [str(args.out / "diagnosis.md")]
     uniform = next((m for m in trace["method"].unique(maintain_order=True).to_list() if "+" not in m), None)
     if uniform is not None and "fact_held" in trace.columns:

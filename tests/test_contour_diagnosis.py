@@ -54,11 +54,25 @@ def test_fact_columns_say_which_arm_lost_the_answer(script) -> None:
     assert got["kvzip+contourkv_mass"]["of those, below half"] == 1
 
 
+def test_per_layer_shows_where_the_budget_and_the_fact_went(script) -> None:
+    """The variant moves 4 entries per cell from layer 0 to layer 1; layer 0 holds the fact
+    (4 entries in head 1, per example): uniform keeps all 8, the variant 2."""
+    t = script.per_layer(_trace())
+    assert t["layer"].to_list() == [0, 1]
+    assert t["kept_kvzip"].to_list() == [8.0, 8.0]
+    assert t["kept_kvzip+contourkv_mass"].to_list() == [4.0, 12.0]
+    assert t["held_kvzip"].to_list() == t["held_kvzip+contourkv_mass"].to_list() == [100.0, 100.0]
+    assert t["fact held_kvzip"].to_list() == [8, 0] and t["fact kept_kvzip"].to_list() == [8, 0]
+    assert t["fact kept_kvzip+contourkv_mass"].to_list() == [2, 0]
+    no_facts = script.per_layer(_trace().drop("fact_held", "fact_kept"))
+    assert not any(c.startswith("fact") for c in no_facts.columns)
+
+
 def test_script_tabulates_a_trace_and_draws_the_cells(script, tmp_path: Path) -> None:
     _trace().write_parquet(tmp_path / "t.parquet")
     assert script.main(["--trace", str(tmp_path / "t.parquet"), "--out", str(tmp_path / "out")]) == 0
     text = (tmp_path / "out" / "diagnosis.md").read_text()
-    assert "fact kept" in text and "![cells](cells.png)" in text
+    assert "fact kept" in text and "![cells](cells.png)" in text and "| layer | held_kvzip |" in text
     assert (tmp_path / "out" / "cells.png").stat().st_size > 0 and (tmp_path / "out" / "cells.pdf").exists()
     # no run record beside the trace: labelled by the trace's own columns, not by this call's defaults
     assert text.startswith("model not recorded, ") and "smollm2" not in text.splitlines()[0]

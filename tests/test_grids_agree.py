@@ -11,6 +11,7 @@ import polars as pl
 import pytest
 
 from evictlab.errors import InputError
+from evictlab.io import write_checked_parquet
 
 SCRIPT = Path(__file__).resolve().parents[1] / "paper_repro" / "grids_agree.py"
 
@@ -60,7 +61,7 @@ def test_identical_grids_agree_bit_for_bit(script) -> None:
 def test_cli_refuses_missing_folder_and_bad_range(script, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
-        _grid(["snapkv"], range(3)).write_parquet(tmp_path / name / "results.parquet")
+        write_checked_parquet(_grid(["snapkv"], range(3)), tmp_path / name / "results.parquet")
     with pytest.raises(InputError, match="no results.parquet"):
         script.main([str(tmp_path / "a"), str(tmp_path / "nothere")])
     with pytest.raises(InputError, match="--examples"):
@@ -79,11 +80,30 @@ def test_same_pairs_one_arm_under_two_names(script, tmp_path: Path, capsys: pyte
     """A method text may hold '=' inside its brackets (trimkv[gates=DIR]): --same splits outside them."""
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    _grid(["trimkv+global"], range(2)).write_parquet(tmp_path / "a" / "results.parquet")
-    _grid(["trimkv[gates=default]+global"], range(2)).write_parquet(tmp_path / "b" / "results.parquet")
+    write_checked_parquet(_grid(["trimkv+global"], range(2)), tmp_path / "a" / "results.parquet")
+    write_checked_parquet(_grid(["trimkv[gates=default]+global"], range(2)), tmp_path / "b" / "results.parquet")
     assert script.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 2          # nothing shared by name
     assert "share no answers" in capsys.readouterr().err
     assert script.main([str(tmp_path / "a"), str(tmp_path / "b"),
                         "--same", "trimkv+global=trimkv[gates=default]+global"]) == 0
     assert "| m | trimkv[gates=default]+global | 2 | 2 | 2 | 2 | 0 |" in capsys.readouterr().out
     assert script._split_same("a[x=1]=b[y=2]") == ("a[x=1]", "b[y=2]")
+
+
+def test_versus_pairs_two_methods_of_two_grids(script, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Grid a's trimkv+global against grid b's snapkv on the same answers: a right on all 4
+    examples, b on examples != 2 (em_flip) -> +25 points, the interval around it."""
+    a = _grid(["trimkv+global"], range(4))
+    b = _grid(["snapkv"], range(4), em_flip=2)
+    t = script.versus(a, b, "trimkv+global", "snapkv", n_boot=200)
+    r = t.row(0, named=True)
+    assert (r["answers"], r["em_a"], r["em_b"]) == (4, 1.0, 0.75)
+    assert r["points"] == pytest.approx(25.0) and r["lo"] <= 25.0 <= r["hi"] and r["hi"] <= 100.0
+    assert script.versus(a, b, "trimkv+global", "nothere").height == 0
+    for name, df in (("a", a), ("b", b)):
+        (tmp_path / name).mkdir()
+        write_checked_parquet(df, tmp_path / name / "results.parquet")
+    assert script.main([str(tmp_path / "a"), str(tmp_path / "b"), "--versus", "trimkv+global=snapkv"]) == 0
+    assert "| m | trimkv+global | snapkv | 4 | 1.000 | 0.750 | +25.0" in capsys.readouterr().out
+    with pytest.raises(InputError, match="--versus"):
+        script.main([str(tmp_path / "a"), str(tmp_path / "b"), "--versus", "snapkv"])

@@ -21,15 +21,9 @@ from typing import ClassVar
 import numpy as np
 
 from evictlab.errors import InputError
-from evictlab.methods.base import AllocInputs, Allocator
+from evictlab.methods.base import AllocInputs, Allocator, check_number
 
 __all__ = ["AdaKV", "Global", "PyramidKV", "Uniform", "fit", "pyramid_weights"]
-
-
-def _number(value: object, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InputError(name, f"{value!r} is not a number", f"pass a number for {name}")
-    return float(value)
 
 
 def fit(weights: np.ndarray, budget: int, floors: np.ndarray, caps: np.ndarray) -> np.ndarray:
@@ -98,7 +92,7 @@ class PyramidKV(Allocator):
     name: ClassVar[str] = "pyramidkv"
 
     def __post_init__(self) -> None:
-        if _number(self.beta, "beta") < 1:
+        if check_number(self.beta, "beta") < 1:
             raise InputError("beta", f"{self.beta} < 1", "use beta >= 1 (20 in PyramidKV)")
 
     def allocate(self, inputs: AllocInputs) -> np.ndarray:
@@ -128,7 +122,7 @@ class AdaKV(Allocator):
     name: ClassVar[str] = "adakv"
 
     def __post_init__(self) -> None:
-        if not 0.0 <= _number(self.alpha, "alpha") <= 1.0:
+        if not 0.0 <= check_number(self.alpha, "alpha") <= 1.0:
             raise InputError("alpha", f"{self.alpha} is outside [0, 1]", "use a fraction, e.g. 0.2")
 
     def allocate(self, inputs: AllocInputs) -> np.ndarray:

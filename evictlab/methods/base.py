@@ -385,6 +385,14 @@ class AllocationError(RuntimeError):
     """An allocator returned sizes that break the allocation rule (a bug in the allocator)."""
 
 
+def check_number(value: object, name: str) -> float:
+    """``value`` as a float, or :class:`InputError` naming parameter ``name`` (a bool is no number):
+    the allocators' check of a numeric parameter built directly, not through the registry's parsing."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InputError(name, f"{value!r} is not a number", f"pass a number for {name}")
+    return float(value)
+
+
 def check_sizes(inputs: AllocInputs, sizes: np.ndarray, who: str = "allocator") -> np.ndarray:
     """Enforce the allocation rule on ``sizes``; return them as int64 ``(n_layers, kv_heads)``.
 

@@ -38,7 +38,7 @@ import numpy as np
 
 from evictlab.contour.level import envelope, min_sum_increments, top_increments
 from evictlab.errors import InputError
-from evictlab.methods.base import AllocInputs, Allocator
+from evictlab.methods.base import AllocInputs, Allocator, check_number
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from evictlab.contour.profile import ContourProfile
@@ -136,8 +136,7 @@ class ContourKV(Allocator):
             raise InputError("ranking", "a fitted profile holds each row's own top-b dropped mass, not a scorer's "
                              "(the scorer ranks the run's own keys)", "drop ranking= (or ranking=query) with profile=, "
                              "or drop profile= to measure the scorer's ranking online")
-        if isinstance(self.safeguard, bool) or not isinstance(self.safeguard, (int, float)) \
-                or not 0.0 <= self.safeguard <= 1.0:
+        if not 0.0 <= check_number(self.safeguard, "safeguard") <= 1.0:
             raise InputError("safeguard", f"{self.safeguard!r} is not a fraction in [0, 1]",
                              "use e.g. safeguard=0.5 (each cell keeps half its uniform share), or 0 for none")
         if self.safeguard and (self.profile is not None or self.ranked == "query"):
@@ -293,12 +292,12 @@ class ContourKV(Allocator):
         floor(safeguard * target / cells)`` (class docstring). With the decode loop's floors
         (one value, or a cell's whole cap where it holds less) these sum to at most the target;
         for other hand-made floors ``s`` is lowered to the largest value whose floors fit."""
-        lo_f = inputs.floors
+        floors = inputs.floors
 
         def raised(share: int) -> np.ndarray:
-            return np.maximum(lo_f, np.minimum(caps, share)).astype(np.int64)
+            return np.maximum(floors, np.minimum(caps, share)).astype(np.int64)
 
-        share = int(self.safeguard * inputs.target / lo_f.size)
+        share = int(self.safeguard * inputs.target / floors.size)
         if int(raised(share).sum()) > inputs.target:  # monotone in share; share = 0 fits
             lo, hi = 0, share
             while lo < hi:
