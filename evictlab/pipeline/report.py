@@ -202,7 +202,7 @@ def _contour_section(a: Any) -> list[str]:
 def _contour_verdict(folder: Path | None = None) -> list[str]:
     """The verdict at scale, from the committed ContourKV grids (``data/grids/``, or
     ``folder``; :data:`~evictlab.eval.claims.contour.SHIPPED_GRIDS`): this job's few examples
-    decide nothing, so the report says what each n = 50 grid found, one after the other."""
+    decide nothing, so the report says what each grid (n = 20-50 contexts per cell) found, one after the other."""
     from evictlab.eval.claims.contour import GRIDS_DIR, SHIPPED_GRIDS, across_grids_line, shipped_summary, verdict_lines
 
     root = GRIDS_DIR if folder is None else folder
@@ -210,10 +210,10 @@ def _contour_verdict(folder: Path | None = None) -> list[str]:
     if not found:
         return ["The verdict grid (`experiments/contourkv.toml`) is not committed in this checkout: the examples "
                 "above decide nothing on their own.\n"]
-    out = ["### What the ContourKV grids found (`data/grids/`, n = 50 per cell, both models)\n",
+    out = ["### What the ContourKV grids found (`data/grids/`, both models)\n",
            "The comparisons above are a handful of examples and decide nothing. Each grid below ran on the task "
-           "suite's kept cells at 1k and 2k tokens, both models, physical store, query-agnostic one-pass "
-           "(docs/evaluation.md, where the choice of the default is argued):\n"]
+           "suite's kept cells (its floor cells left out) at the lengths and n it names, both models, physical "
+           "store, query-agnostic one-pass (docs/evaluation.md, where the choice of the default is argued):\n"]
     for name, what, summary in found:
         out += [f"**`data/grids/{name}/`**: {what}.\n", "".join(f"- {line}\n" for line in verdict_lines(summary))]
     if len(found) > 1:

@@ -345,17 +345,21 @@ VERDICT_DIR = Path(__file__).resolve().parents[3] / "data" / "grids" / "contourk
 GRIDS_DIR = VERDICT_DIR.parent
 """Where the finished ContourKV grids are committed (``data/grids/``)."""
 SHIPPED_GRIDS: tuple[tuple[str, str], ...] = (
-    ("contourkv", "the verdict grid (`experiments/contourkv.toml`: SnapKV and KVzip-style scores, every variant "
-                  "but the relative forced error, budgets 64, 128 and 256 per cell)"),
-    ("contourkv_scorers", "the held-out check (`experiments/contourkv_scorers.toml`: ExpectedAttention and "
-                          "Compactor-style scores, every variant, 128 per cell)"),
-    ("contourkv_relerror", "the relative forced-error check (`experiments/contourkv_relerror.toml`: SnapKV and "
-                           "KVzip-style scores, `contourkv_relerror` against uniform sizes and AdaKV, budgets 64, 128 "
-                           "and 256 per cell)"),
+    ("contourkv", "the verdict grid (`experiments/contourkv.toml`: 1k and 2k tokens, n = 50, SnapKV and KVzip-style "
+                  "scores, every variant but the relative forced error, budgets 64, 128 and 256 per cell)"),
+    ("contourkv_scorers", "the held-out check (`experiments/contourkv_scorers.toml`: 1k and 2k tokens, n = 50, "
+                          "ExpectedAttention and Compactor-style scores, every variant, 128 per cell)"),
+    ("contourkv_relerror", "the relative forced-error check (`experiments/contourkv_relerror.toml`: 1k and 2k tokens, "
+                           "n = 50, SnapKV and KVzip-style scores, `contourkv_relerror` against uniform sizes and AdaKV, "
+                           "budgets 64, 128 and 256 per cell)"),
+    ("contourkv_4k", "the 4k confirmation (`experiments/contourkv_4k.toml`: 4,096 tokens, n = 20, SnapKV and "
+                     "KVzip-style scores, 128 per cell, the variants the verdict grid picked per model and "
+                     "`contourkv_relerror` against uniform sizes and AdaKV)"),
 )
 """The committed ContourKV grids the main job's report quotes (folder under :data:`GRIDS_DIR`,
-what it holds), in the order they ran; each on the task suite's kept cells at 1k and 2k tokens,
-both models, n = 50, physical, query-agnostic one-pass."""
+what it holds: its lengths, n, scorers, variants and budgets), in the order they ran; each on
+the task suite's kept cells (its floor cells left out), both models, physical, query-agnostic
+one-pass."""
 BEATS_RULE = ("a variant beats an allocator when, pooled over models, tasks, contexts, budgets and scorers, "
               "its clear wins outnumber its clear losses and its exact-match difference's interval does not lie "
               "entirely below 0")
