@@ -26,6 +26,12 @@ docs/performance.md (``--out`` with ``.md``), both with the command line.
     .venv/bin/python benchmarks/bench_eval.py --n 3 --context 1024 --out runs/bench/bench_eval.json
     .venv/bin/python benchmarks/bench_eval.py --n 1 --context 128 --arms snapkv,h2o --no-peer   # a check
 
+``--breakdown`` adds a fifth run: the one-pass grid again under ``cProfile``, split into what
+bounds it (the shared prefill, KVzip's reconstruction pass, each scorer's shared scoring,
+ContourKV's window statistics, the arms' compressions and teacher-forced answers), as seconds
+and shares of the profiled grid (cProfile slows Python-heavy code, so read the shares, not
+the seconds, against the unprofiled runs).
+
 ``--questions Q`` asks Q questions of every context (the engine's ``--questions``); before
 the engine has ``--prefill``, the grids run without it and the output says so (those are
 then both the per-arm path). ``--stores`` runs the older benchmark instead: SnapKV + AdaKV
@@ -70,9 +76,18 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     load_cached(args.model, "cpu", attn_implementation=register_ragged_attention())
     load_s = time.perf_counter() - t
     argv = ["eval", "run", *args.eval_args]
+    profiler = None
+    if args.profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     t0, c0 = time.perf_counter(), time.process_time()
     code = cli_run(argv)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(args.profile)
     if code != 0:
         raise SystemExit(f"evictlab {shlex.join(argv)} exited {code}")
     return {"load_s": load_s, "wall_s": wall, "cpu_s": cpu, "argv": argv}
@@ -105,10 +120,12 @@ def _grid_args(args: argparse.Namespace, methods: list[str], out: Path, prefill:
     return a
 
 
-def _run_child(name: str, args: argparse.Namespace, eval_args: list[str], work: Path) -> dict[str, Any]:
+def _run_child(name: str, args: argparse.Namespace, eval_args: list[str], work: Path,
+               profile: Path | None = None) -> dict[str, Any]:
     result = work / f"{name}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--model", args.model, "--threads",
-           str(args.threads), "--result", str(result), "--", *eval_args]
+           str(args.threads), "--result", str(result), *(["--profile", str(profile)] if profile else []),
+           "--", *eval_args]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
@@ -188,7 +205,48 @@ def markdown(out: dict[str, Any]) -> str:
     lines += [f"| {k} | {v:.2f} | {TARGETS.get(k, '(info)')} |" for k, v in out["ratios"].items()]
     if not out["prefill_option"]:
         lines += ["", "`eval run` has no `--prefill` yet: both grids ran the per-arm path (not the shared prefill)."]
+    if out.get("breakdown"):
+        b = out["breakdown"]
+        lines += ["", f"Where the one-pass grid's time goes (a fifth run under cProfile: {b['wall_s']:.1f} s, load "
+                      f"{b['load_before']:.1f} -> {b['load_after']:.1f}; nested parts indented):", "",
+                  "| part | s | calls | share |", "|---|---:|---:|---:|"]
+        lines += [f"| {k.replace(' ', '&nbsp;', len(k) - len(k.lstrip()))} | {v['s']:.2f} | {v['calls']} | "
+                  f"{v['share']:.1%} |" for k, v in b["parts"].items()]
     return "\n".join(lines) + "\n"
+
+
+def breakdown(profile: Path) -> dict[str, dict[str, float]]:
+    """What one profiled grid spent where (cumulative seconds of the functions that bound a
+    one-pass grid, from a ``cProfile`` dump): ``{part: {"s": seconds, "calls": n, "share": of
+    the contexts' total}}``. The parts nest (scoring and window statistics are inside the
+    compressions); ``contexts`` is their whole."""
+    import inspect
+    import pstats
+
+    from evictlab.methods import scorers
+
+    stats = pstats.Stats(str(profile)).stats  # {(file, line, name): (cc, calls, tottime, cumtime, callers)}
+
+    def cum(file: str, name: str, line: int | None = None) -> tuple[float, int]:
+        hits = [(v[3], v[1]) for (f, ln, n), v in stats.items()
+                if f.endswith(file) and n == name and (line is None or ln == line)]
+        return sum(h[0] for h in hits), sum(h[1] for h in hits)
+
+    parts = {
+        "contexts (all)": cum("eval/runner.py", "_run_context"),
+        "shared prefill": cum("decode/shared.py", "prefill"),
+        "full cache's answers": cum("decode/shared.py", "answer_full"),
+        "arms: context into the store": cum("decode/compress.py", "inject_context"),
+        "arms: compressions": cum("decode/compress.py", "after_chunk"),
+        "  KVzip reconstruction pass": cum("decode/compress.py", "reconstruction_queries"),
+        "  scoring (shared per scorer)": cum("decode/compress.py", "_score_cells"),
+        **{f"    {cls.name} scores": cum("methods/scorers.py", "score", inspect.getsourcelines(cls.score)[1])
+           for cls in (scorers.H2O, scorers.SnapKV, scorers.ExpectedAttention, scorers.KVzip, scorers.Compactor)},
+        "  window statistics (ContourKV)": cum("decode/compress.py", "_window_profile"),
+        "arms: teacher-forced answers": cum("decode/loop.py", "answer"),
+    }
+    total = parts["contexts (all)"][0] or float("nan")
+    return {k: {"s": t, "calls": n, "share": t / total} for k, (t, n) in parts.items() if n}
 
 
 def grid_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -214,6 +272,15 @@ def grid_bench(args: argparse.Namespace) -> dict[str, Any]:
         r = _peer(args, work)
         r["examples_x_arms_per_min"] = 60.0 * r["examples"] * r["arms"] / r["wall_s"]
         runs.append(r)
+    parts = None
+    if args.breakdown and has_prefill:
+        prof = work / "one-pass.prof"
+        r = _run_child("one-pass-profiled", args, _grid_args(args, [*arms, "full"], work / "grid-profiled", "one-pass"),
+                       work, profile=prof)
+        parts = {"wall_s": r["wall_s"], "load_before": r["load_before"], "load_after": r["load_after"],
+                 "parts": breakdown(prof)}
+        print(f"one-pass, profiled: {r['wall_s']:.1f} s, load {r['load_before']:.1f} -> {r['load_after']:.1f}",
+              file=sys.stderr, flush=True)
     by = {r["run"]: r for r in runs}
     ratios = {"one-pass / full": by["one-pass"]["wall_s"] / by["full"]["wall_s"],
               "chunked / full": by["chunked"]["wall_s"] / by["full"]["wall_s"],
@@ -225,7 +292,7 @@ def grid_bench(args: argparse.Namespace) -> dict[str, Any]:
     return {"command": shlex.join([Path(sys.executable).name, *sys.argv]), "prefill_option": has_prefill,
             "model": args.model, "task": args.task, "context": args.context, "n": args.n, "budget": args.budget,
             "arms": arms, "questions": args.questions or 1, "threads": args.threads, "runs": runs, "ratios": ratios,
-            "targets": TARGETS, "cpus": os.cpu_count()}
+            "targets": TARGETS, "cpus": os.cpu_count(), "breakdown": parts}
 
 
 def stores_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -280,6 +347,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default="", help="folder for the grids and per-run results (default: a temp dir)")
     p.add_argument("--out", type=Path, default=None, help="JSON of the numbers (and OUT.md: the Markdown rows)")
     p.add_argument("--stores", action="store_true", help="the older stores benchmark (physical/uniform/masked)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also profile the one-pass grid (cProfile) and split its time into prefill, reconstruction, "
+                        "scoring, compressions and answers")
+    p.add_argument("--profile", default="", help=argparse.SUPPRESS)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", default="", help=argparse.SUPPRESS)
     raw = list(argv if argv is not None else sys.argv[1:])
