@@ -355,6 +355,9 @@ SHIPPED_GRIDS: tuple[tuple[str, str], ...] = (
     ("contourkv_4k", "the 4k confirmation (`experiments/contourkv_4k.toml`: 4,096 tokens, n = 20, SnapKV and "
                      "KVzip-style scores, 128 per cell, the variants the verdict grid picked per model and "
                      "`contourkv_relerror` against uniform sizes and AdaKV)"),
+    ("contourkv_facts", "the several-questions family (`experiments/contourkv_facts.toml`: `facts_word` at 1k and 2k "
+                        "tokens, n = 50 contexts x 4 questions, SnapKV and KVzip-style scores, the verdict grid's "
+                        "variants, budgets 64, 128 and 256 per cell)"),
 )
 """The committed ContourKV grids the main job's report quotes (folder under :data:`GRIDS_DIR`,
 what it holds: its lengths, n, scorers, variants and budgets), in the order they ran; each on
