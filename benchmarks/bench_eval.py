@@ -357,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     eval_args = raw[raw.index("--") + 1:] if "--" in raw else []
     args = p.parse_args(raw[:raw.index("--")] if "--" in raw else raw)
     args.eval_args = eval_args
+    if args.stores and args.breakdown:
+        p.error("--breakdown profiles the one-pass grid; drop it with --stores (the stores benchmark)")
     if args.child:
         Path(args.result).write_text(json.dumps(_child(args)))
         return 0
