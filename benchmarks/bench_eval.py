@@ -26,7 +26,7 @@ docs/performance.md (``--out`` with ``.md``), both with the command line.
     .venv/bin/python benchmarks/bench_eval.py --n 3 --context 1024 --out runs/bench/bench_eval.json
     .venv/bin/python benchmarks/bench_eval.py --n 1 --context 128 --arms snapkv,h2o --no-peer   # a check
 
-``--breakdown`` adds a fifth run: the one-pass grid again under ``cProfile``, split into what
+``--breakdown`` adds one more run: the one-pass grid again under ``cProfile``, split into what
 bounds it (the shared prefill, KVzip's reconstruction pass, each scorer's shared scoring,
 ContourKV's window statistics, the arms' compressions and teacher-forced answers), as seconds
 and shares of the profiled grid (cProfile slows Python-heavy code, so read the shares, not
@@ -207,7 +207,7 @@ def markdown(out: dict[str, Any]) -> str:
         lines += ["", "`eval run` has no `--prefill` yet: both grids ran the per-arm path (not the shared prefill)."]
     if out.get("breakdown"):
         b = out["breakdown"]
-        lines += ["", f"Where the one-pass grid's time goes (a fifth run under cProfile: {b['wall_s']:.1f} s, load "
+        lines += ["", f"Where the one-pass grid's time goes (one more run, under cProfile: {b['wall_s']:.1f} s, load "
                       f"{b['load_before']:.1f} -> {b['load_after']:.1f}; nested parts indented):", "",
                   "| part | s | calls | share |", "|---|---:|---:|---:|"]
         lines += [f"| {k.replace(' ', '&nbsp;', len(k) - len(k.lstrip()))} | {v['s']:.2f} | {v['calls']} | "

@@ -398,4 +398,7 @@ def test_across_grids_names_only_variants_that_win_every_grid_that_ran_them() ->
     assert every.startswith("Across the 3 grids: no ContourKV variant beats uniform and adakv")
     assert "`contourkv` (1 of 2)" in every and "scorer-ranked level" in every
     shipped = across_grids_line([(n, shipped_summary(GRIDS_DIR / n)) for n, _ in SHIPPED_GRIDS])
+    # every grid the report names is committed, and the closing line counts them all
+    assert all((GRIDS_DIR / n / "pairs_contour.parquet").is_file() for n, _ in SHIPPED_GRIDS)
+    assert shipped.startswith(f"Across the {len(SHIPPED_GRIDS)} grids: no ContourKV variant beats")
     assert f"**All together.** {shipped}" in "".join(_contour_verdict())
