@@ -358,11 +358,16 @@ SHIPPED_GRIDS: tuple[tuple[str, str], ...] = (
     ("contourkv_facts", "the several-questions family (`experiments/contourkv_facts.toml`: `facts_word` at 1k and 2k "
                         "tokens, n = 50 contexts x 4 questions, SnapKV and KVzip-style scores, the verdict grid's "
                         "variants, budgets 64, 128 and 256 per cell)"),
+    ("contourkv_safeguard", "the safeguard check (`experiments/contourkv_safeguard.toml`: Gemma 3 only, where the "
+                            "scorer-ranked variants collapsed; 1k and 2k tokens, n = 50, SnapKV and KVzip-style scores, "
+                            "`contourkv`, `contourkv_error` and `contourkv_relerror` with `safeguard=0.5` (each cell "
+                            "first keeps half its uniform share) and `contourkv_relerror` without, budgets 64 and 128 "
+                            "per cell)"),
 )
 """The committed ContourKV grids the main job's report quotes (folder under :data:`GRIDS_DIR`,
 what it holds: its lengths, n, scorers, variants and budgets), in the order they ran; each on
-the task suite's kept cells (its floor cells left out), both models, physical, query-agnostic
-one-pass."""
+the task suite's kept cells (its floor cells left out), both models unless its text names one,
+physical, query-agnostic one-pass."""
 BEATS_RULE = ("a variant beats an allocator when, pooled over models, tasks, contexts, budgets and scorers, "
               "its clear wins outnumber its clear losses and its exact-match difference's interval does not lie "
               "entirely below 0")
