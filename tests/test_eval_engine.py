@@ -278,8 +278,8 @@ def test_a_chunked_config_keeps_its_chunk(tmp_path: Path) -> None:
 
 CLAIMS = {
     # file: (contexts, n, cells per (model, task, context) beside the full cell)
-    "enforcement_cost.toml": ((1024, 2048), 50, 3 * 4 * 3),
-    "enforcement_cost_4k.toml": ((4096,), 20, 3 * 4 * 3),
+    "enforcement_cost.toml": ((1024, 2048), 50, 3 * 5 * 3),
+    "enforcement_cost_4k.toml": ((4096,), 20, 3 * 5 * 3),
     "query_aware_margin.toml": ((1024, 2048), 50, 2 * 3 * 4),
     "query_aware_margin_4k.toml": ((4096,), 20, 2 * 3 * 4),
 }
@@ -304,7 +304,10 @@ def test_the_claim_configs_expand_to_their_grids(name: str) -> None:
     assert len(spec.cells()) == groups * (1 + per) and len(spec.units()) == groups * n
     assert p["out"] == Path("runs/experiments") / name.removesuffix(".toml")
     if name.startswith("enforcement"):
-        assert spec.modes == ("physical", "uniform", "masked") and all(m.endswith("+adakv") for m in spec.evicting)
+        # the four scorers wrapped in AdaKV, and kvpress's KVzip (one ranking over all layers and heads)
+        assert spec.modes == ("physical", "uniform", "masked")
+        assert sorted(spec.evicting) == sorted([f"{s}+adakv" for s in ("snapkv", "kvzip", "expected_attention", "h2o")]
+                                               + ["kvzip+global"])
     else:
         assert spec.protocols == ("query-agnostic", "query-aware")
 
