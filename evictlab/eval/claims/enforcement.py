@@ -1,6 +1,7 @@
 """The enforcement cost claim ("Trust the Mass"): forcing a real budget on one fixed per-head
 selection costs 14.1-62.2 points on LongBench/RULER. Here: a method whose allocator gives
-ragged per-head sizes (``+adakv``, ``+pyramidkv``, ...), held ``masked`` (the full cache
+ragged per-head sizes (``+adakv``, ``+pyramidkv``, ``+global``: kvpress's KVzipPress ranks
+KVzip scores over all layers and heads at once, ``kvzip+global`` here), held ``masked`` (the full cache
 stays in memory) vs forced ``uniform`` (equal per-cell sizes, the same bytes as the
 budget) vs ``physical`` (the same ragged sizes in a store that frees the rest, the same
 bytes as the budget). Points lost = 100 x (exact match masked - exact match uniform);
