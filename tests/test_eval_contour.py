@@ -58,6 +58,9 @@ def test_counts_and_the_paper_rows() -> None:
           (("64/cell", [1, 1, 0]), ("128/cell", [1, 0, 0]), ("256/cell", [0, 0, 0]))],
         *[_rows("kvzip+adakv", em, [-1] * 3, budget=b) for b, em in
           (("64/cell", [0, 0, 0]), ("128/cell", [0, 1, 0]), ("256/cell", [1, 0, 0]))],
+        # KVzip as kvpress runs it (one ranking over all layers and heads): contour wins at 64 and 128, ties at 256
+        *[_rows("kvzip+global", em, [-1] * 3, budget=b) for b, em in
+          (("64/cell", [0, 0, 0]), ("128/cell", [0, 0, 0]), ("256/cell", [0, 0, 0]))],
         # SnapKV at 128 on needle: contour wins 2 of 4 examples, loses 1
         _rows("snapkv+contourkv", [1, 1, 0, 0], [-1, -1, -1, -1]),
         _rows("snapkv", [0, 0, 1, 0], [-1, -1, -1, -1.05]),
@@ -67,15 +70,21 @@ def test_counts_and_the_paper_rows() -> None:
     )
     claims, detail = contourkv_versus(res, n_boot=200)
     by = {c.claim_id: c for c in claims}
-    kv = by["contourkv:vs_kvzip"]
-    assert "1 wins / 1 ties / 1 losses over 3 comparisons" in kv.our_value and "93 wins" in kv.paper_value
+    kv = by["contourkv:vs_kvzip"]  # the paper's row: KVzip = kvzip+global (kvpress's KVzipPress)
+    assert "kvzip+contourkv vs kvzip+global: 2 wins / 1 ties / 0 losses over 3 comparisons" in kv.our_value
+    assert "93 wins" in kv.paper_value and "layerwise=False" in kv.definitions
+    ka = by["contourkv:vs_kvzip_adakv"]  # the same scores with AdaKV sizes
+    assert "kvzip+contourkv vs kvzip+adakv: 1 wins / 1 ties / 1 losses over 3 comparisons" in ka.our_value
+    assert "93 wins" in ka.paper_value
     sn = by["contourkv:vs_snapkv_retrieval_128"]
     assert "win rate 0.50-0.50 vs 0.25-0.25" in sn.our_value and "0.37-1.00" in sn.paper_value
     cp = by["contourkv:ties_compactor"]
     assert "0 wins / 1 ties / 0 losses over 1 comparison;" in cp.our_value and "share tied 1.00 [1.00, 1.00]" in cp.our_value
     assert "contourkv:contourkv_vs_adakv" in by and "contourkv:contourkv_vs_uniform" in by
-    assert detail.height == 5 and set(detail["verdict"]) == {"win", "tie", "loss"}
-    assert detail.filter(pl.col("scorer") == "kvzip").sort("budget")["verdict"].to_list() == ["tie", "loss", "win"]  # 128, 256, 64
+    assert detail.height == 8 and set(detail["verdict"]) == {"win", "tie", "loss"}
+    kz = detail.filter(pl.col("scorer") == "kvzip")
+    assert kz.filter(pl.col("baseline") == "kvzip+adakv").sort("budget")["verdict"].to_list() == ["tie", "loss", "win"]  # 128, 256, 64
+    assert kz.filter(pl.col("baseline") == "kvzip+global").sort("budget")["verdict"].to_list() == ["win", "tie", "win"]
     assert (detail["full_em"] == 1.0).all()
 
 
@@ -83,6 +92,7 @@ def test_missing_arms_say_not_run() -> None:
     res = _frame(_rows("snapkv+contourkv", [1], [-1], budget="64/cell"), _rows("snapkv", [0], [-1], budget="64/cell"))
     by = {c.claim_id: c for c in contourkv_versus(res, n_boot=50)[0]}
     assert by["contourkv:vs_kvzip"].our_value == "not run" and by["contourkv:ties_compactor"].verdict == "no data"
+    assert by["contourkv:vs_kvzip_adakv"].our_value == "not run"
     assert by["contourkv:vs_snapkv_retrieval_128"].our_value == "not run"  # 64/cell only
     assert contourkv_versus(_frame(_rows("snapkv", [1], [-1])))[0] == []
 
