@@ -25,7 +25,7 @@ CONTOUR_SNAPKV_PAPER = ((0.37, 1.00), (0.00, 0.11))
 CONTOUR_COMPACTOR_PAPER = (None, 96, None, 160)
 """ContourKV vs Compactor: the paper's ties over its paired comparisons (wins and losses not given)."""
 CONTOUR_SCORERS = ("snapkv", "kvzip", "expected_attention", "compactor")
-CONTOUR_BASELINES = ("uniform", "pyramidkv", "adakv")
+CONTOUR_BASELINES = ("uniform", "pyramidkv", "adakv", "global")  # global: with kvzip scores, kvpress's KVzipPress
 CONTOUR_FULL_GRID: dict[str, Any] = {
     "models": ["smollm2-135m", "gemma3-270m"], "tasks": ["needle", "needle_word", "multi_key_word"],
     "contexts": [1024], "budgets": ["128", "64", "32", "256"],
