@@ -36,24 +36,45 @@ def _mib_text(v: float | None) -> str:
     return "not run" if v is None or not np.isfinite(v) else f"{v:.2f} MiB"
 
 
+ON = ["model", "task", "context", "protocol", "prefill", "budget", "method"]
+"""Columns of one enforcement comparison (the answers of each are paired by ``PAIR_ON``)."""
+
+
+def enforcement_pairs(results: pl.DataFrame) -> pl.DataFrame:
+    """The answers of every ragged method's masked arm paired with its uniform arm (and its
+    physical arm, left-joined), one row per (comparison, example, question): ``exact_match`` /
+    ``exact_match_b`` (masked / uniform), ``em_physical``, the bytes each held, ``d`` = masked -
+    uniform and ``d_phys`` = physical - masked (exact match, 0-1). Empty when nothing pairs."""
+    results = C.with_question_columns(results)
+    ragged = C.family("allocator") != "uniform"
+    j = C.paired(results.filter(pl.col("method") != "full"), ON,
+                (pl.col("mode") == "masked") & ragged, pl.col("mode") == "uniform")
+    if j.height == 0:
+        return j
+    phys = results.filter((pl.col("mode") == "physical") & ragged).select(
+        [*ON, *C.PAIR_ON, pl.col("exact_match").alias("em_physical"), pl.col("bytes_live").alias("bytes_physical")])
+    return j.join(phys, on=[*ON, *C.PAIR_ON], how="left").with_columns(
+        d=pl.col("exact_match") - pl.col("exact_match_b"),
+        d_phys=pl.col("em_physical") - pl.col("exact_match"),
+    ).filter(pl.col("d").is_not_null())
+
+
+def pooled_key(model: str, method: str, protocol: str) -> str:
+    """The resampling key of one (model, method, protocol) claim row: the same key gives the same interval."""
+    return f"enforcement|{model}|{method}|{protocol}"
+
+
 def enforcement_cost(results: pl.DataFrame, *, seed: int = 0, n_boot: int = 2000
                      ) -> tuple[list[ClaimRow], pl.DataFrame]:
     """Claim rows (one per model, per-head method and protocol) and the detail table (one
     row per (model, method, protocol, prefill, task, context, budget)) of the enforcement cost;
-    answers paired by (example, question)."""
-    on = ["model", "task", "context", "protocol", "prefill", "budget", "method"]
-    results = C.with_question_columns(results)
-    ragged = C.family("allocator") != "uniform"
-    j = C.paired(results.filter(pl.col("method") != "full"), on,
-                (pl.col("mode") == "masked") & ragged, pl.col("mode") == "uniform")
+    answers paired by (example, question) (:func:`enforcement_pairs`)."""
+    on = ON
+    j = enforcement_pairs(results)
     if j.height == 0:
         return [], pl.DataFrame()
-    phys = results.filter((pl.col("mode") == "physical") & ragged).select(
-        [*on, *C.PAIR_ON, pl.col("exact_match").alias("em_physical"), pl.col("bytes_live").alias("bytes_physical")])
-    j = j.join(phys, on=[*on, *C.PAIR_ON], how="left").with_columns(
-        d=pl.col("exact_match") - pl.col("exact_match_b"),
-        d_phys=pl.col("em_physical") - pl.col("exact_match"),
-    ).filter(pl.col("d").is_not_null())
+    results = C.with_question_columns(results)
+
     def stats(g: pl.DataFrame) -> dict[str, Any]:
         dp = g["d_phys"].drop_nulls().to_numpy()
         return {
@@ -69,7 +90,7 @@ def enforcement_cost(results: pl.DataFrame, *, seed: int = 0, n_boot: int = 2000
     detail = C.detail_table(j, on, "points_lost", stats, results, seed, n_boot)
     claims: list[ClaimRow] = []
     for (model, method, protocol), g in j.group_by(["model", "method", "protocol"], maintain_order=True):
-        v, lo, hi = C.pooled_mean(g, "d", f"enforcement|{model}|{method}|{protocol}", seed, n_boot)
+        v, lo, hi = C.pooled_mean(g, "d", pooled_key(model, method, protocol), seed, n_boot)
         d = detail.filter((pl.col("model") == model) & (pl.col("method") == method) & (pl.col("protocol") == protocol))
         rng = f"{d['points_lost'].min():+.1f} to {d['points_lost'].max():+.1f}"
         bytes_note = (f"held: masked {d['MiB_masked'].mean():.2f} MiB, uniform {d['MiB_uniform'].mean():.2f} MiB, "
