@@ -17,6 +17,7 @@ rows' resampling keys, so their intervals are the report's):
 
     python paper_repro/enforcement_tables.py data/grids/enforcement_cost
     python paper_repro/enforcement_tables.py data/grids/enforcement_cost --out runs/enforcement_tables.md
+    python paper_repro/enforcement_tables.py runs/experiments/enforcement_cost --partial   # part-way
 """
 
 from __future__ import annotations
@@ -29,22 +30,41 @@ import polars as pl
 from evictlab.errors import InputError
 from evictlab.eval.claims.common import pooled_mean
 from evictlab.eval.claims.enforcement import ENFORCEMENT_PAPER, enforcement_pairs, pooled_key
-from evictlab.eval.grid import RESULTS
+from evictlab.eval.grid import MANIFEST, RESULTS, partial_results, read_manifest
+from evictlab.eval.spec import GridSpec
 from evictlab.io import atomic_write_text, read_checked_parquet
 
 PAIRS = "pairs.parquet"
 
 
-def read_grid(folder: Path) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """``(results, pairs)`` of a finished and compared grid folder; one clear error otherwise."""
+def read_grid(folder: Path, partial: bool = False) -> tuple[pl.DataFrame, pl.DataFrame, str | None]:
+    """``(results, pairs, note)`` of a compared grid folder: a finished one (``results.parquet``
+    and ``pairs.parquet``), or with ``partial`` a running or stopped one-pass grid (the examples
+    done in every cell, as ``eval compare --partial`` reads them, and its
+    ``partial/pairs.parquet``; ``note`` says what the tables hold). One clear error otherwise."""
+    if partial:
+        if not (folder / MANIFEST).is_file():
+            raise InputError(str(folder), f"no {MANIFEST} here (not an `evictlab eval run` folder)",
+                             "pass a grid folder such as runs/experiments/enforcement_cost")
+        if not (folder / "partial" / PAIRS).is_file():
+            raise InputError(str(folder), f"no partial/{PAIRS} here (the grid was not compared)",
+                             f"run `evictlab eval compare {folder} --partial` first")
+        got = partial_results(GridSpec.from_dict(read_manifest(folder)["spec"]), folder)
+        pairs = pl.read_parquet(folder / "partial" / PAIRS)
+        seen = set(pairs.filter(pl.col("kind") == "mode")["contexts"].unique().to_list())
+        if seen and seen != {got.examples}:  # the grid went on after that comparison
+            raise InputError(str(folder), f"partial/{PAIRS} compared {sorted(seen)} contexts per comparison, the "
+                             f"grid now has {got.examples} done everywhere",
+                             f"rerun `evictlab eval compare {folder} --partial --overwrite`, then this")
+        return got.results, pairs, got.describe()
     if not (folder / RESULTS).is_file():
         raise InputError(str(folder), f"no {RESULTS} here (not a finished `evictlab eval run` folder)",
-                         "pass a finished grid folder such as data/grids/enforcement_cost")
+                         "pass a finished grid folder such as data/grids/enforcement_cost, or --partial")
     if not (folder / PAIRS).is_file():
         raise InputError(str(folder), f"no {PAIRS} here (the grid was not compared)",
                          f"run `evictlab eval compare {folder}` first")
     return (read_checked_parquet(folder / RESULTS, "rerun `evictlab eval run` into a new folder"),
-            pl.read_parquet(folder / PAIRS))
+            pl.read_parquet(folder / PAIRS), None)
 
 
 def _ci(v: float, lo: float, hi: float) -> str:
@@ -113,6 +133,8 @@ def tables(results: pl.DataFrame, pairs: pl.DataFrame, *, seed: int = 0, n_boot:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("grid", type=Path, help="a finished, compared grid folder (results.parquet and pairs.parquet)")
+    ap.add_argument("--partial", action="store_true",
+                    help="a one-pass grid not finished yet: the examples done in every cell (after `eval compare --partial`)")
     ap.add_argument("--out", type=Path, help="also write the tables to this .md file")
     ap.add_argument("--n-boot", type=int, default=2000, help="bootstrap resamples (default 2000, as eval compare)")
     ap.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0, as eval compare)")
@@ -123,8 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         raise InputError("--out", f"{args.out} does not end in .md", "use e.g. --out runs/enforcement_tables.md")
     if args.out is not None and not args.out.parent.is_dir():
         raise InputError("--out", f"folder {args.out.parent} does not exist", f"create it: mkdir -p {args.out.parent}")
-    results, pairs = read_grid(args.grid)
+    results, pairs, note = read_grid(args.grid, args.partial)
     text = tables(results, pairs, seed=args.seed, n_boot=args.n_boot)
+    if note is not None:
+        text = f"**{note}.**\n\n{text}"
     print(text, end="")
     if args.out is not None:
         atomic_write_text(args.out, text)

@@ -100,3 +100,33 @@ def test_cli_writes_the_tables_and_refuses_bad_input(script, tmp_path: Path) -> 
     done = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "nothere")], capture_output=True, text=True)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().startswith("error:") and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_partial_reads_the_examples_done_everywhere(script, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--partial reads the rows as `eval compare --partial` does (evictlab.eval.grid.partial_results,
+    tested with the grid) and that comparison's pairs, and says PARTIAL above the tables."""
+    from evictlab.eval.grid import PartialResults
+
+    g = tmp_path / "grid"
+    g.mkdir()
+    with pytest.raises(InputError, match="grid.json"):
+        script.main([str(g), "--partial"])
+    (g / "grid.json").write_text("{}")
+    with pytest.raises(InputError, match="--partial` first"):
+        script.main([str(g), "--partial"])
+    res = _results()
+    (g / "partial").mkdir()
+    compare(res).write_parquet(g / "partial" / "pairs.parquet")
+    got = PartialResults(results=res, examples=4, n=50, units_done=8, units=100)
+    stale = PartialResults(results=res, examples=5, n=50, units_done=10, units=100)
+    monkeypatch.setattr(script, "read_manifest", lambda folder: {"spec": {}})
+    monkeypatch.setattr(script.GridSpec, "from_dict", classmethod(lambda cls, d: None))
+    monkeypatch.setattr(script, "partial_results", lambda spec, folder: stale)
+    with pytest.raises(InputError, match="--overwrite"):   # pairs of 4 examples, the grid has 5 done now
+        script.main([str(g), "--partial"])
+    monkeypatch.setattr(script, "partial_results", lambda spec, folder: got)
+    out = tmp_path / "t.md"
+    assert script.main([str(g), "--partial", "--out", str(out), "--n-boot", "200"]) == 0
+    text = out.read_text()
+    assert text.startswith("**PARTIAL: the grid is not finished (8 of 100 context units done)")
+    assert "`snapkv+adakv`" in text
