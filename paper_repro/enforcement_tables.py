@@ -9,10 +9,10 @@ rows' resampling keys, so their intervals are the report's):
 
 * per (model, method): points lost (masked - uniform) with its interval, the range over
   comparisons, exact match of the three stores over the paired answers, physical - masked,
-  the MiB each store held beside the full cache's, the configurations (model, task, context,
-  budget; the report's tie rule, from ``pairs.parquet``) won / tied / lost by masked against
-  uniform and by physical against masked, and how far the interval lies from the paper's
-  14.1-62.2 points;
+  the MiB each store held beside the full cache's, the comparisons (one per task, context
+  and budget: ``pairs.parquet``'s verdicts under the report's per-answer tie rule) won / tied /
+  lost by masked against uniform and by physical against masked, and how far the interval
+  lies from the paper's 14.1-62.2 points;
 * points lost per budget, per (model, method), each with its interval.
 
     python paper_repro/enforcement_tables.py data/grids/enforcement_cost
@@ -97,7 +97,7 @@ def tables(results: pl.DataFrame, pairs: pl.DataFrame, *, seed: int = 0, n_boot:
     mib = 2.0**20
     out = ["| model | protocol | method | points lost, masked - uniform [95% CI] | per comparison | exact match "
            "masked / uniform / physical | physical - masked (points) | held masked / uniform / physical (full), MiB "
-           "| configurations masked vs uniform W / T / L | physical vs masked W / T / L | paper's "
+           "| comparisons masked vs uniform W / T / L | physical vs masked W / T / L | paper's "
            f"{ENFORCEMENT_PAPER[0]}-{ENFORCEMENT_PAPER[1]} |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     by_budget: list[tuple[str, str, str, dict[str, str]]] = []
