@@ -33,6 +33,7 @@ from evictlab.eval.claims.enforcement import ENFORCEMENT_PAPER, enforcement_pair
 from evictlab.eval.grid import MANIFEST, RESULTS, partial_results, read_manifest
 from evictlab.eval.spec import GridSpec
 from evictlab.io import atomic_write_text, read_checked_parquet
+from evictlab.report.markdown import ci
 
 PAIRS = "pairs.parquet"
 
@@ -65,10 +66,6 @@ def read_grid(folder: Path, partial: bool = False) -> tuple[pl.DataFrame, pl.Dat
                          f"run `evictlab eval compare {folder}` first")
     return (read_checked_parquet(folder / RESULTS, "rerun `evictlab eval run` into a new folder"),
             pl.read_parquet(folder / PAIRS), None)
-
-
-def _ci(v: float, lo: float, hi: float) -> str:
-    return f"{v:+.1f} [{lo:+.1f}, {hi:+.1f}]"
 
 
 def _against_paper(lo: float, hi: float) -> str:
@@ -112,7 +109,7 @@ def tables(results: pl.DataFrame, pairs: pl.DataFrame, *, seed: int = 0, n_boot:
         b_p = g["bytes_physical"].drop_nulls()
         mib_phys = f"{b_p.mean() / mib:.2f}" if b_p.len() else "not run"
         out.append(
-            f"| {model} | {protocol} | `{method}` | {_ci(v, lo, hi)} | {per.min():+.1f} to {per.max():+.1f} "
+            f"| {model} | {protocol} | `{method}` | {ci(v, lo, hi, 1, signed=True)} | {per.min():+.1f} to {per.max():+.1f} "
             f"| {g['exact_match'].mean():.3f} / {g['exact_match_b'].mean():.3f} / {em_phys} | {phys} "
             f"| {g['bytes_live'].mean() / mib:.2f} / {g['bytes_live_b'].mean() / mib:.2f} / {mib_phys} "
             f"({g['bytes_full'].mean() / mib:.2f}) | {_wtl(pairs, model, method, 'masked', 'uniform')} "
@@ -120,8 +117,8 @@ def tables(results: pl.DataFrame, pairs: pl.DataFrame, *, seed: int = 0, n_boot:
         cells = {}
         for b in budgets:
             gb = g.filter(pl.col("budget") == b)
-            cells[b] = "-" if gb.height == 0 else _ci(*pooled_mean(gb, "d", f"{pooled_key(model, method, protocol)}|{b}",
-                                                                  seed, n_boot))
+            cells[b] = "-" if gb.height == 0 else ci(*pooled_mean(gb, "d", f"{pooled_key(model, method, protocol)}|{b}", seed, n_boot),
+                                                      1, signed=True)
         by_budget.append((model, protocol, method, cells))
     out += ["", "Points lost (masked - uniform) per budget, 95% bootstrap over whole contexts:", "",
             "| model | protocol | method | " + " | ".join(budgets) + " |",
