@@ -17,12 +17,19 @@ their own outputs under ``--work``; finished outputs are reused), so an interrup
 continues where it stopped.
 
     .venv/bin/python paper_repro/claim_ceiling_bracket.py --size small --threads 1 --work /tmp/bracket-small
+    .venv/bin/python paper_repro/claim_ceiling_bracket.py --size medium --threads 2 --work runs/bracket
     .venv/bin/python paper_repro/claim_ceiling_bracket.py --size full --threads 2 --work runs/bracket
 
 ``--size small`` (a smoke run: one prompt, one position, three layers, contexts 256 and
 1,024, s = 8, 16, 16 nodes) checks the pipeline in a few minutes; ``--size full`` is the
-measurement (8 prompts x 2 positions, every layer, contexts 256, 1,024, 2,048, 4,096,
-s = 4, 8, 16, 32, 64 nodes).
+whole measurement (8 prompts x 2 positions, every layer, contexts 256, 1,024, 2,048, 4,096,
+s = 4, 8, 16, 32, 64 nodes: 4,320 SmolLM2 and 1,152 Gemma 3 rows per context, many hours
+of both cores); ``--size medium`` is the same design on fewer rows per prompt (8 prompts x
+1 position x every third layer, ending at the last: 720 SmolLM2 and 192 Gemma 3 rows per
+context, Gemma 3's three global-attention layers among them), sized for one session. The
+intervals resample prompts, and every size keeps the 8 prompts; the rows within a prompt
+are what the smaller sizes thin. Each size has its own files under ``--work``
+(``rows-SIZE-MODEL-CONTEXT``), so sizes never mix.
 """
 
 from __future__ import annotations
@@ -48,11 +55,27 @@ from evictlab.stats.penalty import PAPER_PI
 from evictlab.stats.results import prepare
 
 MODEL_NAMES = ("smollm2-135m", "gemma3-270m")
+#: Every third layer, ending at the last (SmolLM2-135M has 30 layers, Gemma 3 270M 18, whose
+#: global-attention layers 5, 11 and 17 are all in its list).
+EVERY_THIRD = {"smollm2-135m": ",".join(map(str, range(2, 30, 3))), "gemma3-270m": ",".join(map(str, range(2, 18, 3)))}
 SIZES = {
     "small": dict(contexts=(256, 1024), prompts=1, positions=1, layers="0,4,8", keep=(8, 16), nodes=16),
+    "medium": dict(contexts=(256, 1024, 2048, 4096), prompts=8, positions=1, layers=EVERY_THIRD,
+                   keep=(4, 8, 16, 32), nodes=64),
     "full": dict(contexts=(256, 1024, 2048, 4096), prompts=8, positions=2, layers="all", keep=(4, 8, 16, 32),
                  nodes=64),
 }
+
+
+def layers_for(size: str, model: str) -> str:
+    """The ``--layers`` text of ``model`` at ``size`` (a size may list layers per model)."""
+    layers = SIZES[size]["layers"]
+    if isinstance(layers, str):
+        return layers
+    if model not in layers:
+        raise InputError("--models", f"--size {size} has layer lists for {', '.join(layers)} only, not {model}",
+                         "use --size full (every layer) or --size small for other models")
+    return layers[model]
 
 
 def _run(cmd: list[str], threads: int) -> float:
@@ -81,7 +104,8 @@ def _quantisation_note() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = _common.parser(__doc__.splitlines()[0], needs_results=False)
-    ap.add_argument("--size", choices=sorted(SIZES), default="small", help="small (smoke run) or full")
+    ap.add_argument("--size", choices=sorted(SIZES), default="small",
+                    help="small (smoke run), medium (one session) or full")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads of capture and solve (default 1)")
     ap.add_argument("--work", type=Path, required=True, help="folder for the rows and solver results (resumable)")
     ap.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples (default 1000)")
@@ -90,18 +114,22 @@ def main(argv: list[str] | None = None) -> int:
     size = SIZES[args.size]
     if args.threads < 1:
         raise InputError("--threads", f"must be >= 1, got {args.threads}", "pass --threads 1 (or 2)")
+    for model in args.models:
+        if model not in MODELS:
+            raise InputError("--models", f"unknown model {model!r}", f"use registry models: {', '.join(MODELS)}")
+        layers_for(args.size, model)
     args.work.mkdir(parents=True, exist_ok=True)
     record = RunRecord(kind="paper-repro-ceiling-bracket", seed=args.seed, config=_common.config(args))
     frames, times = [], []
     for model in args.models:
         for ctx in size["contexts"]:
-            rows = args.work / f"rows-{model}-{ctx}"
-            res = args.work / f"results-{model}-{ctx}.parquet"
+            rows = args.work / f"rows-{args.size}-{model}-{ctx}"
+            res = args.work / f"results-{args.size}-{model}-{ctx}.parquet"
             t_cap = t_sol = 0.0
             done = res.exists() and not (res.parent / f"{res.name}.parts").exists()
             if not done:  # capture resumes an unfinished dataset (a finished one is left as it is)
                 t_cap = _run(["capture", "--model", model, "--context", str(ctx), "--positions", str(size["positions"]),
-                              "--prompts", str(size["prompts"]), "--layers", size["layers"], "--seed", "1",
+                              "--prompts", str(size["prompts"]), "--layers", layers_for(args.size, model), "--seed", "1",
                               "--threads", str(args.threads), "--quiet", "--out", str(rows)], args.threads)
             if not done:
                 t_sol = _run(["solve", str(rows), "--keep", *map(str, size["keep"]), "--search", "all", "--bound",
