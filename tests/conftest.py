@@ -6,7 +6,9 @@ per-example deadline because the first call of a Numba kernel includes its compi
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,22 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("EVICTLAB_HYPOTHESIS_PROFILE", "evictlab"))
+
+#: The folder of the paper-reproduction scripts (not a package: each imports its ``_common``).
+PAPER_REPRO = Path(__file__).resolve().parents[1] / "paper_repro"
+
+
+@pytest.fixture()
+def repro_script(monkeypatch: pytest.MonkeyPatch):
+    """``repro_script(name)`` -> the module ``paper_repro/<name>.py``, imported afresh, with
+    its folder on ``sys.path`` for this test only (so the script finds its ``_common``)."""
+    monkeypatch.syspath_prepend(str(PAPER_REPRO))
+
+    def load(name: str):
+        sys.modules.pop(name, None)
+        return importlib.import_module(name)
+
+    return load
 
 
 @pytest.fixture(scope="session")

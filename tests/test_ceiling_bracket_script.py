@@ -15,12 +15,8 @@ SCRIPT = Path(__file__).resolve().parents[1] / "paper_repro" / "claim_ceiling_br
 
 
 @pytest.fixture()
-def script(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))
-    sys.modules.pop("claim_ceiling_bracket", None)
-    import claim_ceiling_bracket
-
-    return claim_ceiling_bracket
+def script(repro_script):
+    return repro_script("claim_ceiling_bracket")
 
 
 @pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])

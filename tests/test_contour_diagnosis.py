@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import polars as pl
@@ -33,12 +32,8 @@ def _trace() -> pl.DataFrame:
 
 
 @pytest.fixture()
-def script(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "paper_repro"))
-    sys.modules.pop("contour_diagnosis", None)
-    import contour_diagnosis
-
-    return contour_diagnosis
+def script(repro_script):
+    return repro_script("contour_diagnosis")
 
 
 def test_fact_columns_say_which_arm_lost_the_answer(script) -> None:

@@ -21,12 +21,8 @@ SCRIPT = Path(__file__).resolve().parents[1] / "paper_repro" / "enforcement_tabl
 
 
 @pytest.fixture()
-def script(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))
-    sys.modules.pop("enforcement_tables", None)
-    import enforcement_tables
-
-    return enforcement_tables
+def script(repro_script):
+    return repro_script("enforcement_tables")
 
 
 def _rows(method: str, mode: str, budget: str | None, em: list[int], bytes_live: int) -> list[dict[str, Any]]:

@@ -17,12 +17,8 @@ SCRIPT = Path(__file__).resolve().parents[1] / "paper_repro" / "grids_agree.py"
 
 
 @pytest.fixture()
-def script(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))
-    sys.modules.pop("grids_agree", None)
-    import grids_agree
-
-    return grids_agree
+def script(repro_script):
+    return repro_script("grids_agree")
 
 
 def _grid(methods: list[str], examples: range, logprob_shift: float = 0.0, em_flip: int | None = None) -> pl.DataFrame:
