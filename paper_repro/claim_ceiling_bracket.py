@@ -34,6 +34,7 @@ are what the smaller sizes thin. Each size has its own files under ``--work``
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -44,7 +45,7 @@ import _common
 import polars as pl
 
 from evictlab.errors import InputError
-from evictlab.io import atomic_path
+from evictlab.io import atomic_path, exclusive_lock
 from evictlab.models.registry import MODELS
 from evictlab.record import RunRecord
 from evictlab.report.markdown import ci
@@ -119,6 +120,12 @@ def main(argv: list[str] | None = None) -> int:
             raise InputError("--models", f"unknown model {model!r}", f"use registry models: {', '.join(MODELS)}")
         layers_for(args.size, model)
     args.work.mkdir(parents=True, exist_ok=True)
+    with exclusive_lock(args.work, "--work"):  # a second run on the same --work is refused at once
+        return _measure(args, size)
+
+
+def _measure(args: argparse.Namespace, size: dict) -> int:
+    """Capture, solve and summarise every (model, context) of ``size`` under ``args.work``."""
     record = RunRecord(kind="paper-repro-ceiling-bracket", seed=args.seed, config=_common.config(args))
     frames, times = [], []
     for model in args.models:

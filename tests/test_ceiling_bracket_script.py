@@ -56,3 +56,16 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], names
     assert names in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "w").exists()  # refused before anything is created
+
+
+def test_a_second_run_on_the_same_work_folder_is_refused(tmp_path: Path) -> None:
+    from evictlab.io import exclusive_lock
+
+    work = tmp_path / "w"
+    work.mkdir()
+    with exclusive_lock(work, "--work"):  # as a first run holds it
+        r = subprocess.run([sys.executable, str(SCRIPT), "--work", str(work), "--out", str(tmp_path / "o")],
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "--work" in r.stderr and "another evictlab run" in r.stderr and "Traceback" not in r.stderr
+    assert list(work.iterdir()) == []  # nothing captured
