@@ -30,6 +30,14 @@ context, Gemma 3's three global-attention layers among them), sized for one sess
 intervals resample prompts, and every size keeps the 8 prompts; the rows within a prompt
 are what the smaller sizes thin. Each size has its own files under ``--work``
 (``rows-SIZE-MODEL-CONTEXT``), so sizes never mix.
+
+``--bound-nodes N`` gives the bound more node evaluations per (row, s) than the size's
+default (64; 16 for ``small``): the same rows, solved again into results of their own
+(``results-SIZE-MODEL-CONTEXT-nodesN``). The upper end of the bracket narrows with it, at a
+cost in CPU time that grows with n (docs/reproduction.md). ``--contexts`` picks some of the
+size's contexts.
+
+    .venv/bin/python paper_repro/claim_ceiling_bracket.py --size medium --threads 2 --work runs/bracket --contexts 1024 --bound-nodes 4096
 """
 
 from __future__ import annotations
@@ -79,6 +87,13 @@ def layers_for(size: str, model: str) -> str:
     return layers[model]
 
 
+def results_path(work: Path, size: str, model: str, ctx: int, nodes: int) -> Path:
+    """The solver results of (size, model, context) under ``work``; a node budget other than the
+    size's own gets results of its own (the rows are shared)."""
+    tag = "" if nodes == SIZES[size]["nodes"] else f"-nodes{nodes}"
+    return work / f"results-{size}-{model}-{ctx}{tag}.parquet"
+
+
 def _run(cmd: list[str], threads: int) -> float:
     """Run one evictlab command (niced, one BLAS/OpenMP thread pool of ``threads``); its seconds."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
@@ -111,8 +126,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, required=True, help="folder for the rows and solver results (resumable)")
     ap.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples (default 1000)")
     ap.add_argument("--models", nargs="*", default=list(MODEL_NAMES), help="registry models (default both)")
+    ap.add_argument("--contexts", type=int, nargs="*", default=None,
+                    help="some of the size's contexts (default all: small 256 1024; medium, full 256 1024 2048 4096)")
+    ap.add_argument("--bound-nodes", type=int, default=None,
+                    help="node evaluations of the bound per (row, s) (default: the size's, 64; small 16)")
     args = ap.parse_args(argv)
-    size = SIZES[args.size]
+    size = dict(SIZES[args.size])
+    if args.contexts is not None:
+        bad = [c for c in args.contexts if c not in size["contexts"]]
+        if bad or not args.contexts:
+            raise InputError("--contexts", f"--size {args.size} has contexts {', '.join(map(str, size['contexts']))}, "
+                             f"not {', '.join(map(str, bad)) or 'none'}", "pick among them")
+        size["contexts"] = tuple(c for c in size["contexts"] if c in args.contexts)
+    if args.bound_nodes is not None:
+        if args.bound_nodes < 1:
+            raise InputError("--bound-nodes", f"must be >= 1, got {args.bound_nodes}", "pass e.g. --bound-nodes 4096")
+        size["nodes"] = args.bound_nodes
     if args.threads < 1:
         raise InputError("--threads", f"must be >= 1, got {args.threads}", "pass --threads 1 (or 2)")
     for model in args.models:
@@ -131,7 +160,7 @@ def _measure(args: argparse.Namespace, size: dict) -> int:
     for model in args.models:
         for ctx in size["contexts"]:
             rows = args.work / f"rows-{args.size}-{model}-{ctx}"
-            res = args.work / f"results-{args.size}-{model}-{ctx}.parquet"
+            res = results_path(args.work, args.size, model, ctx, size["nodes"])
             t_cap = t_sol = 0.0
             done = res.exists() and not (res.parent / f"{res.name}.parts").exists()
             if not done:  # capture resumes an unfinished dataset (a finished one is left as it is)
@@ -146,7 +175,7 @@ def _measure(args: argparse.Namespace, size: dict) -> int:
                                                                       pl.lit(model).alias("model"))
             frames.append(df)
             times.append({"model": model, "context": ctx, "pairs": df.height, "capture_s": round(t_cap, 1),
-                          "solve_s": round(t_sol, 1)})
+                          "solve_s": round(t_sol, 1), "bound_nodes": size["nodes"]})
             print(f"{model} context {ctx}: {df.height:,} (row, s) pairs; capture {t_cap:.0f} s, solve {t_sol:.0f} s",
                   flush=True)
     df = pl.concat(frames, how="diagonal_relaxed")

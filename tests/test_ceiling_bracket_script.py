@@ -45,9 +45,20 @@ def test_sizes_share_the_prompts_the_intervals_resample(script) -> None:
         script.layers_for("medium", "some-other-model")
 
 
+def test_a_larger_node_budget_gets_results_of_its_own(script, tmp_path: Path) -> None:
+    default = script.results_path(tmp_path, "medium", "smollm2-135m", 1024, script.SIZES["medium"]["nodes"])
+    more = script.results_path(tmp_path, "medium", "smollm2-135m", 1024, 4096)
+    assert default.name == "results-medium-smollm2-135m-1024.parquet"
+    assert more.name == "results-medium-smollm2-135m-1024-nodes4096.parquet"
+    assert script.results_path(tmp_path, "small", "smollm2-135m", 1024, 64).name.endswith("-nodes64.parquet")
+
+
 @pytest.mark.parametrize("args, names", [
     (["--size", "medium", "--models", "nope"], "--models"),
     (["--threads", "0"], "--threads"),
+    (["--size", "medium", "--contexts", "512"], "--contexts"),
+    (["--size", "small", "--contexts", "4096"], "--contexts"),
+    (["--bound-nodes", "0"], "--bound-nodes"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], names: str) -> None:
     r = subprocess.run([sys.executable, str(SCRIPT), *args, "--work", str(tmp_path / "w"), "--out", str(tmp_path / "o")],
