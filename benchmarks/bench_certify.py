@@ -20,6 +20,14 @@ and the median relative width ``(upper - lower) / upper`` of the rows each leave
 
     .venv/bin/python benchmarks/bench_certify.py --bound [--rows DIR ...] [--sample 60] [--nodes 20000000]
 
+``--bound-scaling`` runs the lower bound alone at several node limits (``--bound-nodes 64 512
+4096``) on the same rows and seeds: per (dataset, s, limit) the rows closed, the rows whose
+bound is still 0 (the root relaxation is 0, so the bound comes from branching), the median
+relative width of the open rows and CPU seconds per row. It measures what a larger node
+budget buys at real n (the ceiling bracket at 1k-4k tokens, docs/reproduction.md):
+
+    .venv/bin/python benchmarks/bench_certify.py --bound-scaling --rows DIR ... --sample 16 --budgets 8 32 --bound-nodes 64 512 4096
+
 Real rows used in docs/performance.md (SmolLM2-135M, Gemma-3-270M; shakespeare; n in
 [C/2 + 1, C] for context C):
     evictlab capture --model smollm2-135m --context 128 --positions 8 --prompts 8 --out rows-smollm2-128
@@ -108,6 +116,28 @@ def baseline_certify(p: np.ndarray, V: np.ndarray, s: int, inc_set: np.ndarray, 
     return inc, 0, nodes
 
 
+def _bound_inputs(batch, args: argparse.Namespace) -> tuple:
+    """A seeded sample of ``--sample`` rows and its seeds (pool argmin, all-key search set), compiled.
+
+    Returns ``(b, p, off, vs, V, bud, seeds_all, n)``; ``seeds_all`` is ``(2, rows, budgets, smax)``.
+    """
+    from evictlab.solve.bound import batch_bound
+
+    rng = np.random.default_rng(0)
+    idx = np.sort(rng.choice(batch.n_rows, size=min(args.sample, batch.n_rows), replace=False))
+    b = batch.take(idx)
+    p = np.ascontiguousarray(b.p, dtype=np.float64)
+    off, vs = b.p_off, b.v_start
+    V = np.ascontiguousarray(b.values, dtype=np.float64)
+    bud = np.asarray(args.budgets, dtype=np.int64)
+    out = batch_solve(p, off, V, vs, bud, 2, 2, 64)
+    ls = batch_localsearch(p, off, V, vs, bud, b.meta["row_id"].to_numpy(), out[4], out[5], out[6], out[1],
+                           np.ones((b.n_rows, bud.size), dtype=np.bool_), 8, 0, 0)
+    seeds_all = np.stack([out[5], ls[1]])
+    batch_bound(p, off[:2], V, vs[:1], bud, seeds_all[:, :1], 3)  # compile before any timer
+    return b, p, off, vs, V, bud, seeds_all, np.diff(off)
+
+
 def bound_table(args: argparse.Namespace) -> None:
     """The certificate against the lower bound of ``solve.bound``, same rows and seeds, one thread."""
     from evictlab.solve.bound import batch_bound
@@ -115,20 +145,8 @@ def bound_table(args: argparse.Namespace) -> None:
     print("| rows | n | s | closed cert | closed bound | CPU s/row cert / bound | open width cert / bound (median) |")
     print("|---|---|---|---|---|---|---|")
     for name, batch in _datasets(args):
-        rng = np.random.default_rng(0)
-        idx = np.sort(rng.choice(batch.n_rows, size=min(args.sample, batch.n_rows), replace=False))
-        b = batch.take(idx)
-        p = np.ascontiguousarray(b.p, dtype=np.float64)
-        off, vs = b.p_off, b.v_start
-        V = np.ascontiguousarray(b.values, dtype=np.float64)
-        bud = np.asarray(args.budgets, dtype=np.int64)
-        n = np.diff(off)
-        out = batch_solve(p, off, V, vs, bud, 2, 2, 64)
-        ls = batch_localsearch(p, off, V, vs, bud, b.meta["row_id"].to_numpy(), out[4], out[5], out[6], out[1],
-                               np.ones((b.n_rows, bud.size), dtype=np.bool_), 8, 0, 0)
-        seeds_all = np.stack([out[5], ls[1]])
+        b, p, off, vs, V, bud, seeds_all, n = _bound_inputs(batch, args)
         batch_certify(p, off[:2], V, vs[:1], bud, seeds_all[:, :1], 10**6, 64, 100)  # compile
-        batch_bound(p, off[:2], V, vs[:1], bud, seeds_all[:, :1], 3)
         for k, s in enumerate(args.budgets):
             sb = bud[k:k + 1]
             seeds = seeds_all[:, :, k:k + 1]
@@ -136,7 +154,7 @@ def bound_table(args: argparse.Namespace) -> None:
             es, _, st, lb, _ = batch_certify(p, off, V, vs, sb, seeds, int(n.max()), int(s), args.nodes)
             t_cert = time.process_time() - t0
             t1 = time.process_time()
-            blb, bub, bst, _ = batch_bound(p, off, V, vs, sb, seeds, args.bound_nodes)
+            blb, bub, bst, _ = batch_bound(p, off, V, vs, sb, seeds, args.bound_nodes[0])
             t_bound = time.process_time() - t1
             oc, ob = st[:, 0] != 0, bst[:, 0] != 0
             wc = ((es[:, 0] - lb[:, 0]) / es[:, 0])[oc]
@@ -144,6 +162,27 @@ def bound_table(args: argparse.Namespace) -> None:
             print(f"| {name} | {n.min()}-{n.max()} | {s} | {1 - oc.mean():.1%} | {1 - ob.mean():.1%} | "
                   f"{t_cert / b.n_rows:.3f} / {t_bound / b.n_rows:.3f} | "
                   f"{np.median(wc) if wc.size else 0:.3f} / {np.median(wb) if wb.size else 0:.3f} |", flush=True)
+
+
+def bound_scaling_table(args: argparse.Namespace) -> None:
+    """The lower bound of ``solve.bound`` alone at each ``--bound-nodes`` limit, same rows and seeds."""
+    from evictlab.solve.bound import batch_bound
+
+    print("| rows | n | s | node limit | rows closed | rows with bound 0 | median width (open rows) | CPU s/row |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
+    for name, batch in _datasets(args):
+        b, p, off, vs, V, bud, seeds_all, n = _bound_inputs(batch, args)
+        for k, s in enumerate(args.budgets):
+            sb, seeds = bud[k:k + 1], seeds_all[:, :, k:k + 1]
+            for nodes in args.bound_nodes:
+                t = time.process_time()
+                lb, ub, st, _ = batch_bound(p, off, V, vs, sb, seeds, nodes)
+                t = time.process_time() - t
+                open_ = st[:, 0] != 0
+                w = ((ub[:, 0] - lb[:, 0]) / ub[:, 0])[open_]
+                print(f"| {name} | {n.min()}-{n.max()} | {s} | {nodes:,} | {1 - open_.mean():.0%} | "
+                      f"{np.mean(lb[:, 0] <= 0):.0%} | {np.median(w) if w.size else 0:.3f} | {t / b.n_rows:.2f} |",
+                      flush=True)
 
 
 def _datasets(args: argparse.Namespace) -> list[tuple[str, object]]:
@@ -176,14 +215,23 @@ def main() -> None:
                     help="n of the synthetic rows (default 64 128 256; --bound: 256 512)")
     ap.add_argument("--nodes", type=int, default=20_000_000, help="node limit per (row, s), both methods")
     ap.add_argument("--bound", action="store_true", help="compare the certificate with solve.bound instead")
-    ap.add_argument("--bound-nodes", type=int, default=64, help="with --bound: the bound's node limit")
+    ap.add_argument("--bound-nodes", type=int, nargs="+", default=[64],
+                    help="with --bound: the bound's node limit; with --bound-scaling: the limits to compare")
+    ap.add_argument("--bound-scaling", action="store_true",
+                    help="the bound alone at each --bound-nodes limit (no certificate), same rows and seeds")
     args = ap.parse_args()
+    if min(args.bound_nodes) < 1 or min(args.sample, *(args.budgets or [1])) < 1:
+        ap.error("--bound-nodes, --sample and --budgets must be >= 1")
+    bound = args.bound or args.bound_scaling
     if args.budgets is None:
-        args.budgets = [8, 16] if args.bound else [4, 8]
+        args.budgets = [8, 16] if bound else [4, 8]
     if args.sizes is None:
-        args.sizes = [256, 512] if args.bound else [64, 128, 256]
+        args.sizes = [256, 512] if bound else [64, 128, 256]
     numba.set_num_threads(1)
     print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; one thread; node limit {args.nodes:,}")
+    if args.bound_scaling:
+        bound_scaling_table(args)
+        return
     if args.bound:
         bound_table(args)
         return
