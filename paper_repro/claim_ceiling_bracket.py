@@ -57,6 +57,7 @@ from evictlab.io import atomic_path, exclusive_lock
 from evictlab.models.registry import MODELS
 from evictlab.record import RunRecord
 from evictlab.report.markdown import ci
+from evictlab.solve.bound import BOUND_MAX_NODES
 from evictlab.stats.bracket import PAPER_RANGE, bracket_table
 from evictlab.stats.ceilings import summarize
 from evictlab.stats.claims import ClaimRow, versus, weights_for
@@ -139,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
                              f"not {', '.join(map(str, bad)) or 'none'}", "pick among them")
         size["contexts"] = tuple(c for c in size["contexts"] if c in args.contexts)
     if args.bound_nodes is not None:
-        if args.bound_nodes < 1:
-            raise InputError("--bound-nodes", f"must be >= 1, got {args.bound_nodes}", "pass e.g. --bound-nodes 4096")
+        if not 1 <= args.bound_nodes <= BOUND_MAX_NODES:
+            raise InputError("--bound-nodes", f"must be in 1..{BOUND_MAX_NODES}, got {args.bound_nodes}",
+                             "pass e.g. --bound-nodes 4096")
         size["nodes"] = args.bound_nodes
     if args.threads < 1:
         raise InputError("--threads", f"must be >= 1, got {args.threads}", "pass --threads 1 (or 2)")

@@ -59,6 +59,7 @@ def test_a_larger_node_budget_gets_results_of_its_own(script, tmp_path: Path) ->
     (["--size", "medium", "--contexts", "512"], "--contexts"),
     (["--size", "small", "--contexts", "4096"], "--contexts"),
     (["--bound-nodes", "0"], "--bound-nodes"),
+    (["--bound-nodes", "1000000"], "--bound-nodes"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], names: str) -> None:
     r = subprocess.run([sys.executable, str(SCRIPT), *args, "--work", str(tmp_path / "w"), "--out", str(tmp_path / "o")],
