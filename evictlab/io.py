@@ -19,9 +19,9 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import struct
 import sys
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,19 +39,24 @@ def atomic_path(dest: str | os.PathLike[str], suffix: str = "") -> Iterator[Path
     """
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=suffix + ".tmp", dir=dest.parent)
-    os.close(fd)
-    tmp_path = Path(tmp)
+    # The name is drawn before the file exists and the file is created inside ``try``, so a
+    # Ctrl-C at any point after creation still removes it (tempfile.mkstemp creates the file
+    # before its name reaches us, and an interrupt in between left it behind). 64 random bits:
+    # a second writer drawing the same name (whose file ``finally`` would remove) is not a risk.
+    while True:
+        tmp_path = dest.parent / f".{dest.name}.{secrets.token_hex(8)}{suffix}.tmp"
+        if not tmp_path.exists():
+            break
     try:
+        os.close(os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         yield tmp_path
         with open(tmp_path, "rb+") as fh:
             os.fsync(fh.fileno())
-        # mkstemp creates 0600 files; give the result the mode a plain open() would have.
+        # The file was created 0600; give the result the mode a plain open() would have.
         os.chmod(tmp_path, 0o666 & ~_umask())
         os.replace(tmp_path, dest)
     finally:
-        if tmp_path.exists():
-            tmp_path.unlink()
+        tmp_path.unlink(missing_ok=True)
 
 
 def remove_temp_files(folder: str | os.PathLike[str], dests: tuple[str, ...]) -> None:
