@@ -222,6 +222,8 @@ def main() -> None:
     args = ap.parse_args()
     if min(args.bound_nodes) < 1 or min(args.sample, *(args.budgets or [1])) < 1:
         ap.error("--bound-nodes, --sample and --budgets must be >= 1")
+    if len(args.bound_nodes) > 1 and not args.bound_scaling:
+        ap.error("several --bound-nodes limits need --bound-scaling (--bound compares one limit with the certificate)")
     bound = args.bound or args.bound_scaling
     if args.budgets is None:
         args.budgets = [8, 16] if bound else [4, 8]
