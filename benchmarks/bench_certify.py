@@ -116,13 +116,11 @@ def baseline_certify(p: np.ndarray, V: np.ndarray, s: int, inc_set: np.ndarray, 
     return inc, 0, nodes
 
 
-def _bound_inputs(batch, args: argparse.Namespace) -> tuple:
-    """A seeded sample of ``--sample`` rows and its seeds (pool argmin, all-key search set), compiled.
+def _sample(batch, args: argparse.Namespace) -> tuple:
+    """A seeded sample of ``--sample`` rows and its seeds (pool argmin, all-key search set).
 
     Returns ``(b, p, off, vs, V, bud, seeds_all, n)``; ``seeds_all`` is ``(2, rows, budgets, smax)``.
     """
-    from evictlab.solve.bound import batch_bound
-
     rng = np.random.default_rng(0)
     idx = np.sort(rng.choice(batch.n_rows, size=min(args.sample, batch.n_rows), replace=False))
     b = batch.take(idx)
@@ -133,9 +131,7 @@ def _bound_inputs(batch, args: argparse.Namespace) -> tuple:
     out = batch_solve(p, off, V, vs, bud, 2, 2, 64)
     ls = batch_localsearch(p, off, V, vs, bud, b.meta["row_id"].to_numpy(), out[4], out[5], out[6], out[1],
                            np.ones((b.n_rows, bud.size), dtype=np.bool_), 8, 0, 0)
-    seeds_all = np.stack([out[5], ls[1]])
-    batch_bound(p, off[:2], V, vs[:1], bud, seeds_all[:, :1], 3)  # compile before any timer
-    return b, p, off, vs, V, bud, seeds_all, np.diff(off)
+    return b, p, off, vs, V, bud, np.stack([out[5], ls[1]]), np.diff(off)
 
 
 def bound_table(args: argparse.Namespace) -> None:
@@ -145,7 +141,8 @@ def bound_table(args: argparse.Namespace) -> None:
     print("| rows | n | s | closed cert | closed bound | CPU s/row cert / bound | open width cert / bound (median) |")
     print("|---|---|---|---|---|---|---|")
     for name, batch in _datasets(args):
-        b, p, off, vs, V, bud, seeds_all, n = _bound_inputs(batch, args)
+        b, p, off, vs, V, bud, seeds_all, n = _sample(batch, args)
+        batch_bound(p, off[:2], V, vs[:1], bud, seeds_all[:, :1], 3)  # compile before any timer
         batch_certify(p, off[:2], V, vs[:1], bud, seeds_all[:, :1], 10**6, 64, 100)  # compile
         for k, s in enumerate(args.budgets):
             sb = bud[k:k + 1]
@@ -171,7 +168,8 @@ def bound_scaling_table(args: argparse.Namespace) -> None:
     print("| rows | n | s | node limit | rows closed | rows with bound 0 | median width (open rows) | CPU s/row |")
     print("|---|---|---|---:|---:|---:|---:|---:|")
     for name, batch in _datasets(args):
-        b, p, off, vs, V, bud, seeds_all, n = _bound_inputs(batch, args)
+        b, p, off, vs, V, bud, seeds_all, n = _sample(batch, args)
+        batch_bound(p, off[:2], V, vs[:1], bud, seeds_all[:, :1], 3)  # compile before any timer
         for k, s in enumerate(args.budgets):
             sb, seeds = bud[k:k + 1], seeds_all[:, :, k:k + 1]
             for nodes in args.bound_nodes:
@@ -241,24 +239,15 @@ def main() -> None:
           "| CPU s/row new / base | open width (median, new) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, batch in _datasets(args):
-        rng = np.random.default_rng(0)
-        idx = np.sort(rng.choice(batch.n_rows, size=min(args.sample, batch.n_rows), replace=False))
-        b = batch.take(idx)
-        p = np.ascontiguousarray(b.p, dtype=np.float64)
-        off, vs = b.p_off, b.v_start
-        V = np.ascontiguousarray(b.values, dtype=np.float64)
-        bud = np.asarray(args.budgets, dtype=np.int64)
-        out = batch_solve(p, off, V, vs, bud, 2, 2, 64)
-        ls = batch_localsearch(p, off, V, vs, bud, b.meta["row_id"].to_numpy(), out[4], out[5], out[6], out[1],
-                               np.ones((b.n_rows, bud.size), dtype=np.bool_), 8, 0, 0)
+        b, p, off, vs, V, bud, seeds_all, n = _sample(batch, args)
+        pool_sets = seeds_all[0]  # the baseline is seeded by the pool argmin only
         # warm-up (compilation) on one row
-        batch_certify(p, off[:2], V, vs[:1], bud, np.stack([out[5][:1], ls[1][:1]]), 10**6, 64, 1000)
+        batch_certify(p, off[:2], V, vs[:1], bud, seeds_all[:, :1], 10**6, 64, 1000)
         baseline_certify(p[off[0]:off[1]] / p[off[0]:off[1]].sum(), V[vs[0]:vs[0] + off[1] - off[0]], int(bud[0]),
-                         out[5][0, 0, :bud[0]].copy(), 1000)
-        n = np.diff(off)
+                         pool_sets[0, 0, :bud[0]].copy(), 1000)
         for k, s in enumerate(args.budgets):
             sb = bud[k:k + 1]
-            seeds = np.stack([out[5][:, k:k + 1], ls[1][:, k:k + 1]])
+            seeds = seeds_all[:, :, k:k + 1]
             t0 = time.process_time()
             es, kept, st, lb, nodes = batch_certify(p, off, V, vs, sb, seeds, 10**6, 64, args.nodes)
             t_new = time.process_time() - t0
@@ -267,7 +256,7 @@ def main() -> None:
             for r in range(b.n_rows):
                 pr = p[off[r]:off[r + 1]] / p[off[r]:off[r + 1]].sum()
                 Vr = V[vs[r]:vs[r] + n[r]]
-                base.append(baseline_certify(pr, Vr, int(s), out[5][r, k, :s].copy(), args.nodes))
+                base.append(baseline_certify(pr, Vr, int(s), pool_sets[r, k, :s].copy(), args.nodes))
             t_base = time.process_time() - t1
             bst = np.array([x[1] for x in base])
             bnodes = np.array([x[2] for x in base], dtype=float)
