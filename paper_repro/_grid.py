@@ -1,9 +1,10 @@
-"""Shared plumbing for the paper_repro scripts that run the evaluation grid.
+"""Shared plumbing for the paper_repro scripts that run or read the evaluation grid.
 
 A script names a default grid (the smallest that tests its claim on our models); every
 field can be overridden on the command line. The grid runs (or resumes) into ``--grid``
 with the same :func:`evictlab.eval.grid.run_grid` as ``evictlab eval run``, so a killed
-script picks up where it stopped, and a finished grid is only read.
+script picks up where it stopped, and a finished grid is only read. The table scripts
+(``enforcement_tables.py``, ``margin_tables.py``) read a grid folder with :func:`read_grid`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ import polars as pl
 import _common
 
 from evictlab.cliutil import parse_list
+from evictlab.errors import InputError
+from evictlab.eval.grid import MANIFEST, RESULTS, partial_results, read_manifest, run_grid
 from evictlab.eval.spec import GridSpec, LoopSettings
+from evictlab.io import read_checked_parquet
+
+PAIRS = "pairs.parquet"
+"""The table `evictlab eval compare` writes into a grid folder (``partial/`` for ``--partial``)."""
 
 
 def parser(description: str, defaults: dict[str, Any]) -> argparse.ArgumentParser:
@@ -41,8 +48,6 @@ def run(args: argparse.Namespace) -> pl.DataFrame:
     """Run or resume the grid the arguments describe; its results."""
     import torch
     from tqdm import tqdm
-
-    from evictlab.eval.grid import RESULTS, run_grid
 
     torch.set_num_threads(args.threads)
     spec = GridSpec.build(models=parse_list(args.models, "--models", "model"),
@@ -87,3 +92,37 @@ def claim_main(argv: list[str] | None, doc: str, defaults: dict[str, Any], scrip
     made = [accuracy_vs_bytes(results, _common.figures_dir(args) / f"{name}_accuracy_vs_bytes")]
     _common.publish(args, script, rows, made, record)
     return 0
+
+
+def read_grid(folder: Path, partial: bool = False, pairs: bool = True
+              ) -> tuple[pl.DataFrame, pl.DataFrame | None, str | None]:
+    """``(results, pairs, note)`` of a grid folder: a finished one (``results.parquet``, and
+    with ``pairs`` the ``pairs.parquet`` of `evictlab eval compare`), or with ``partial`` a
+    running or stopped one-pass grid (the examples done in every cell, as ``eval compare
+    --partial`` reads them, and with ``pairs`` its ``partial/pairs.parquet``; ``note`` says
+    what the tables hold). ``pairs`` is None when not asked for. One clear error otherwise."""
+    if partial:
+        if not (folder / MANIFEST).is_file():
+            raise InputError(str(folder), f"no {MANIFEST} here (not an `evictlab eval run` folder)",
+                             "pass a grid folder such as runs/experiments/enforcement_cost")
+        if pairs and not (folder / "partial" / PAIRS).is_file():
+            raise InputError(str(folder), f"no partial/{PAIRS} here (the grid was not compared)",
+                             f"run `evictlab eval compare {folder} --partial` first")
+        got = partial_results(GridSpec.from_dict(read_manifest(folder)["spec"]), folder)
+        if not pairs:
+            return got.results, None, got.describe()
+        compared = pl.read_parquet(folder / "partial" / PAIRS)
+        seen = set(compared["contexts"].unique().to_list())
+        if seen and seen != {got.examples}:  # the grid went on after that comparison
+            raise InputError(str(folder), f"partial/{PAIRS} compared {sorted(seen)} contexts per comparison, the "
+                             f"grid now has {got.examples} done everywhere",
+                             f"rerun `evictlab eval compare {folder} --partial --overwrite`, then this")
+        return got.results, compared, got.describe()
+    if not (folder / RESULTS).is_file():
+        raise InputError(str(folder), f"no {RESULTS} here (not a finished `evictlab eval run` folder)",
+                         "pass a finished grid folder such as data/grids/enforcement_cost, or --partial")
+    if pairs and not (folder / PAIRS).is_file():
+        raise InputError(str(folder), f"no {PAIRS} here (the grid was not compared)",
+                         f"run `evictlab eval compare {folder}` first")
+    results = read_checked_parquet(folder / RESULTS, "rerun `evictlab eval run` into a new folder")
+    return results, (pl.read_parquet(folder / PAIRS) if pairs else None), None

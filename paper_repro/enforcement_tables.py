@@ -27,45 +27,13 @@ from pathlib import Path
 
 import polars as pl
 
+from _grid import read_grid
+
 from evictlab.errors import InputError
 from evictlab.eval.claims.common import pooled_mean
 from evictlab.eval.claims.enforcement import ENFORCEMENT_PAPER, enforcement_pairs, pooled_key
-from evictlab.eval.grid import MANIFEST, RESULTS, partial_results, read_manifest
-from evictlab.eval.spec import GridSpec
-from evictlab.io import atomic_write_text, read_checked_parquet
+from evictlab.io import atomic_write_text
 from evictlab.report.markdown import ci
-
-PAIRS = "pairs.parquet"
-
-
-def read_grid(folder: Path, partial: bool = False) -> tuple[pl.DataFrame, pl.DataFrame, str | None]:
-    """``(results, pairs, note)`` of a compared grid folder: a finished one (``results.parquet``
-    and ``pairs.parquet``), or with ``partial`` a running or stopped one-pass grid (the examples
-    done in every cell, as ``eval compare --partial`` reads them, and its
-    ``partial/pairs.parquet``; ``note`` says what the tables hold). One clear error otherwise."""
-    if partial:
-        if not (folder / MANIFEST).is_file():
-            raise InputError(str(folder), f"no {MANIFEST} here (not an `evictlab eval run` folder)",
-                             "pass a grid folder such as runs/experiments/enforcement_cost")
-        if not (folder / "partial" / PAIRS).is_file():
-            raise InputError(str(folder), f"no partial/{PAIRS} here (the grid was not compared)",
-                             f"run `evictlab eval compare {folder} --partial` first")
-        got = partial_results(GridSpec.from_dict(read_manifest(folder)["spec"]), folder)
-        pairs = pl.read_parquet(folder / "partial" / PAIRS)
-        seen = set(pairs.filter(pl.col("kind") == "mode")["contexts"].unique().to_list())
-        if seen and seen != {got.examples}:  # the grid went on after that comparison
-            raise InputError(str(folder), f"partial/{PAIRS} compared {sorted(seen)} contexts per comparison, the "
-                             f"grid now has {got.examples} done everywhere",
-                             f"rerun `evictlab eval compare {folder} --partial --overwrite`, then this")
-        return got.results, pairs, got.describe()
-    if not (folder / RESULTS).is_file():
-        raise InputError(str(folder), f"no {RESULTS} here (not a finished `evictlab eval run` folder)",
-                         "pass a finished grid folder such as data/grids/enforcement_cost, or --partial")
-    if not (folder / PAIRS).is_file():
-        raise InputError(str(folder), f"no {PAIRS} here (the grid was not compared)",
-                         f"run `evictlab eval compare {folder}` first")
-    return (read_checked_parquet(folder / RESULTS, "rerun `evictlab eval run` into a new folder"),
-            pl.read_parquet(folder / PAIRS), None)
 
 
 def _against_paper(lo: float, hi: float) -> str:

@@ -115,12 +115,14 @@ def test_partial_reads_the_examples_done_everywhere(script, tmp_path: Path, monk
     compare(res).write_parquet(g / "partial" / "pairs.parquet")
     got = PartialResults(results=res, examples=4, n=50, units_done=8, units=100)
     stale = PartialResults(results=res, examples=5, n=50, units_done=10, units=100)
-    monkeypatch.setattr(script, "read_manifest", lambda folder: {"spec": {}})
-    monkeypatch.setattr(script.GridSpec, "from_dict", classmethod(lambda cls, d: None))
-    monkeypatch.setattr(script, "partial_results", lambda spec, folder: stale)
+    import _grid  # read_grid lives there; the script imported it
+
+    monkeypatch.setattr(_grid, "read_manifest", lambda folder: {"spec": {}})
+    monkeypatch.setattr(_grid.GridSpec, "from_dict", classmethod(lambda cls, d: None))
+    monkeypatch.setattr(_grid, "partial_results", lambda spec, folder: stale)
     with pytest.raises(InputError, match="--overwrite"):   # pairs of 4 examples, the grid has 5 done now
         script.main([str(g), "--partial"])
-    monkeypatch.setattr(script, "partial_results", lambda spec, folder: got)
+    monkeypatch.setattr(_grid, "partial_results", lambda spec, folder: got)
     out = tmp_path / "t.md"
     assert script.main([str(g), "--partial", "--out", str(out), "--n-boot", "200"]) == 0
     text = out.read_text()

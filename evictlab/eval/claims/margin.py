@@ -18,22 +18,42 @@ MARGIN_PAPER = 87.6
 MARGIN_SCORERS = ("snapkv", "kvzip", "expected_attention", "h2o")
 
 
+ON = ["model", "task", "context", "prefill", "budget", "method", "mode"]
+"""Columns of one margin comparison (the answers of each are paired by ``PAIR_ON``)."""
+
+
+def margin_pairs(results: pl.DataFrame, tasks: tuple[str, ...] | None = None) -> pl.DataFrame:
+    """The answers of every margin arm (a SnapKV, KVzip-style, ExpectedAttention or H2O
+    method in the physical store, on the retrieval tasks or ``tasks``) under the query-aware
+    protocol paired with the same arm query-agnostically, one row per (comparison, example,
+    question): ``exact_match`` / ``exact_match_b`` (aware / agnostic), the other columns
+    likewise, and ``d`` = aware - agnostic (exact match, 0-1). Empty when nothing pairs."""
+    from evictlab.tasks.examples import RETRIEVAL_TASKS
+
+    tasks = tasks or RETRIEVAL_TASKS
+    results = C.with_question_columns(results)
+    base = results.filter(C.family("scorer").is_in(list(MARGIN_SCORERS)) & pl.col("task").is_in(list(tasks))
+                          & (pl.col("mode") == "physical"))
+    j = C.paired(base, ON, pl.col("protocol") == "query-aware", pl.col("protocol") == "query-agnostic")
+    return j.with_columns(d=pl.col("exact_match") - pl.col("exact_match_b"))
+
+
+def pooled_key(model: str, method: str) -> str:
+    """The resampling key of one (model, method) claim row: the same key gives the same interval."""
+    return f"margin|{model}|{method}"
+
+
 def query_aware_margin(results: pl.DataFrame, tasks: tuple[str, ...] | None = None, *, seed: int = 0,
                        n_boot: int = 2000) -> tuple[list[ClaimRow], pl.DataFrame]:
     """Claim rows (one per model and method) and the detail table (one row per (model,
     method, prefill, task, context, budget)) of the query-aware margin on the retrieval tasks;
-    answers paired by (example, question)."""
-    from evictlab.tasks.examples import RETRIEVAL_TASKS
-
-    tasks = tasks or RETRIEVAL_TASKS
-    on = ["model", "task", "context", "prefill", "budget", "method", "mode"]
-    results = C.with_question_columns(results)
-    base = results.filter(C.family("scorer").is_in(list(MARGIN_SCORERS)) & pl.col("task").is_in(list(tasks))
-                          & (pl.col("mode") == "physical"))
-    j = C.paired(base, on, pl.col("protocol") == "query-aware", pl.col("protocol") == "query-agnostic")
+    answers paired by (example, question) (:func:`margin_pairs`)."""
+    on = ON
+    j = margin_pairs(results, tasks)
     if j.height == 0:
         return [], pl.DataFrame()
-    j = j.with_columns(d=pl.col("exact_match") - pl.col("exact_match_b"))
+    results = C.with_question_columns(results)
+
     def stats(g: pl.DataFrame) -> dict[str, Any]:
         return {
             "em_aware": g["exact_match"].mean(), "em_agnostic": g["exact_match_b"].mean(),
@@ -45,7 +65,7 @@ def query_aware_margin(results: pl.DataFrame, tasks: tuple[str, ...] | None = No
     detail = C.detail_table(j, on, "margin", stats, results, seed, n_boot)
     claims = []
     for (model, method), g in j.group_by(["model", "method"], maintain_order=True):
-        v, lo, hi = C.pooled_mean(g, "d", f"margin|{model}|{method}", seed, n_boot)
+        v, lo, hi = C.pooled_mean(g, "d", pooled_key(model, method), seed, n_boot)
         d = detail.filter((pl.col("model") == model) & (pl.col("method") == method))
         claims.append(ClaimRow(
             claim_id=f"query_aware_margin:{method}",
