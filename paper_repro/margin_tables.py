@@ -78,7 +78,7 @@ def tables(results: pl.DataFrame, *, seed: int = 0, n_boot: int = 2000) -> str:
     if j.height == 0:
         raise InputError("grid", "no margin arm (SnapKV, KVzip-style, ExpectedAttention or H2O in the physical "
                          "store, a retrieval task) has both a query-aware and a query-agnostic run here",
-                         "compare a grid with --protocol query-agnostic,query-aware (e.g. "
+                         "pass a grid run with --protocol query-agnostic,query-aware (e.g. "
                          "experiments/query_aware_margin.toml)")
     fem = full_em(results)
     j = j.join(fem, on=["model", "task", "context"], how="left")
