@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None and not args.out.parent.is_dir():
         raise InputError("--out", f"folder {args.out.parent} does not exist", f"create it: mkdir -p {args.out.parent}")
     results, pairs, note = read_grid(args.grid, args.partial)
+    assert pairs is not None  # asked for (pairs=True): read_grid raised otherwise
     text = tables(results, pairs, seed=args.seed, n_boot=args.n_boot)
     if note is not None:
         text = f"**{note}.**\n\n{text}"
