@@ -22,7 +22,7 @@ from evictlab.cliutil import parse_list
 from evictlab.errors import InputError
 from evictlab.eval.grid import MANIFEST, RESULTS, partial_results, read_manifest, run_grid
 from evictlab.eval.spec import GridSpec, LoopSettings
-from evictlab.io import read_checked_parquet
+from evictlab.io import atomic_write_text, read_checked_parquet
 
 PAIRS = "pairs.parquet"
 """The table `evictlab eval compare` writes into a grid folder (``partial/`` for ``--partial``)."""
@@ -126,3 +126,34 @@ def read_grid(folder: Path, partial: bool = False, pairs: bool = True
                          f"run `evictlab eval compare {folder}` first")
     results = read_checked_parquet(folder / RESULTS, "rerun `evictlab eval run` into a new folder")
     return results, (pl.read_parquet(folder / PAIRS) if pairs else None), None
+
+
+def tables_main(argv: list[str] | None, doc: str, tables: Callable[..., str], *, pairs: bool, out_example: str) -> int:
+    """A table script's command line: ``GRID [--partial] [--out FILE.md] [--n-boot N] [--seed S]``;
+    reads the grid (:func:`read_grid`, with ``pairs`` when the tables need `eval compare`'s),
+    prints ``tables(results, pairs, seed=, n_boot=)`` (``PARTIAL`` above it for a running grid)
+    and with ``--out`` writes it too (atomically). Bad input: one :class:`InputError`."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("grid", type=Path, help="a finished grid folder (results.parquet"
+                    + (" and pairs.parquet of `eval compare`)" if pairs else ")"))
+    ap.add_argument("--partial", action="store_true",
+                    help="a one-pass grid not finished yet: the examples done in every cell"
+                    + (" (after `eval compare --partial`)" if pairs else ""))
+    ap.add_argument("--out", type=Path, help="also write the tables to this .md file")
+    ap.add_argument("--n-boot", type=int, default=2000, help="bootstrap resamples (default 2000, as eval compare)")
+    ap.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0, as eval compare)")
+    args = ap.parse_args(argv)
+    if args.n_boot < 100:
+        raise InputError("--n-boot", f"must be >= 100, got {args.n_boot}", "pass --n-boot 2000")
+    if args.out is not None and args.out.suffix != ".md":
+        raise InputError("--out", f"{args.out} does not end in .md", f"use e.g. --out {out_example}")
+    if args.out is not None and not args.out.parent.is_dir():
+        raise InputError("--out", f"folder {args.out.parent} does not exist", f"create it: mkdir -p {args.out.parent}")
+    results, compared, note = read_grid(args.grid, args.partial, pairs=pairs)
+    text = tables(results, compared, seed=args.seed, n_boot=args.n_boot)
+    if note is not None:
+        text = f"**{note}.**\n\n{text}"
+    print(text, end="")
+    if args.out is not None:
+        atomic_write_text(args.out, text)
+    return 0

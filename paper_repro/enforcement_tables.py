@@ -22,17 +22,14 @@ rows' resampling keys, so their intervals are the report's):
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
 
 import polars as pl
 
-from _grid import read_grid
+from _grid import tables_main
 
 from evictlab.errors import InputError
 from evictlab.eval.claims.common import pooled_mean
 from evictlab.eval.claims.enforcement import ENFORCEMENT_PAPER, enforcement_pairs, pooled_key
-from evictlab.io import atomic_write_text
 from evictlab.report.markdown import ci
 
 
@@ -96,29 +93,8 @@ def tables(results: pl.DataFrame, pairs: pl.DataFrame, *, seed: int = 0, n_boot:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("grid", type=Path, help="a finished, compared grid folder (results.parquet and pairs.parquet)")
-    ap.add_argument("--partial", action="store_true",
-                    help="a one-pass grid not finished yet: the examples done in every cell (after `eval compare --partial`)")
-    ap.add_argument("--out", type=Path, help="also write the tables to this .md file")
-    ap.add_argument("--n-boot", type=int, default=2000, help="bootstrap resamples (default 2000, as eval compare)")
-    ap.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0, as eval compare)")
-    args = ap.parse_args(argv)
-    if args.n_boot < 100:
-        raise InputError("--n-boot", f"must be >= 100, got {args.n_boot}", "pass --n-boot 2000")
-    if args.out is not None and args.out.suffix != ".md":
-        raise InputError("--out", f"{args.out} does not end in .md", "use e.g. --out runs/enforcement_tables.md")
-    if args.out is not None and not args.out.parent.is_dir():
-        raise InputError("--out", f"folder {args.out.parent} does not exist", f"create it: mkdir -p {args.out.parent}")
-    results, pairs, note = read_grid(args.grid, args.partial)
-    assert pairs is not None  # asked for (pairs=True): read_grid raised otherwise
-    text = tables(results, pairs, seed=args.seed, n_boot=args.n_boot)
-    if note is not None:
-        text = f"**{note}.**\n\n{text}"
-    print(text, end="")
-    if args.out is not None:
-        atomic_write_text(args.out, text)
-    return 0
+    return tables_main(argv, __doc__, tables, pairs=True,
+                       out_example="runs/enforcement_tables.md")
 
 
 if __name__ == "__main__":

@@ -26,18 +26,15 @@ resampling keys, so their intervals are the report's):
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
 
 import polars as pl
 
-from _grid import read_grid
+from _grid import tables_main
 
 from evictlab.errors import InputError
 from evictlab.eval.claims.common import full_em, pooled_mean
 from evictlab.eval.claims.margin import MARGIN_PAPER, margin_pairs, pooled_key
 from evictlab.eval.compare import accuracy_verdict
-from evictlab.io import atomic_write_text
 from evictlab.report.markdown import ci
 
 MIB = 2.0**20
@@ -125,28 +122,8 @@ def tables(results: pl.DataFrame, *, seed: int = 0, n_boot: int = 2000) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("grid", type=Path, help="a finished grid folder (results.parquet)")
-    ap.add_argument("--partial", action="store_true",
-                    help="a one-pass grid not finished yet: the examples done in every cell")
-    ap.add_argument("--out", type=Path, help="also write the tables to this .md file")
-    ap.add_argument("--n-boot", type=int, default=2000, help="bootstrap resamples (default 2000, as eval compare)")
-    ap.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0, as eval compare)")
-    args = ap.parse_args(argv)
-    if args.n_boot < 100:
-        raise InputError("--n-boot", f"must be >= 100, got {args.n_boot}", "pass --n-boot 2000")
-    if args.out is not None and args.out.suffix != ".md":
-        raise InputError("--out", f"{args.out} does not end in .md", "use e.g. --out runs/margin_tables.md")
-    if args.out is not None and not args.out.parent.is_dir():
-        raise InputError("--out", f"folder {args.out.parent} does not exist", f"create it: mkdir -p {args.out.parent}")
-    results, _, note = read_grid(args.grid, args.partial, pairs=False)
-    text = tables(results, seed=args.seed, n_boot=args.n_boot)
-    if note is not None:
-        text = f"**{note}.**\n\n{text}"
-    print(text, end="")
-    if args.out is not None:
-        atomic_write_text(args.out, text)
-    return 0
+    return tables_main(argv, __doc__, lambda results, _, **kw: tables(results, **kw), pairs=False,
+                       out_example="runs/margin_tables.md")
 
 
 if __name__ == "__main__":
